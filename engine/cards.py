@@ -1,0 +1,98 @@
+"""Model cards: what a model family is made of, and a registry by id.
+
+A card knows how to load a `FlowModel` (its transformer, prompt encoder and
+decoder) and the sampling defaults that suit it. The engine only talks to the
+`FlowModel` protocol below, so the built-in toy model and diffusers families
+plug in the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+
+class PromptEmbeds(NamedTuple):
+    """The conditioning of a batch of prompts.
+
+    embeds [B, L, D], pooled [B, D], mask [B, L] (bool, True = real token) or None.
+    """
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    mask: torch.Tensor | None
+
+
+class FlowModel(Protocol):
+    """What the engine needs of a loaded model."""
+
+    card_id: str
+    transformer: nn.Module
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Embed prompts (an empty string is the unconditional prompt)."""
+
+    def velocity(self, transformer: nn.Module, latents: torch.Tensor, t: torch.Tensor,
+                 cond: PromptEmbeds) -> torch.Tensor:
+        """Velocity `v = eps - x0` at flow time t in [0, 1] ([B] or scalar).
+
+        `transformer` is passed in so that a trainer can call its own wrapped
+        module (DDP, FSDP, peft) with the model's conventions.
+        """
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents to images [B, C, H, W] (or videos [B, C, F, H, W]) in [0, 1]."""
+
+    def latent_shape(self, height: int | None, width: int | None, frames: int | None) -> tuple[int, ...]:
+        """Shape of one sample's latent, given the requested output size."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A registered model family.
+
+    `load(path, device, dtype)` returns a FlowModel; `path` is a local folder
+    of weights or None for weights the project ships.
+    """
+
+    id: str
+    description: str
+    load: Callable[..., FlowModel]
+    defaults: dict = field(default_factory=dict)
+
+
+_CARDS: dict[str, ModelCard] = {}
+
+
+def register_card(card: ModelCard) -> ModelCard:
+    if card.id in _CARDS:
+        raise ValueError(f"a model card with id {card.id!r} is already registered")
+    _CARDS[card.id] = card
+    return card
+
+
+def _ensure_builtin_cards() -> None:
+    # Imported lazily so that `import engine` stays cheap and so the built-in
+    # cards can import from this module.
+    import engine.toy.card  # noqa: F401
+
+
+def get_card(card_id: str) -> ModelCard:
+    _ensure_builtin_cards()
+    if card_id not in _CARDS:
+        raise KeyError(f"unknown model card {card_id!r}; known cards: {', '.join(sorted(_CARDS))}")
+    return _CARDS[card_id]
+
+
+def list_cards() -> list[str]:
+    _ensure_builtin_cards()
+    return sorted(_CARDS)
+
+
+def load_model(card_id: str, path: str | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> FlowModel:
+    """Load the model of a card onto a device."""
+    return get_card(card_id).load(path=path, device=torch.device(device), dtype=dtype)

@@ -1,0 +1,185 @@
+"""`Engine`: batched rollouts of a model card, stamped with the weight version.
+
+The engine side of weight sync lives here too: `pause()` stops admitting new
+generate calls, `drain()` waits for the running ones (which finish on the
+version they started with), `set_weight_version()` / `invalidate_prompt_cache()`
+mark the new weights, and `resume()` lets waiting calls in again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from engine.cache import PromptEmbeddingCache
+from engine.cards import FlowModel, PromptEmbeds, load_model
+from engine.loop import concat_embeds, denoise
+from engine.sampling import flow_timesteps, step_noise_levels
+from engine.types import GenerationRequest, Trajectory
+
+
+class Engine:
+    """Generates batches of `GenerationRequest`s on one loaded model."""
+
+    def __init__(self, model: FlowModel, device: torch.device | str | None = None, max_batch: int = 256,
+                 weight_version: int = 0, time_shift: float = 1.0, prompt_cache_size: int = 4096):
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.transformer.parameters()).device
+        self.max_batch = max_batch
+        self.time_shift = time_shift
+        self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
+        self._weight_version = weight_version
+        self._encoder_version = 0
+        self._state = threading.Condition()
+        self._paused = False
+        self._in_flight = 0
+
+    @classmethod
+    def from_card(cls, card_id: str, path: str | None = None, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32, **kwargs) -> "Engine":
+        return cls(load_model(card_id, path=path, device=device, dtype=dtype), device=device, **kwargs)
+
+    @property
+    def card_id(self) -> str:
+        return self.model.card_id
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # ---- generation -------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest]) -> Trajectory:
+        """Generate every request; one Trajectory in request order.
+
+        All requests must share a batch key (card, steps, sampler, guidance,
+        size); they run in chunks of at most `max_batch`.
+        """
+        if not requests:
+            raise ValueError("generate() needs at least one request")
+        self._check_batch(requests)
+        with self._state:
+            while self._paused:
+                self._state.wait()
+            self._in_flight += 1
+            version = self._weight_version
+        try:
+            parts = [self._generate_batch(requests[i:i + self.max_batch], version)
+                     for i in range(0, len(requests), self.max_batch)]
+            return Trajectory.concat(parts)
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                self._state.notify_all()
+
+    def _check_batch(self, requests: list[GenerationRequest]) -> None:
+        key = requests[0].batch_key()
+        for i, r in enumerate(requests):
+            if r.card != self.card_id:
+                raise ValueError(f"request {i} asks for card {r.card!r} but this engine serves {self.card_id!r}")
+            if r.batch_key() != key:
+                raise ValueError(
+                    f"request {i} cannot share a batch with request 0: batch keys differ "
+                    f"({r.batch_key()} vs {key}); send them in separate generate() calls")
+
+    def _generate_batch(self, requests: list[GenerationRequest], version: int) -> Trajectory:
+        first = requests[0]
+        latent_shape = self.model.latent_shape(first.height, first.width, first.frames)
+        timesteps = flow_timesteps(first.steps, self.time_shift, device=self.device)
+        noise_levels = step_noise_levels(first.steps, first.sampler, first.noise_level, first.sde_window)
+        initial_noise, step_noise = self._draw_noise(requests, latent_shape, stochastic=first.sampler != "ode")
+
+        prompts = [r.prompt for r in requests]
+        cond = self.encode_prompts(prompts)
+        uncond = None
+        if first.guidance_scale != 1.0:
+            uncond = self.encode_prompts([r.negative_prompt for r in requests])
+        uncond_cond = None if uncond is None else concat_embeds(uncond, cond)
+
+        latents, log_probs = denoise(self.model, self.model.transformer, initial_noise, step_noise, timesteps,
+                                     noise_levels, cond, uncond_cond, first.guidance_scale,
+                                     keep_trajectory=first.keep_trajectory)
+        with torch.no_grad():
+            images = self.model.decode(latents[:, -1])
+        return Trajectory(
+            latents=latents, log_probs=log_probs, timesteps=timesteps,
+            noise_levels=torch.tensor(noise_levels, dtype=torch.float32, device=self.device),
+            prompt_embeds=cond.embeds, pooled_prompt_embeds=cond.pooled, prompt_mask=cond.mask,
+            negative_prompt_embeds=None if uncond is None else uncond.embeds,
+            negative_pooled_prompt_embeds=None if uncond is None else uncond.pooled,
+            negative_prompt_mask=None if uncond is None else uncond.mask,
+            images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
+            weight_version=version, guidance_scale=first.guidance_scale,
+            metadata=[dict(r.metadata) for r in requests])
+
+    def _draw_noise(self, requests: list[GenerationRequest], latent_shape: tuple[int, ...],
+                    stochastic: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All noise of the rollout, drawn before the loop from one generator per request.
+
+        A request's noise depends only on its seed, never on its batch
+        neighbours; the initial noise is drawn first, so ODE and SDE runs of
+        one seed start from the same point.
+        """
+        steps = requests[0].steps
+        initial, per_step = [], []
+        for r in requests:
+            generator = torch.Generator(device=self.device).manual_seed(r.seed)
+            initial.append(torch.randn(latent_shape, generator=generator, device=self.device))
+            if stochastic:
+                per_step.append(torch.randn((steps, *latent_shape), generator=generator, device=self.device))
+        return torch.stack(initial), (torch.stack(per_step) if stochastic else None)
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Prompt embeddings through the LRU cache (one encoder call for all misses)."""
+        keys = [(self.card_id, p, self._encoder_version) for p in prompts]
+        found = {k: self.prompt_cache.get(k) for k in dict.fromkeys(keys)}
+        missing = [k for k, v in found.items() if v is None]
+        if missing:
+            with torch.no_grad():
+                fresh = self.model.encode_prompts([k[1] for k in missing])
+            for i, k in enumerate(missing):
+                entry = (fresh.embeds[i], fresh.pooled[i], None if fresh.mask is None else fresh.mask[i])
+                found[k] = entry
+                self.prompt_cache.put(k, entry)
+        rows = [found[k] for k in keys]
+        mask = None if rows[0][2] is None else torch.stack([r[2] for r in rows])
+        return PromptEmbeds(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), mask)
+
+    # ---- engine side of weight sync -----------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop admitting new generate() calls; running ones carry on."""
+        with self._state:
+            self._paused = True
+
+    def drain(self, timeout_s: float = 600.0) -> float:
+        """Wait until no generate() call is running; returns the seconds waited."""
+        start = time.perf_counter()
+        with self._state:
+            if not self._paused:
+                raise RuntimeError("drain() needs pause() first, or new calls could keep arriving")
+            if not self._state.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
+                raise TimeoutError(f"engine did not drain within {timeout_s:.1f}s: "
+                                   f"{self._in_flight} generate() call(s) still running")
+        return time.perf_counter() - start
+
+    def set_weight_version(self, version: int, prompt_encoder_changed: bool = False) -> None:
+        """Mark the weights now loaded; versions only increase."""
+        if version <= self._weight_version:
+            raise ValueError(f"weight version must increase: {version} <= current {self._weight_version}")
+        self._weight_version = version
+        if prompt_encoder_changed:
+            self.invalidate_prompt_cache()
+
+    def invalidate_prompt_cache(self) -> None:
+        """Forget every prompt embedding (the prompt encoder's weights changed)."""
+        self._encoder_version += 1
+        self.prompt_cache.invalidate()
+
+    def resume(self) -> None:
+        """Admit generate() calls again (they run on the current version)."""
+        with self._state:
+            self._paused = False
+            self._state.notify_all()

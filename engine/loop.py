@@ -1,0 +1,70 @@
+"""The denoise loop: device-resident, fp32 latents and log-probs.
+
+Nothing in here moves data to the host: noise is drawn before the loop, the
+per-step noise levels are host floats known in advance, and results are
+written into preallocated device tensors. `engine.guards` checks this in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.cards import FlowModel, PromptEmbeds
+from engine.sampling import ode_step, sde_step, sde_t_cap
+
+
+def concat_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
+    """Stack two conditionings along the batch (for one CFG forward)."""
+    mask = None if a.mask is None else torch.cat([a.mask, b.mask])
+    return PromptEmbeds(torch.cat([a.embeds, b.embeds]), torch.cat([a.pooled, b.pooled]), mask)
+
+
+def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t: torch.Tensor,
+                    cond: PromptEmbeds, uncond_cond: PromptEmbeds | None, guidance_scale: float) -> torch.Tensor:
+    """Velocity with classifier-free guidance v = v_u + g·(v_c - v_u).
+
+    `uncond_cond` is the unconditional branch stacked before the conditional
+    one (see `concat_embeds`), so both run in a single batched forward. When it
+    is None (g = 1, or a guidance-distilled model) only the conditional branch runs.
+    """
+    if uncond_cond is None:
+        return model.velocity(transformer, x, t, cond)
+    v = model.velocity(transformer, torch.cat([x, x]), t, uncond_cond)
+    v_uncond, v_cond = v.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+@torch.no_grad()
+def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tensor, step_noise: torch.Tensor | None,
+            timesteps: torch.Tensor, noise_levels: list[float], cond: PromptEmbeds,
+            uncond_cond: PromptEmbeds | None, guidance_scale: float,
+            keep_trajectory: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the sampler from noise to data.
+
+    initial_noise [B, *latent]; step_noise [B, T, *latent] (None for a pure ODE run);
+    timesteps [T+1] from 1 to 0; noise_levels: T host floats (0 = ODE step).
+    Returns (latents [B, T+1, *latent] or [B, 1, *latent] with only the
+    final latent when keep_trajectory is False, log_probs [B, T]).
+    """
+    steps = len(noise_levels)
+    batch = initial_noise.shape[0]
+    x = initial_noise.float()
+    kept = steps + 1 if keep_trajectory else 1
+    latents = torch.empty((batch, kept, *x.shape[1:]), dtype=torch.float32, device=x.device)
+    log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=x.device)
+    if keep_trajectory:
+        latents[:, 0] = x
+    t_cap = sde_t_cap(timesteps)
+    for k in range(steps):
+        t, t_next = timesteps[k], timesteps[k + 1]
+        v = guided_velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale)
+        if step_noise is None:
+            x = ode_step(x, v, t, t_next)
+        else:
+            x, log_probs[:, k] = sde_step(x, v, t, t_next, noise_levels[k], step_noise[:, k], t_cap)
+        if keep_trajectory:
+            latents[:, k + 1] = x
+    if not keep_trajectory:
+        latents[:, 0] = x
+    return latents, log_probs

@@ -1,0 +1,73 @@
+"""Multi-reward combination: run each scorer, mask failures, and form the weighted total."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rewards.registry import get, parse_spec
+from rewards.types import RewardBatch, Scorer
+
+logger = logging.getLogger(__name__)
+
+
+class RewardSet:
+    """The scorers of a reward spec with their weights; `score` turns images into a `RewardBatch`."""
+
+    def __init__(self, spec: str | dict | list, scorer_kwargs: dict[str, dict[str, Any]] | None = None):
+        """Build (once) every scorer named in `spec`; `scorer_kwargs[name]` goes to that scorer's factory."""
+        pairs = parse_spec(spec)
+        scorer_kwargs = dict(scorer_kwargs or {})
+        names = [n for n, _ in pairs]
+        extra = sorted(set(scorer_kwargs) - set(names))
+        if extra:
+            raise ValueError(f"scorer_kwargs names scorers not in the spec: {', '.join(extra)}; spec has: {', '.join(names)}")
+        self.weights: dict[str, float] = dict(pairs)
+        self.scorer_ids: list[str] = names
+        # Built here and kept: a scorer that loads weights loads them once per RewardSet.
+        self.scorers: dict[str, Scorer] = {n: get(n, **scorer_kwargs.get(n, {})) for n in names}
+
+    def __repr__(self) -> str:
+        return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in self.weights.items()) + ")"
+
+    def _run(self, name: str, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, str | None]:
+        """One scorer's raw scores as host float32 [B], or all-NaN and the error text if it failed."""
+        batch = images.shape[0]
+        try:
+            raw = self.scorers[name](images, prompts, metadata)
+            raw = torch.as_tensor(raw).detach()
+            if raw.shape != (batch,):
+                raise ValueError(f"returned shape {tuple(raw.shape)}, expected ({batch},)")
+            return raw.to(device="cpu", dtype=torch.float32), None
+        except Exception as exc:  # a broken scorer masks its rows; it must not kill the run
+            error = f"{type(exc).__name__}: {exc}"
+            logger.warning("reward scorer %r failed on a batch of %d; masking all its rows: %s", name, batch, error)
+            return torch.full((batch,), float("nan")), error
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None,
+              weight_version: int) -> RewardBatch:
+        """Score a batch of images [B, C, H, W] in [0, 1] rolled out with weights `weight_version`."""
+        batch = images.shape[0]
+        metadata = [{} for _ in range(batch)] if metadata is None else list(metadata)
+        if len(prompts) != batch or len(metadata) != batch:
+            raise ValueError(f"got {batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; "
+                             "they must be the same length")
+        scores, valid_per_scorer, errors = {}, {}, {}
+        valid = torch.ones(batch, dtype=torch.bool)
+        total = torch.zeros(batch, dtype=torch.float32)
+        for name in self.scorer_ids:
+            raw, error = self._run(name, images, prompts, metadata)
+            if error is not None:
+                errors[name] = error
+            ok = torch.isfinite(raw)
+            scores[name] = torch.where(ok, raw, torch.full_like(raw, float("nan")))  # inf -> NaN too
+            valid_per_scorer[name] = ok
+            valid &= ok
+            total += self.weights[name] * torch.where(ok, raw, torch.zeros_like(raw))
+        # NaN, not 0, on invalid rows: a consumer that ignores the mask fails loudly.
+        total = torch.where(valid, total, torch.full_like(total, float("nan")))
+        return RewardBatch(scores=scores, valid_per_scorer=valid_per_scorer, valid=valid, total=total,
+                           weights=dict(self.weights), scorer_ids=list(self.scorer_ids),
+                           weight_version=int(weight_version), errors=errors)
