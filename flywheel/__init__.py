@@ -1,0 +1,1 @@
+"""flywheel's orchestration: the rollout-reward-update loop, advantages, weight sync, configs, runs."""

@@ -1,0 +1,98 @@
+"""Prompt datasets and a resumable, rank-independent prompt sampler.
+
+A dataset is a list of `PromptItem`s: built-in names (`toy-digits`,
+`toy-digits-heldout`) or a local file, `.txt` (one prompt per line) or
+`.jsonl` (one object per line with a "prompt" key; the other keys travel as
+metadata to the rewards, e.g. {"prompt": "a 7", "digit": 7}).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt: str
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def _toy(split: str) -> list[PromptItem]:
+    from engine.toy.prompts import heldout_prompts, train_prompts
+
+    pairs = train_prompts() if split == "train" else heldout_prompts()
+    return [PromptItem(p, {"digit": d}) for p, d in pairs]
+
+
+BUILTIN_DATASETS = {
+    "toy-digits": lambda: _toy("train"),
+    "toy-digits-heldout": lambda: _toy("heldout"),
+}
+
+
+def load_prompts(source: str) -> list[PromptItem]:
+    """A built-in dataset by name, or prompts read from a .txt / .jsonl file."""
+    if source in BUILTIN_DATASETS:
+        return BUILTIN_DATASETS[source]()
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"prompt dataset {source!r} is neither a built-in ({', '.join(BUILTIN_DATASETS)}) nor an existing file")
+    items: list[PromptItem] = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    row = json.loads(line)
+                    prompt = row.pop("prompt")
+                except (json.JSONDecodeError, KeyError, AttributeError) as e:
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a \"prompt\" key ({e})") from None
+                items.append(PromptItem(str(prompt), row))
+            else:
+                items.append(PromptItem(line))
+    if not items:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return items
+
+
+class PromptSampler:
+    """Which prompts a step uses: a fresh shuffle every epoch, a pure function of (seed, step).
+
+    Because the choice depends only on the seed and the step, resuming at
+    step s needs nothing but s, and every rank agrees on the global batch.
+    """
+
+    def __init__(self, items: list[PromptItem], prompts_per_step: int, seed: int = 0):
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        self.items = items
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.items)))
+            random.Random(f"prompts-{self.seed}-{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # only the current epoch is ever needed again
+        return self._orders[epoch]
+
+    def batch(self, step: int) -> list[PromptItem]:
+        """The prompts of step `step` (0-based), in global order."""
+        out = []
+        for j in range(self.prompts_per_step):
+            k = step * self.prompts_per_step + j
+            epoch, pos = divmod(k, len(self.items))
+            out.append(self.items[self._order(epoch)[pos]])
+        return out
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where in the data a run is after `step` steps (recorded in checkpoints)."""
+        consumed = step * self.prompts_per_step
+        return {"epoch": consumed // len(self.items), "index_in_epoch": consumed % len(self.items)}

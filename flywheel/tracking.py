@@ -1,0 +1,53 @@
+"""Experiment tracking through accelerate's trackers (wandb by default, TensorBoard, or none).
+
+wandb runs offline when no account is configured (no WANDB_API_KEY and no
+api.wandb.ai entry in ~/.netrc), so a first run never blocks on a login and
+its files land in the run directory for a later `wandb sync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+from pathlib import Path
+
+TRACKERS = ("wandb", "tensorboard", "none")
+
+log = logging.getLogger(__name__)
+
+
+def wandb_account_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def prepare_tracker(tracker: str, run_dir: Path) -> dict:
+    """Environment and init kwargs for `Accelerator.init_trackers`; call before creating trackers."""
+    if tracker not in TRACKERS:
+        raise ValueError(f"tracker={tracker!r} is not known; valid trackers: {', '.join(TRACKERS)}")
+    if tracker == "wandb":
+        if "WANDB_MODE" not in os.environ and not wandb_account_configured():
+            os.environ["WANDB_MODE"] = "offline"
+            log.info("no wandb account configured: logging offline into %s", run_dir / "wandb")
+        os.environ.setdefault("WANDB_SILENT", "true")
+        return {"wandb": {"dir": str(run_dir), "name": run_dir.name}}
+    return {}
+
+
+def log_images(accelerator, name: str, images: list, step: int) -> None:
+    """Log PIL images to whichever trackers are active."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({name: [wandb.Image(im) for im in images]}, step=step)
+        elif tracker.name == "tensorboard":
+            import numpy as np
+
+            for i, im in enumerate(images):
+                tracker.writer.add_image(f"{name}/{i}", np.asarray(im), step, dataformats="HWC")

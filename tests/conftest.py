@@ -1,0 +1,31 @@
+"""Test environment: offline, deterministic, small."""
+
+import os
+
+# An accidental hub call otherwise hangs for ~48 s before failing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_model():
+    """The shipped toy-digits model (loaded once; tests must not train it in place)."""
+    from engine import load_model
+
+    return load_model("toy-digits")
+
+
+@pytest.fixture
+def toy_engine(toy_model):
+    from engine import Engine
+
+    return Engine(toy_model)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

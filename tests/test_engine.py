@@ -1,0 +1,168 @@
+"""The engine on the toy card: device-resident loop, invariants, versions, sync side."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import Engine, GenerationRequest, HostTransferError, forbid_host_transfers
+from engine.loop import guided_velocity
+from engine.sampling import sde_step_log_prob, sde_t_cap
+
+
+def requests(n=4, **kw):
+    return [GenerationRequest(prompt=f"a handwritten {w}", seed=100 + i, **kw)
+            for i, w in enumerate(["seven", "three", "one", "zero", "two", "nine"][:n])]
+
+
+def test_trajectory_shapes_dtypes_and_version(toy_engine):
+    traj = toy_engine.generate(requests(3, steps=6))
+    assert traj.latents.shape == (3, 7, 1, 8, 8) and traj.latents.dtype == torch.float32
+    assert traj.log_probs.shape == (3, 6) and traj.log_probs.dtype == torch.float32
+    assert traj.images.shape == (3, 1, 8, 8) and 0 <= traj.images.min() and traj.images.max() <= 1
+    assert traj.weight_version == 0 and traj.card == "toy-digits"
+    assert torch.isfinite(traj.log_probs).all() and (traj.log_probs != 0).all()
+
+
+def test_denoise_loop_never_moves_data_to_the_host(toy_engine):
+    reqs = requests(2, steps=4)
+    cond = toy_engine.encode_prompts([r.prompt for r in reqs])  # prompt encoding is outside the loop
+    with forbid_host_transfers():
+        for sampler, guidance in (("sde", 1.0), ("ode", 1.0), ("sde", 3.0)):
+            from engine.loop import concat_embeds, denoise
+            from engine.sampling import flow_timesteps, step_noise_levels
+            uncond = toy_engine.encode_prompts([""] * 2) if guidance != 1.0 else None
+            noise = torch.randn(2, 1, 8, 8)
+            denoise(toy_engine.model, toy_engine.model.transformer, noise,
+                    torch.randn(2, 4, 1, 8, 8) if sampler == "sde" else None, flow_timesteps(4),
+                    step_noise_levels(4, sampler, 0.7), cond, None if uncond is None else concat_embeds(uncond, cond),
+                    guidance)
+
+
+def test_the_guard_catches_host_transfers():
+    x = torch.ones(3)
+    with forbid_host_transfers():
+        for bad in (lambda: x.sum().item(), lambda: x.cpu(), lambda: x.numpy(), lambda: x.tolist(),
+                    lambda: bool(x.sum() > 0)):
+            with pytest.raises(HostTransferError):
+                bad()
+    assert x.sum().item() == 3.0  # restored afterwards
+
+
+def test_sde_with_zero_noise_equals_ode_through_the_engine(toy_engine):
+    ode = toy_engine.generate(requests(3, sampler="ode"))
+    sde = toy_engine.generate(requests(3, sampler="sde", noise_level=0.0))
+    assert torch.equal(ode.latents, sde.latents)
+    assert torch.equal(sde.log_probs, torch.zeros_like(sde.log_probs))
+
+
+def test_sde_window_steps_outside_are_ode_steps(toy_engine):
+    traj = toy_engine.generate(requests(2, steps=6, sde_window=(2, 4)))
+    assert (traj.log_probs[:, [0, 1, 4, 5]] == 0).all() and (traj.log_probs[:, 2:4] != 0).all()
+    ode = toy_engine.generate(requests(2, steps=6, sampler="ode"))
+    assert torch.equal(traj.latents[:, :3], ode.latents[:, :3])  # identical until the window opens
+
+
+def test_same_seed_same_output_and_batch_invariance(toy_engine):
+    alone = toy_engine.generate(requests(1))
+    again = toy_engine.generate(requests(1))
+    assert torch.equal(alone.latents, again.latents)
+    batched = toy_engine.generate(requests(4))
+    diff = (batched.latents[0] - alone.latents[0]).abs().max()
+    assert diff <= 1e-5
+    small = Engine(toy_engine.model, max_batch=3).generate(requests(4))
+    assert (small.latents - batched.latents).abs().max() <= 1e-5
+
+
+def test_on_policy_ratio_is_exactly_one(toy_engine):
+    """Recomputing a rollout's log-probs with unchanged weights gives ratio 1, bit for bit."""
+    for guidance in (1.0, 3.0):
+        traj = toy_engine.generate(requests(4, guidance_scale=guidance))
+        from engine.loop import concat_embeds
+        from engine import PromptEmbeds
+        cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask)
+        uncond = None
+        if guidance != 1.0:
+            uncond = concat_embeds(PromptEmbeds(traj.negative_prompt_embeds, traj.negative_pooled_prompt_embeds,
+                                                traj.negative_prompt_mask), cond)
+        for j in range(traj.num_steps):
+            v = guided_velocity(toy_engine.model, toy_engine.model.transformer, traj.latents[:, j],
+                                traj.timesteps[j], cond, uncond, guidance)
+            log_prob, _, _ = sde_step_log_prob(traj.latents[:, j], traj.latents[:, j + 1], v, traj.timesteps[j],
+                                               traj.timesteps[j + 1], traj.noise_levels[j],
+                                               sde_t_cap(traj.timesteps))
+            assert torch.equal(torch.exp(log_prob - traj.log_probs[:, j]), torch.ones(4))
+
+
+def test_guidance_changes_the_output(toy_engine):
+    plain = toy_engine.generate(requests(2, sampler="ode"))
+    guided = toy_engine.generate(requests(2, sampler="ode", guidance_scale=4.0))
+    assert not torch.equal(plain.latents, guided.latents)
+    assert guided.negative_prompt_embeds is not None and plain.negative_prompt_embeds is None
+
+
+def test_incompatible_requests_and_wrong_card_are_clear_errors(toy_engine):
+    with pytest.raises(ValueError, match="batch keys differ"):
+        toy_engine.generate(requests(1, steps=4) + requests(1, steps=5))
+    with pytest.raises(ValueError, match="serves 'toy-digits'"):
+        toy_engine.generate([GenerationRequest(prompt="x", seed=0, card="sd3")])
+    with pytest.raises(ValueError, match="valid samplers"):
+        GenerationRequest(prompt="x", seed=0, sampler="ddim")
+    with pytest.raises(KeyError, match="known cards: toy-digits"):
+        Engine.from_card("nope")
+
+
+def test_prompt_cache_hits_and_invalidation(toy_engine):
+    toy_engine.generate(requests(2))
+    misses = toy_engine.prompt_cache.misses
+    toy_engine.generate(requests(2))
+    assert toy_engine.prompt_cache.misses == misses and toy_engine.prompt_cache.hits >= 2
+    toy_engine.set_weight_version(1)  # transformer-only update keeps the cache
+    toy_engine.generate(requests(2))
+    assert toy_engine.prompt_cache.misses == misses
+    toy_engine.set_weight_version(2, prompt_encoder_changed=True)
+    assert len(toy_engine.prompt_cache) == 0
+    traj = toy_engine.generate(requests(2))
+    assert toy_engine.prompt_cache.misses == misses + 2 and traj.weight_version == 2
+
+
+def test_versions_only_increase(toy_engine):
+    with pytest.raises(ValueError, match="must increase"):
+        toy_engine.set_weight_version(0)
+
+
+def test_pause_drain_resume_keeps_inflight_on_their_version(toy_engine):
+    results = {}
+
+    def run(name, reqs):
+        results[name] = toy_engine.generate(reqs)
+
+    slow = threading.Thread(target=run, args=("before", requests(6, steps=40)))
+    slow.start()
+    deadline = time.monotonic() + 10
+    while toy_engine._in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    toy_engine.pause()
+    waiting = threading.Thread(target=run, args=("after", requests(1)))
+    waiting.start()
+    toy_engine.drain(timeout_s=60)
+    assert "after" not in results  # held at the door during the sync
+    toy_engine.set_weight_version(1)
+    toy_engine.resume()
+    slow.join()
+    waiting.join()
+    assert results["before"].weight_version == 0 and results["after"].weight_version == 1
+
+
+def test_drain_times_out_with_a_clear_error(toy_engine):
+    with pytest.raises(RuntimeError, match="pause"):
+        toy_engine.drain()
+    toy_engine._in_flight += 1  # a call that never finishes
+    toy_engine.pause()
+    try:
+        with pytest.raises(TimeoutError, match="did not drain"):
+            toy_engine.drain(timeout_s=0.05)
+    finally:
+        toy_engine._in_flight -= 1
+        toy_engine.resume()

@@ -1,0 +1,84 @@
+"""Samplers against direct computations (no model needed)."""
+
+import math
+
+import torch
+
+from engine.sampling import (flow_timesteps, gaussian_step_log_prob, ode_step, sde_mean_std, sde_step,
+                             sde_step_log_prob, sde_t_cap, step_noise_levels)
+
+
+def _state(seed=0, shape=(3, 1, 8, 8)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def test_timesteps_run_from_noise_to_data():
+    t = flow_timesteps(10)
+    assert t.dtype == torch.float32 and t.shape == (11,)
+    assert t[0] == 1.0 and t[-1] == 0.0 and torch.all(t[1:] < t[:-1])
+    shifted = flow_timesteps(10, shift=3.0)
+    assert shifted[0] == 1.0 and shifted[-1] == 0.0
+    assert torch.all(shifted[1:-1] > t[1:-1])  # shift > 1 spends more steps near noise
+    assert math.isclose(float(shifted[5]), 3 * 0.5 / (1 + 2 * 0.5), rel_tol=1e-6)
+
+
+def test_sde_with_zero_noise_is_the_ode_step_bit_for_bit():
+    x, v, eps = _state()
+    t_all = flow_timesteps(10)
+    for k in range(10):
+        x_sde, log_prob = sde_step(x, v, t_all[k], t_all[k + 1], 0.0, eps, sde_t_cap(t_all))
+        assert torch.equal(x_sde, ode_step(x, v, t_all[k], t_all[k + 1]))
+        assert torch.equal(log_prob, torch.zeros(3))
+
+
+def test_sde_mean_and_std_follow_flow_grpo_eq9():
+    x, v, _ = _state(1)
+    t, t_next, a = torch.tensor(0.6), torch.tensor(0.5), 0.7
+    mean, std = sde_mean_std(x, v, t, t_next, a, torch.tensor(0.9))
+    sigma = a * math.sqrt(0.6 / 0.4)
+    dt = -0.1
+    expected_mean = x + (v + sigma**2 / (2 * 0.6) * (x + 0.4 * v)) * dt
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-6)
+    assert math.isclose(float(std), sigma * math.sqrt(0.1), rel_tol=1e-5)
+
+
+def test_first_step_sigma_is_finite_with_the_cap():
+    t_all = flow_timesteps(10)
+    x, v, eps = _state(2)
+    x_next, log_prob = sde_step(x, v, t_all[0], t_all[1], 0.7, eps, sde_t_cap(t_all))
+    assert torch.isfinite(x_next).all() and torch.isfinite(log_prob).all()
+    _, std = sde_mean_std(x, v, t_all[0], t_all[1], 0.7, sde_t_cap(t_all))
+    assert math.isclose(float(std), 0.7 * math.sqrt(1.0 / 0.1) * math.sqrt(0.1), rel_tol=1e-5)
+
+
+def test_log_prob_equals_the_gaussian_density_of_the_taken_step():
+    x, v, eps = _state(3)
+    t_all = flow_timesteps(10)
+    for k in (0, 4, 9):
+        x_next, log_prob = sde_step(x, v, t_all[k], t_all[k + 1], 0.7, eps, sde_t_cap(t_all))
+        mean, std = sde_mean_std(x, v, t_all[k], t_all[k + 1], 0.7, sde_t_cap(t_all))
+        direct = torch.distributions.Normal(mean.double(), std.double()).log_prob(x_next.double())
+        torch.testing.assert_close(log_prob.double(), direct.flatten(1).mean(1), rtol=1e-5, atol=1e-5)
+
+
+def test_recomputed_log_prob_equals_recorded_bitwise():
+    x, v, eps = _state(4)
+    t_all = flow_timesteps(10)
+    x_next, recorded = sde_step(x, v, t_all[3], t_all[4], 0.7, eps, sde_t_cap(t_all))
+    recomputed, _, _ = sde_step_log_prob(x, x_next, v, t_all[3], t_all[4], 0.7, sde_t_cap(t_all))
+    assert torch.equal(recorded, recomputed)
+
+
+def test_log_prob_prefers_the_mean():
+    mean = torch.zeros(2, 4)
+    std = torch.tensor(0.5)
+    near = gaussian_step_log_prob(mean + 0.01, mean, std)
+    far = gaussian_step_log_prob(mean + 1.0, mean, std)
+    assert torch.all(near > far)
+
+
+def test_noise_levels_respect_the_window():
+    assert step_noise_levels(5, "ode", 0.7) == [0.0] * 5
+    assert step_noise_levels(5, "sde", 0.7) == [0.7] * 5
+    assert step_noise_levels(5, "sde", 0.7, (1, 3)) == [0.0, 0.7, 0.7, 0.0, 0.0]

@@ -1,0 +1,437 @@
+"""Flow-GRPO (arXiv 2505.05470): group-relative policy optimisation of a flow-matching model.
+
+    accelerate launch trainers/grpo.py                     # the built-in toy task
+    accelerate launch trainers/grpo.py --config configs/toy_grpo.yaml lr=1e-3
+    python trainers/grpo.py model.finetune=lora rewards=digit_alignment:1.0,jpeg_compressibility:0.1
+
+Each step: G samples for each of P prompts with the Flow-SDE sampler (per-step
+log-probs recorded), rewards, advantages normalised within each prompt's group
+over all ranks, then a PPO-clip update on the per-step probability ratios,
+with an optional KL penalty to the reference policy; every optimizer step
+syncs the new weights into the engine (colocated) and bumps the version.
+The recipe reads top to bottom: config, the loss, setup, the loop, save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from engine import Engine, PromptEmbeds, Trajectory, get_card, load_model
+from engine.loop import concat_embeds, guided_velocity
+from engine.sampling import sde_step_log_prob, sde_t_cap
+from flywheel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flywheel.config import apply_overrides, config_to_dict, load_config, parse_config, save_config
+from flywheel.distributed import all_reduce_mean
+from flywheel.lora import adapters_disabled, add_lora
+from flywheel.loop import Flywheel, RolloutBatch
+from flywheel.prompts import PromptSampler, load_prompts
+from flywheel.rundir import MetricsLog, RunDir, make_image_grid
+from flywheel.sync import WeightSyncController
+from flywheel.tracking import log_images, prepare_tracker
+from rewards import RewardSet
+
+# ---------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    card: str = "toy-digits"
+    """model card id (see `engine.list_cards()`)"""
+    path: str | None = None
+    """local weights folder; None uses the weights the project ships (toy card only)"""
+    finetune: Literal["full", "lora"] = "full"
+    """train every transformer weight, or a LoRA adapter (peft)"""
+    lora_rank: int = 8
+    """LoRA rank r"""
+    lora_alpha: float = 8.0
+    """LoRA alpha (scale = alpha / r)"""
+    lora_targets: list[str] | None = None
+    """Linear layers to adapt; None uses the card's default"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """transformer weight dtype; latents and log-probs stay fp32"""
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "toy-digits"
+    """training prompts: a built-in dataset name or a .txt / .jsonl file"""
+    eval_prompts: str = "toy-digits-heldout"
+    """held-out evaluation prompts (same forms as `prompts`)"""
+    prompts_per_step: int = 8
+    """distinct prompts per step (over all ranks)"""
+    group_size: int = 16
+    """samples per prompt (G); advantages are normalised within each group"""
+
+
+@dataclass
+class SamplingConfig:
+    steps: int = 10
+    """denoising steps of a rollout"""
+    noise_level: float = 0.7
+    """Flow-SDE noise level a"""
+    guidance_scale: float = 1.0
+    """classifier-free guidance of rollouts (1 = no unconditional branch)"""
+    sde_window: tuple[int, int] | None = None
+    """[start, end) of the stochastic (trained) steps; None = all steps"""
+    time_shift: float = 1.0
+    """SD3-style time shift of the schedule"""
+    eval_guidance_scale: float = 1.0
+    """guidance of the ODE evaluation samples"""
+    eval_seeds: int = 4
+    """samples per evaluation prompt (fixed seeds)"""
+
+
+@dataclass
+class TrainConfig:
+    learning_rate: float = 3e-4
+    """AdamW learning rate"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    clip_range: float = 1e-4
+    """PPO clip range on the per-step probability ratio"""
+    kl_beta: float = 0.0
+    """weight of the KL penalty to the reference policy (0 = off)"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
+    timestep_fraction: float = 1.0
+    """fraction of the stochastic steps trained each step"""
+    cfg_in_train: bool = True
+    """apply guidance in the training forward too (when rollouts used it)"""
+    minibatch_size: int = 128
+    """samples per training forward"""
+    gradient_accumulation_steps: int = 1
+    """minibatches accumulated into one optimizer step"""
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/grpo-toy"
+    """where config, metrics, samples and checkpoints go"""
+    seed: int = 0
+    """seed of prompts, rollouts and timestep choice"""
+    steps: int = 60
+    """training steps (rollout + update)"""
+    rewards: str = "digit_alignment:1.0"
+    """reward spec: name:weight,name:weight"""
+    eval_every: int = 20
+    """evaluate every N steps (and at the start and end)"""
+    sample_every: int = 20
+    """save a sample grid every N steps"""
+    save_every: int = 20
+    """checkpoint every N steps (and at the end)"""
+    keep_checkpoints: int = 2
+    """checkpoints kept on disk"""
+    resume: str | None = None
+    """run dir or checkpoint dir to continue from"""
+    tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
+    """experiment tracker (wandb runs offline when no account is configured)"""
+    project: str = "flywheel"
+    """tracker project name"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# The GRPO loss of one denoising step
+# ---------------------------------------------------------------------------------------
+
+
+def step_conditioning(traj: Trajectory, use_cfg: bool) -> tuple[PromptEmbeds, PromptEmbeds | None]:
+    cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask)
+    if not use_cfg or traj.negative_prompt_embeds is None:
+        return cond, None
+    uncond = PromptEmbeds(traj.negative_prompt_embeds, traj.negative_pooled_prompt_embeds, traj.negative_prompt_mask)
+    return cond, concat_embeds(uncond, cond)
+
+
+def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
+                   usable: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip loss (+ beta·KL) of step j of a trajectory batch under the current weights."""
+    x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
+    t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
+    noise_level = traj.noise_levels[j]
+    cond, uncond_cond = step_conditioning(traj, cfg.cfg_in_train)
+    v = guided_velocity(model, transformer, x, t, cond, uncond_cond, traj.guidance_scale)
+    log_prob, mean, std = sde_step_log_prob(x, x_next, v, t, t_next, noise_level, sde_t_cap(traj.timesteps))
+
+    ratio = torch.exp(log_prob - traj.log_probs[:, j])
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
+    weight = usable.float() / usable.float().sum().clamp(min=1.0)
+    loss = (torch.maximum(unclipped, clipped) * weight).sum()
+
+    kl = torch.zeros((), device=x.device)
+    if ref_velocity is not None:
+        with torch.no_grad():
+            v_ref = ref_velocity(x, t, cond, uncond_cond, traj.guidance_scale)
+            _, mean_ref, _ = sde_step_log_prob(x, x_next, v_ref, t, t_next, noise_level, sde_t_cap(traj.timesteps))
+        # KL of two Gaussians with the same std: |mu - mu_ref|^2 / (2 std^2), per element.
+        kl_per_sample = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std**2)
+        kl = (kl_per_sample * weight).sum()
+        loss = loss + cfg.kl_beta * kl
+
+    stats = {
+        "loss": loss.detach(),
+        "kl": kl.detach(),
+        "ratio/mean": (ratio.detach() * weight).sum(),
+        "clipfrac": (((ratio.detach() - 1).abs() > cfg.clip_range).float() * weight).sum(),
+    }
+    return loss, stats
+
+
+def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator) -> list[int]:
+    """Which denoising steps to train: a random `fraction` of the stochastic ones."""
+    stochastic = [k for k, a in enumerate(traj.noise_levels.tolist()) if a > 0]
+    if not stochastic:
+        raise ValueError("the rollouts have no stochastic step to train: use sampler=sde with noise_level > 0")
+    keep = max(1, round(fraction * len(stochastic)))
+    order = torch.randperm(len(stochastic), generator=generator).tolist()
+    return sorted(stochastic[i] for i in order[:keep])
+
+
+def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, flywheel: Flywheel,
+                params: list[torch.nn.Parameter], cfg: Config, step: int) -> dict[str, float]:
+    """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + sync."""
+    tc = cfg.train
+    traj = batch.trajectory
+    steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step))
+    n = len(traj)
+    minibatches = [list(range(i, min(i + tc.minibatch_size, n))) for i in range(0, n, tc.minibatch_size)]
+    if len(minibatches) % tc.gradient_accumulation_steps:
+        raise ValueError(f"{len(minibatches)} minibatches per step is not a multiple of "
+                         f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps}")
+    totals: dict[str, torch.Tensor] = {}
+    sync_metrics: dict[str, float] = {}
+    backwards_per_update = len(steps) * tc.gradient_accumulation_steps
+    for m, rows in enumerate(minibatches):
+        sub = traj.select(rows)
+        adv, usable = batch.advantages[rows], batch.usable[rows]
+        for i, j in enumerate(steps):
+            last_backward = (m + 1) % tc.gradient_accumulation_steps == 0 and i == len(steps) - 1
+            # Gradients are all-reduced once per optimizer step, not once per backward.
+            context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
+            with context:
+                loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc)
+                accelerator.backward(loss / backwards_per_update)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v / (len(steps) * len(minibatches))
+        if (m + 1) % tc.gradient_accumulation_steps == 0:
+            grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / (
+                len(minibatches) // tc.gradient_accumulation_steps)
+            sync_metrics = flywheel.sync()
+    metrics = {k: float(v) for k, v in totals.items()}
+    metrics.update({k: v for k, v in sync_metrics.items() if k != "weight_version"})
+    metrics["weight_version_after"] = sync_metrics["weight_version"]
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Setup helpers
+# ---------------------------------------------------------------------------------------
+
+
+def resolve_config(argv: list[str]) -> Config:
+    """CLI config; with resume=RUN, the run's saved config.yaml is the base and the CLI overrides it."""
+    cfg = parse_config(Config, argv)
+    if cfg.resume:
+        ckpt = latest_checkpoint(cfg.resume)
+        if ckpt is None:
+            raise FileNotFoundError(f"resume={cfg.resume!r}: no checkpoint found there")
+        run_dir = ckpt.parent.parent
+        saved = run_dir / "config.yaml"
+        if saved.exists():
+            overrides = [a for a in argv if "=" in a and not a.startswith("--")]
+            cfg = apply_overrides(load_config(Config, saved), overrides)
+        cfg.run_dir, cfg.resume = str(run_dir), str(ckpt)
+    return cfg
+
+
+def build_judges(cfg: Config) -> dict:
+    """Independent judges for evaluation (never trained on): catch reward hacking."""
+    if cfg.model.card == "toy-digits":
+        from rewards.judges import DigitJudge
+
+        return {"digit_svc": DigitJudge()}
+    return {}
+
+
+def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, accelerator, run: RunDir, step: int) -> dict:
+    """Evaluate on the main process; save and log a sample grid."""
+    if not accelerator.is_main_process:
+        return {}
+    items = load_prompts(cfg.data.eval_prompts)
+    metrics, traj = flywheel.evaluate(items, cfg.sampling.eval_seeds,
+                                      {"sampler": "ode", "guidance_scale": cfg.sampling.eval_guidance_scale},
+                                      judges)
+    if step % cfg.sample_every == 0 or step == cfg.steps:
+        # One image per prompt, first seed: a row per digit for the toy task.
+        grid = make_image_grid(traj.images[::cfg.sampling.eval_seeds].detach().cpu(), nrow=len(items) // 10 or None)
+        grid.save(run.sample_path(step))
+        log_images(accelerator, "eval/samples", [grid], step)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Main: setup, loop, save
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from accelerate import Accelerator
+
+    cfg = resolve_config(sys.argv[1:] if argv is None else argv)
+    run = RunDir(cfg.run_dir)
+    init_kwargs = prepare_tracker(cfg.tracker, run.path)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              log_with=None if cfg.tracker == "none" else cfg.tracker, project_dir=str(run.path))
+    if accelerator.device.type == "cpu":
+        # One thread per rank: ranks sharing the cores must not oversubscribe them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
+
+    # --- model, trainable weights, reference policy -----------------------------------------
+    dtype = getattr(torch, cfg.model.dtype)
+    model = load_model(cfg.model.card, path=cfg.model.path, device=accelerator.device, dtype=dtype)
+    transformer = model.transformer
+    ref_velocity = None
+    if cfg.model.finetune == "lora":
+        targets = cfg.model.lora_targets or get_card(cfg.model.card).defaults.get("lora_targets")
+        add_lora(transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
+        if cfg.train.kl_beta > 0:
+            def ref_velocity(x, t, cond, uncond_cond, g):  # the base model = adapter switched off
+                with adapters_disabled(transformer):
+                    return guided_velocity(model, transformer, x, t, cond, uncond_cond, g)
+    else:
+        transformer.requires_grad_(True)
+        if cfg.train.kl_beta > 0:
+            reference = copy.deepcopy(transformer).requires_grad_(False)
+
+            def ref_velocity(x, t, cond, uncond_cond, g):
+                return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
+    named_params = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=cfg.train.adam_betas,
+                                  weight_decay=cfg.train.weight_decay)
+
+    # --- resume -------------------------------------------------------------------------------
+    start_step, version = 0, 0
+    metrics_log = MetricsLog(run.path / "metrics.jsonl")
+    if cfg.resume:
+        state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=named_params)
+        transformer.load_state_dict(state, strict=False)
+        start_step, version = trainer_state["step"], trainer_state["weight_version"]
+        if accelerator.is_main_process:
+            metrics_log.truncate_after(start_step)  # rows a killed run wrote after its last checkpoint
+    elif accelerator.is_main_process:
+        save_config(cfg, run.path / "config.yaml")
+
+    train_transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    raw_optimizer = getattr(optimizer, "optimizer", optimizer)
+
+    # --- engine, rewards, flywheel --------------------------------------------------------------
+    engine = Engine(model, device=accelerator.device, weight_version=version, time_shift=cfg.sampling.time_shift)
+    flywheel = Flywheel(
+        engine, RewardSet(cfg.rewards), PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step,
+                                                     cfg.seed),
+        WeightSyncController(engine, mode="colocated"), cfg.data.group_size,
+        request_kwargs=dict(steps=cfg.sampling.steps, sampler="sde", noise_level=cfg.sampling.noise_level,
+                            guidance_scale=cfg.sampling.guidance_scale, sde_window=cfg.sampling.sde_window),
+        seed=cfg.seed, adv_clip=cfg.train.adv_clip_max)
+    judges = build_judges(cfg) if accelerator.is_main_process else {}
+    if cfg.tracker != "none":
+        accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)), init_kwargs=init_kwargs)
+
+    def log(row: dict) -> None:
+        if accelerator.is_main_process:
+            metrics_log.append(row)
+            accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    # --- the loop -------------------------------------------------------------------------------
+    base_eval = None
+    if start_step == 0:
+        base_eval = eval_step(flywheel, cfg, judges, accelerator, run, 0)
+        log({"step": 0, "weight_version": engine.weight_version, **base_eval})
+    progress = _progress(accelerator, start_step, cfg.steps)
+    row: dict = {}
+    for step in range(start_step, cfg.steps):
+        batch = flywheel.collect(step)
+        t0 = time.perf_counter()
+        train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
+                                    flywheel, params, cfg, step)
+        train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
+        row = {"step": step + 1, **all_reduce_mean({**batch.metrics, **train_metrics})}
+        row["weight_version"] = batch.trajectory.weight_version
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            row.update(eval_step(flywheel, cfg, judges, accelerator, run, done))
+        log(row)
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            if accelerator.is_main_process:
+                save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params}, raw_optimizer,
+                                named_params, {"step": done, "weight_version": engine.weight_version,
+                                               "data_position": flywheel.sampler.position(done)},
+                                keep_last=cfg.keep_checkpoints)
+            accelerator.wait_for_everyone()
+        progress.update(1)
+        progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}", kl=f"{row.get('kl', 0.0):.2e}",
+                             v=engine.weight_version)
+    progress.close()
+
+    # --- report ---------------------------------------------------------------------------------
+    final_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
+    if accelerator.is_main_process:
+        base = base_eval if base_eval is not None else _first_eval(metrics_log)
+        print(f"eval reward: base {base.get('eval/reward/mean', float('nan')):.3f} -> "
+              f"final {final_eval.get('eval/reward/mean', float('nan')):.3f} "
+              f"(run dir {run.path})", flush=True)
+    accelerator.end_training()
+    return {"base": base_eval, "final": final_eval, "run_dir": str(run.path)}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out
+
+
+def _first_eval(metrics_log: MetricsLog) -> dict:
+    rows = [r for r in metrics_log.read() if r.get("step") == 0]
+    return rows[0] if rows else {}
+
+
+def _progress(accelerator, start: int, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="grpo", disable=not accelerator.is_main_process,
+                dynamic_ncols=True)
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # gloo ranks sometimes abort at interpreter exit; leave cleanly once all is flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
