@@ -23,7 +23,8 @@ class RewardSet:
         names = [n for n, _ in pairs]
         extra = sorted(set(scorer_kwargs) - set(names))
         if extra:
-            raise ValueError(f"scorer_kwargs names scorers not in the spec: {', '.join(extra)}; spec has: {', '.join(names)}")
+            raise ValueError(f"scorer_kwargs names scorers not in the spec: {', '.join(extra)}; "
+                             f"spec has: {', '.join(names)}")
         self.weights: dict[str, float] = dict(pairs)
         self.scorer_ids: list[str] = names
         # Built here and kept: a scorer that loads weights loads them once per RewardSet.
@@ -32,7 +33,8 @@ class RewardSet:
     def __repr__(self) -> str:
         return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in self.weights.items()) + ")"
 
-    def _run(self, name: str, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, str | None]:
+    def _run(self, name: str, images: torch.Tensor, prompts: list[str],
+             metadata: list[dict]) -> tuple[torch.Tensor, str | None]:
         """One scorer's raw scores as host float32 [B], or all-NaN and the error text if it failed."""
         batch = images.shape[0]
         try:

@@ -65,7 +65,7 @@ def _weight(value: Any, where: str) -> float:
 def _name(value: Any, where: str) -> str:
     """A stripped, non-empty scorer name."""
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"missing scorer name in reward spec entry {where!r}")
+        raise ValueError(f"reward spec entry {where!r} needs a non-empty scorer name, got {value!r}")
     return value.strip()
 
 
