@@ -1,0 +1,312 @@
+"""The run directory: config.yaml, metrics.jsonl, sample grids, checkpoints.
+
+Layout of a run directory:
+
+    <run>/config.yaml        the resolved config (see `flywheel.config`)
+    <run>/metrics.jsonl      one JSON object per line, one line a step
+    <run>/samples/           PNG grids of samples
+    <run>/checkpoints/       step_000123/ dirs (see `flywheel.checkpoint`)
+
+Everything that a crash could leave half-written (config, grids, the metrics
+file when it is rewritten) goes through `atomic_write_*`: a reader sees either
+the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+
+METRICS_FILENAME = "metrics.jsonl"
+CONFIG_FILENAME = "config.yaml"
+
+
+# ---------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory entry to disk so that a rename inside it survives a crash."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open directories; nothing to do there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically: temp file in the same dir, fsync, os.replace.
+
+    The temp file must live in the same directory so that os.replace is a rename
+    within one filesystem (atomic), not a copy.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp creates 0600 files; results of a run should be readable like any file.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write `text` to `path` atomically (see `atomic_write_bytes`)."""
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+# ---------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------
+
+
+def _json_value(value: Any, key: str) -> Any:
+    """Turn a metric value into something strict JSON can hold.
+
+    NaN and +-inf become null: strict JSON has no literal for them, and tools
+    reading metrics.jsonl (pandas, jq, browsers) reject Python's `NaN` token.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"metric {key!r}: expected a scalar, got a tensor of shape {tuple(value.shape)}")
+        return _json_value(value.detach().cpu().item(), key)
+    if isinstance(value, (np.generic, np.ndarray)):
+        if np.size(value) != 1:
+            raise TypeError(f"metric {key!r}: expected a scalar, got an array of shape {np.shape(value)}")
+        return _json_value(np.asarray(value).item(), key)
+    if isinstance(value, dict):
+        return {str(k): _json_value(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(
+        f"metric {key!r}: cannot write a {type(value).__name__} to metrics.jsonl; "
+        "valid values are int, float, bool, str, None, 0-d tensors and numpy scalars"
+    )
+
+
+def _metrics_file(path: str | os.PathLike) -> Path:
+    """A run directory means its metrics.jsonl; anything else is the file itself."""
+    path = Path(path)
+    return path / METRICS_FILENAME if path.is_dir() else path
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Read metrics.jsonl (or a run dir's) into a list of dicts; [] if it does not exist.
+
+    A last line that does not parse is ignored: a process killed mid-write can
+    leave one. A bad line anywhere else is corruption and raises ValueError.
+    """
+    path = _metrics_file(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if all(not rest.strip() for rest in lines[i + 1:]):
+                break  # trailing partial line of a killed writer
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e}): {line[:200]!r}") from e
+    return rows
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl.
+
+    `path` is the metrics file, or a run directory (then its metrics.jsonl).
+    Each `append` opens, writes one whole line and closes, so a killed process
+    loses at most the line being written. Rows are flushed, not fsynced: a
+    killed process loses nothing, a power cut may lose the last rows.
+    NaN and infinite values are written as null (strict JSON has no NaN).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = _metrics_file(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_partial_tail()
+
+    def _drop_partial_tail(self) -> None:
+        # A killed writer can leave a last line without its newline; appending
+        # after it would glue the next row onto it and lose both. A tail that is
+        # a whole row (only the newline missing) is kept, as read_metrics keeps it.
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        try:
+            complete = isinstance(json.loads(data[cut:]), dict)
+        except ValueError:
+            complete = False
+        with open(self.path, "rb+") as f:
+            if complete:
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+            else:
+                f.truncate(cut)
+
+    def append(self, row: dict) -> None:
+        """Write one row (a flat dict is usual; include "step" so resume can truncate)."""
+        if not isinstance(row, dict):
+            raise TypeError(f"MetricsLog.append expects a dict, got {type(row).__name__}")
+        clean = {str(k): _json_value(v, str(k)) for k, v in row.items()}
+        line = json.dumps(clean, allow_nan=False) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+
+    def read(self) -> list[dict]:
+        """All rows written so far (see `read_metrics`)."""
+        return read_metrics(self.path)
+
+    def truncate_after(self, step: int) -> int:
+        """Drop rows with row["step"] > step; return how many were dropped.
+
+        Used on resume from the checkpoint of `step`: rows a killed run wrote
+        after its last checkpoint would otherwise appear twice. Rows without a
+        "step" are kept. The file is rewritten atomically.
+        """
+        if not self.path.exists():
+            return 0
+        rows = read_metrics(self.path)
+        kept = [r for r in rows if not (isinstance(r.get("step"), (int, float)) and r["step"] > step)]
+        text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept)
+        atomic_write_text(self.path, text)
+        return len(rows) - len(kept)
+
+
+# ---------------------------------------------------------------------------
+# Image grids
+# ---------------------------------------------------------------------------
+
+
+def make_image_grid(images: torch.Tensor | np.ndarray, nrow: int | None = None, upscale: int = 4,
+                    padding: int = 1, pad_value: float = 0.5) -> Image.Image:
+    """Arrange images [B, C, H, W] (float in [0, 1], C = 1 or 3) in a grid.
+
+    `nrow` is the number of columns (default ceil(sqrt(B))). Cells are separated
+    and framed by `padding` pixels of `pad_value` (grey by default, visible on
+    both black and white images). The whole grid is then nearest-neighbour
+    upscaled by `upscale`, so the PNG is
+    ((ncol * (W + padding) + padding) * upscale) pixels wide and
+    ((nrows * (H + padding) + padding) * upscale) high.
+    Values are clamped to [0, 1] (NaN -> 0) and mapped to round(255 * x).
+    """
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(images)
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a tensor [B, C, H, W], got {type(images).__name__}")
+    if images.dim() == 3:
+        images = images.unsqueeze(0)
+    if images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"images must have shape [B, C, H, W] with C = 1 or 3, got {tuple(images.shape)}")
+    if images.shape[0] == 0:
+        raise ValueError("images is empty (B = 0); there is nothing to put in a grid")
+    if upscale < 1 or padding < 0:
+        raise ValueError(f"upscale must be >= 1 and padding >= 0, got upscale={upscale}, padding={padding}")
+
+    b, c, h, w = images.shape
+    ncol = nrow if nrow is not None else math.ceil(math.sqrt(b))
+    if ncol < 1:
+        raise ValueError(f"nrow (columns) must be >= 1, got {nrow}")
+    ncol = min(ncol, b)
+    nrows = math.ceil(b / ncol)
+
+    x = torch.nan_to_num(images.detach().to("cpu", torch.float32), nan=0.0).clamp(0.0, 1.0)
+    x = (x * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()  # [B, H, W, C]
+    pad = int(round(min(max(pad_value, 0.0), 1.0) * 255))
+    grid = np.full((nrows * (h + padding) + padding, ncol * (w + padding) + padding, c), pad, np.uint8)
+    for i in range(b):
+        r, col = divmod(i, ncol)
+        top, left = padding + r * (h + padding), padding + col * (w + padding)
+        grid[top:top + h, left:left + w] = x[i]
+    if upscale > 1:
+        grid = grid.repeat(upscale, axis=0).repeat(upscale, axis=1)
+    return Image.fromarray(grid[:, :, 0], mode="L") if c == 1 else Image.fromarray(grid, mode="RGB")
+
+
+def save_image_grid(images: torch.Tensor | np.ndarray, path: str | os.PathLike, nrow: int | None = None,
+                    upscale: int = 4, padding: int = 1, pad_value: float = 0.5) -> Image.Image:
+    """Save `make_image_grid(images, ...)` as a PNG at `path` atomically; return the image."""
+    image = make_image_grid(images, nrow=nrow, upscale=upscale, padding=padding, pad_value=pad_value)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    atomic_write_bytes(path, buf.getvalue())
+    return image
+
+
+# ---------------------------------------------------------------------------
+# The run directory
+# ---------------------------------------------------------------------------
+
+
+class RunDir:
+    """A run directory (created if missing) and the paths inside it."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.checkpoints_dir = self.path / "checkpoints"
+        self.samples_dir = self.path / "samples"
+        self.config_path = self.path / CONFIG_FILENAME
+        self.metrics_path = self.path / METRICS_FILENAME
+        for d in (self.path, self.checkpoints_dir, self.samples_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(self.metrics_path)
+
+    def write_config(self, cfg: Any) -> Path:
+        """Write config.yaml atomically from a dict or a config dataclass."""
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+            # Imported here, not at the top: flywheel.config imports this module
+            # for its atomic writes.
+            from flywheel.config import config_to_dict
+
+            cfg = config_to_dict(cfg)
+        if not isinstance(cfg, dict):
+            raise TypeError(f"write_config expects a dict or a config dataclass, got {type(cfg).__name__}")
+        atomic_write_text(self.config_path, yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False))
+        return self.config_path
+
+    def sample_path(self, step: int, name: str = "samples") -> Path:
+        """Where the sample grid of `step` goes: samples/<name>_<step:06d>.png."""
+        return self.samples_dir / f"{name}_{step:06d}.png"
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"

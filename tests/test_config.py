@@ -1,0 +1,338 @@
+"""flywheel.config: defaults < YAML < CLI, coercion, errors that name the valid keys, help, round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import pytest
+import yaml
+
+from flywheel.config import (
+    ConfigError,
+    apply_overrides,
+    config_help,
+    config_to_dict,
+    field_docstrings,
+    load_config,
+    parse_config,
+    save_config,
+)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    """Learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    clip: Optional[float] = 1.0
+    """Gradient clipping norm (none disables it)."""
+
+
+@dataclass
+class SamplerConfig:
+    kind: Literal["ode", "sde", "cps"] = "sde"
+    """Sampler of the rollouts."""
+    steps: int = 10
+    """Denoising steps per rollout."""
+
+
+@dataclass
+class EmaConfig:
+    decay: float = 0.99
+    """EMA decay per step."""
+
+
+@dataclass
+class TrainConfig:
+    """A tiny training config for the tests."""
+
+    seed: int = 0
+    """Seed of torch, numpy and random."""
+    run_name: str | None = None
+    """Name of the run directory (none: derived from the time)."""
+    compile: bool = False
+    """Whether to torch.compile the model."""
+    size: tuple[int, int] = (8, 8)
+    """Image height and width."""
+    prompts: list[str] = field(default_factory=lambda: ["a", "b"])
+    """Training prompts."""
+    out_dir: Path = Path("runs")
+    """Where run directories go."""
+    reward_weights: dict[str, float] = field(default_factory=lambda: {"digit": 1.0})
+    """Weight of each reward scorer in the total."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """Rollout sampler settings."""
+    ema: EmaConfig | None = None
+    """EMA of the weights (none: off)."""
+
+
+@dataclass
+class RequiredConfig:
+    model_path: str
+    """Local path of the model weights."""
+    steps: int = 1
+    """Training steps."""
+
+
+def write_yaml(path: Path, data) -> Path:
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_defaults():
+    cfg = parse_config(TrainConfig, [])
+    assert cfg == TrainConfig()
+    assert cfg.optim.lr == 1e-4 and cfg.sampler.kind == "sde" and cfg.ema is None
+
+
+def test_yaml_then_cli_precedence(tmp_path):
+    a = write_yaml(tmp_path / "a.yaml", {"seed": 1, "optim": {"lr": 0.5}, "sampler": {"steps": 20}})
+    b = write_yaml(tmp_path / "b.yaml", {"seed": 2})
+    cfg = parse_config(TrainConfig, ["--config", str(a), f"--config={b}", "optim.lr=3e-4"])
+    assert cfg.seed == 2  # the later file wins
+    assert cfg.optim.lr == 3e-4  # the CLI wins over YAML
+    assert cfg.sampler.steps == 20  # a YAML section merges: other keys keep their defaults
+    assert cfg.sampler.kind == "sde" and cfg.optim.betas == (0.9, 0.999)
+    # CLI overrides apply after YAML even when written before --config
+    cfg = parse_config(TrainConfig, ["seed=7", "--config", str(a)])
+    assert cfg.seed == 7
+
+
+def test_yaml_dotted_top_level_keys(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", "optim.lr: 1e-3\nsampler.kind: ode\n")
+    cfg = load_config(TrainConfig, path)
+    assert cfg.optim.lr == 1e-3 and cfg.sampler.kind == "ode"
+
+
+@pytest.mark.parametrize("arg, attr, expected", [
+    ("seed=3", "seed", 3),
+    ("seed=1e3", "seed", 1000),
+    ("optim.lr=1e-3", "optim.lr", 1e-3),
+    ("optim.lr=2", "optim.lr", 2.0),
+    ("compile=true", "compile", True),
+    ("compile=YES", "compile", True),
+    ("compile=1", "compile", True),
+    ("compile=False", "compile", False),
+    ("compile=no", "compile", False),
+    ("compile=0", "compile", False),
+    ("run_name=exp1", "run_name", "exp1"),
+    ("run_name=none", "run_name", None),
+    ("run_name=NULL", "run_name", None),
+    ("optim.clip=none", "optim.clip", None),
+    ("optim.clip=0.5", "optim.clip", 0.5),
+    ("size=16,32", "size", (16, 32)),
+    ("size=[16, 32]", "size", (16, 32)),
+    ("size=(4,4)", "size", (4, 4)),
+    ("optim.betas=0.8,0.95", "optim.betas", (0.8, 0.95)),
+    ("prompts=x,y,z", "prompts", ["x", "y", "z"]),
+    ("prompts=[a cat, a dog]", "prompts", ["a cat", "a dog"]),
+    ("prompts=", "prompts", []),
+    ("out_dir=/tmp/runs", "out_dir", Path("/tmp/runs")),
+    ("sampler.kind=ode", "sampler.kind", "ode"),
+    ("reward_weights.judge=0.5", "reward_weights", {"digit": 1.0, "judge": 0.5}),
+    ("reward_weights={a: 2}", "reward_weights", {"a": 2.0}),
+    ("ema.decay=0.9", "ema", EmaConfig(decay=0.9)),
+    ("--seed=4", "seed", 4),
+])
+def test_cli_coercion(arg, attr, expected):
+    cfg = parse_config(TrainConfig, [arg])
+    value = cfg
+    for part in attr.split("."):
+        value = getattr(value, part)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_yaml_coercion(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", (
+        "seed: 5\n"
+        "compile: yes\n"
+        "size: [2, 3]\n"
+        "run_name: null\n"
+        "optim:\n  lr: 1e-3\n  clip: ~\n  betas: [0.5, 0.6]\n"  # YAML 1.1 reads 1e-3 as a string
+        "ema: {decay: 0.5}\n"
+    ))
+    cfg = load_config(TrainConfig, path)
+    assert cfg.seed == 5 and cfg.compile is True and cfg.size == (2, 3) and cfg.run_name is None
+    assert cfg.optim == OptimConfig(lr=1e-3, betas=(0.5, 0.6), clip=None)
+    assert cfg.ema == EmaConfig(decay=0.5)
+
+
+def test_optional_section_can_be_set_back_to_none():
+    cfg = parse_config(TrainConfig, ["ema.decay=0.5", "ema=none"])
+    assert cfg.ema is None
+
+
+@pytest.mark.parametrize("arg, expected_type", [
+    ("seed=abc", "int"),
+    ("seed=1.5", "int"),
+    ("optim.lr=fast", "float"),
+    ("compile=maybe", "bool"),
+    ("size=1,2,3", "tuple[int, int]"),
+    ("size=a,b", "tuple[int, int]"),
+    ("sampler.kind=euler", "Literal"),
+    ("optim.clip=big", "float | None"),
+])
+def test_bad_value_names_key_type_and_value(arg, expected_type):
+    key, value = arg.split("=", 1)
+    with pytest.raises(ConfigError) as info:
+        parse_config(TrainConfig, [arg])
+    msg = str(info.value)
+    assert repr(key) in msg and expected_type in msg and repr(value) in msg
+
+
+def test_literal_error_lists_choices():
+    with pytest.raises(ConfigError, match="'ode', 'sde', 'cps'"):
+        parse_config(TrainConfig, ["sampler.kind=euler"])
+
+
+def test_bad_value_in_yaml_names_file(tmp_path):
+    path = write_yaml(tmp_path / "bad.yaml", {"sampler": {"steps": "many"}})
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, path)
+    assert "'sampler.steps'" in str(info.value) and "bad.yaml" in str(info.value)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError) as info:
+        parse_config(TrainConfig, ["sed=1"])
+    msg = str(info.value)
+    assert "'sed'" in msg
+    for key in ("seed", "run_name", "compile", "optim", "sampler"):
+        assert key in msg
+    assert "Did you mean 'seed'?" in msg
+
+
+def test_unknown_nested_key():
+    with pytest.raises(ConfigError) as info:
+        parse_config(TrainConfig, ["optim.lrr=1"])
+    msg = str(info.value)
+    assert "'optim.lrr'" in msg
+    assert "optim.lr" in msg and "optim.betas" in msg and "optim.clip" in msg
+    assert "Did you mean 'optim.lr'?" in msg
+    # the valid keys of *that* section, not the top level
+    assert "sampler" not in msg
+
+
+def test_unknown_section_name():
+    with pytest.raises(ConfigError) as info:
+        parse_config(TrainConfig, ["optm.lr=1"])
+    assert "'optm.lr'" in str(info.value) and "Did you mean 'optim'?" in str(info.value)
+
+
+def test_unknown_key_inside_yaml(tmp_path):
+    path = write_yaml(tmp_path / "typo.yaml", {"sampler": {"stepz": 3}})
+    with pytest.raises(ConfigError) as info:
+        parse_config(TrainConfig, ["--config", str(path)])
+    msg = str(info.value)
+    assert "'sampler.stepz'" in msg and "sampler.steps" in msg and "sampler.kind" in msg
+    assert "typo.yaml" in msg
+
+
+def test_subkey_of_a_plain_value_is_an_error():
+    with pytest.raises(ConfigError, match="'seed.x'"):
+        parse_config(TrainConfig, ["seed.x=1"])
+
+
+def test_section_needs_a_mapping():
+    with pytest.raises(ConfigError, match="section"):
+        parse_config(TrainConfig, ["optim=3"])
+
+
+def test_malformed_arguments():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_config(TrainConfig, ["seed"])
+    with pytest.raises(ConfigError, match="--config"):
+        parse_config(TrainConfig, ["--config"])
+    with pytest.raises(ConfigError, match="not found"):
+        parse_config(TrainConfig, ["--config", "/nonexistent/x.yaml"])
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    path = write_yaml(tmp_path / "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(TrainConfig, path)
+    empty = write_yaml(tmp_path / "empty.yaml", "")
+    assert load_config(TrainConfig, empty) == TrainConfig()
+
+
+def test_required_fields():
+    assert parse_config(RequiredConfig, ["model_path=/w"]).model_path == "/w"
+    with pytest.raises(ConfigError, match="model_path"):
+        parse_config(RequiredConfig, [])
+
+
+def test_field_docstrings():
+    docs = field_docstrings(TrainConfig)
+    assert docs["seed"] == "Seed of torch, numpy and random."
+    assert docs["optim"] == "Optimizer settings."
+    assert field_docstrings(OptimConfig)["lr"] == "Learning rate of AdamW."
+
+
+def test_help_lists_every_key_with_type_default_and_doc():
+    text = config_help(TrainConfig, prog="train.py")
+    assert "usage: train.py" in text
+    assert "A tiny training config for the tests." in text
+    assert "seed: int = 0" in text
+    assert "Seed of torch, numpy and random." in text
+    assert "optim.lr: float = 0.0001" in text
+    assert "Learning rate of AdamW." in text
+    assert "sampler.kind: Literal['ode', 'sde', 'cps'] = 'sde'" in text
+    assert "ema.decay: float = 0.99" in text and "EMA decay per step." in text
+    for f in dataclasses.fields(TrainConfig):
+        assert f.name in text
+
+
+def test_help_flag_prints_and_exits(capsys):
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as info:
+            parse_config(TrainConfig, ["seed=1", flag])
+        assert info.value.code == 0
+        assert "Learning rate of AdamW." in capsys.readouterr().out
+
+
+def test_config_to_dict_is_yaml_safe():
+    d = config_to_dict(parse_config(TrainConfig, ["ema.decay=0.5"]))
+    assert d["size"] == [8, 8] and d["optim"]["betas"] == [0.9, 0.999]
+    assert d["out_dir"] == "runs" and d["ema"] == {"decay": 0.5}
+    yaml.safe_dump(d)  # raises on anything YAML-unsafe
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = parse_config(TrainConfig, [
+        "seed=3", "run_name=no", "compile=true", "size=4,6", "prompts=[yes, '1', null x]",
+        "optim.lr=1e-5", "optim.clip=none", "sampler.kind=cps", "ema.decay=0.9",
+        "reward_weights.judge=0.25", "out_dir=/tmp/x",
+    ])
+    path = save_config(cfg, tmp_path / "config.yaml")
+    loaded = load_config(TrainConfig, path)
+    assert loaded == cfg
+    assert loaded.run_name == "no"  # the string "no", not False: saved quoted
+    assert load_config(TrainConfig, save_config(TrainConfig(), tmp_path / "d.yaml")) == TrainConfig()
+
+
+def test_apply_overrides_returns_new_config():
+    cfg = TrainConfig()
+    new = apply_overrides(cfg, ["optim.lr=0.1", "prompts=x"])
+    assert new.optim.lr == 0.1 and new.prompts == ["x"]
+    assert cfg.optim.lr == 1e-4 and cfg.prompts == ["a", "b"]  # untouched
+    new2 = apply_overrides(new, {"seed": "5", "sampler": {"steps": 3}, "optim.betas": [0.1, 0.2]})
+    assert new2.seed == 5 and new2.sampler.steps == 3 and new2.optim.betas == (0.1, 0.2)
+    assert new2.optim.lr == 0.1
+    with pytest.raises(ConfigError, match="'optim.nope'"):
+        apply_overrides(cfg, {"optim": {"nope": 1}})
+
+
+def test_non_dataclass_is_rejected():
+    with pytest.raises(TypeError):
+        parse_config(dict, [])

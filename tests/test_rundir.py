@@ -1,0 +1,146 @@
+"""flywheel.rundir: run dir layout, metrics.jsonl, image grids, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from flywheel.rundir import (
+    MetricsLog,
+    RunDir,
+    atomic_write_bytes,
+    atomic_write_text,
+    make_image_grid,
+    read_metrics,
+    save_image_grid,
+)
+
+
+def test_run_dir_layout(tmp_path):
+    run = RunDir(tmp_path / "runs" / "exp")
+    assert run.path.is_dir() and run.checkpoints_dir == run.path / "checkpoints"
+    assert run.samples_dir == run.path / "samples" and run.samples_dir.is_dir()
+    path = run.write_config({"seed": 1, "optim": {"lr": 0.001}, "size": [8, 8]})
+    assert path == run.path / "config.yaml"
+    assert yaml.safe_load(path.read_text()) == {"seed": 1, "optim": {"lr": 0.001}, "size": [8, 8]}
+    assert run.sample_path(12).name == "samples_000012.png"
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path):
+    atomic_write_text(tmp_path / "a.txt", "one")
+    atomic_write_text(tmp_path / "a.txt", "two")
+    atomic_write_bytes(tmp_path / "sub" / "b.bin", b"\x00\x01")
+    assert (tmp_path / "a.txt").read_text() == "two"
+    assert (tmp_path / "sub" / "b.bin").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "sub"]
+
+
+def test_metrics_append_and_read(tmp_path):
+    log = MetricsLog(tmp_path)  # a directory means its metrics.jsonl
+    assert log.path == tmp_path / "metrics.jsonl"
+    log.append({"step": 1, "loss": 0.5, "name": "a", "ok": True})
+    log.append({"step": 2, "loss": torch.tensor(0.25), "kl": np.float32(0.125), "n": np.int64(3)})
+    rows = read_metrics(log.path)
+    assert rows == [
+        {"step": 1, "loss": 0.5, "name": "a", "ok": True},
+        {"step": 2, "loss": 0.25, "kl": 0.125, "n": 3},
+    ]
+    assert read_metrics(tmp_path) == rows
+    # one JSON object per line
+    lines = log.path.read_text().splitlines()
+    assert len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
+
+
+def test_metrics_nan_and_inf_written_as_null(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"step": 0, "a": math.nan, "b": float("inf"), "c": torch.tensor(float("nan"))})
+    assert "NaN" not in log.path.read_text() and "Infinity" not in log.path.read_text()
+    assert read_metrics(log.path) == [{"step": 0, "a": None, "b": None, "c": None}]
+
+
+def test_metrics_rejects_non_scalars(tmp_path):
+    log = MetricsLog(tmp_path)
+    with pytest.raises(TypeError, match="'x'"):
+        log.append({"x": torch.zeros(3)})
+    with pytest.raises(TypeError, match="'y'"):
+        log.append({"y": object()})
+
+
+def test_metrics_truncate_after(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in range(6):
+        log.append({"step": step, "loss": float(step)})
+    log.append({"note": "no step"})
+    assert log.truncate_after(3) == 2
+    assert [r.get("step") for r in read_metrics(log.path)] == [0, 1, 2, 3, None]
+    log.append({"step": 4, "loss": 40.0})
+    assert [r.get("step") for r in log.read()] == [0, 1, 2, 3, None, 4]
+    assert MetricsLog(tmp_path / "other.jsonl").truncate_after(0) == 0  # no file yet
+
+
+def test_metrics_partial_trailing_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 0.5}]
+    # a resumed writer drops the torn line instead of gluing its row onto it
+    log = MetricsLog(path)
+    log.append({"step": 2, "loss": 0.25})
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
+
+
+def test_metrics_complete_last_row_without_newline_is_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}')
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+    MetricsLog(path).append({"step": 2})
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}, {"step": 2}]
+
+
+def test_metrics_corrupt_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{broken\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(path)
+
+
+def test_read_metrics_missing_file(tmp_path):
+    assert read_metrics(tmp_path / "nope.jsonl") == []
+
+
+def test_image_grid_size_and_pixels(tmp_path):
+    images = torch.zeros(5, 1, 8, 8)
+    images[0] = 1.0  # white
+    images[1] = 0.5
+    img = save_image_grid(images, tmp_path / "grid.png", upscale=4, padding=1)
+    # 5 images -> ceil(sqrt(5)) = 3 columns, 2 rows; 1 px padding around and between; x4
+    assert img.size == ((3 * (8 + 1) + 1) * 4, (2 * (8 + 1) + 1) * 4)
+    assert img.mode == "L"
+    on_disk = Image.open(tmp_path / "grid.png")
+    assert on_disk.size == img.size
+    a = np.asarray(on_disk)
+    assert a[4:36, 4:36].min() == 255  # the white image, upscaled 8 -> 32 px
+    assert (a[4:36, 40:72] == 128).all()  # 0.5 -> round(127.5) = 128
+    assert (a[4:36, 76:108] == 0).all()
+    assert (a[0:4, :] == 128).all()  # padding (grey), also upscaled
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]
+
+
+def test_image_grid_rgb_nrow_clamp():
+    images = torch.zeros(4, 3, 2, 2)
+    images[:, 0] = 1.0  # red
+    images[3] = 7.0  # clamped to white
+    img = make_image_grid(images, nrow=4, upscale=1, padding=0)
+    assert img.mode == "RGB" and img.size == (8, 2)
+    a = np.asarray(img)
+    assert tuple(a[0, 0]) == (255, 0, 0) and tuple(a[0, 7]) == (255, 255, 255)
+
+
+def test_image_grid_bad_shape():
+    with pytest.raises(ValueError, match="C = 1 or 3"):
+        make_image_grid(torch.zeros(2, 2, 8, 8))
