@@ -22,14 +22,13 @@ GRID = 8  # load_digits images are 8x8 with values 0..16; [0, 1] images are valu
 def digit_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(X_train, X_test, y_train, y_test) of load_digits: X is [N, 8, 8] in 0..16, y is [N] int.
 
-    Must stay identical to engine.toy.data.digit_split (the toy model's split), so
-    that the classifier, the judge and the generator never see each other's test set.
+    The toy model's split, reshaped to images: the classifier, the judge and the
+    generator never see each other's held-out images.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from engine.toy.data import digit_split as toy_digit_split
 
-    digits = load_digits()
-    return train_test_split(digits.images, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+    x_train, x_test, y_train, y_test = toy_digit_split()
+    return x_train.reshape(-1, GRID, GRID), x_test.reshape(-1, GRID, GRID), y_train, y_test
 
 
 class DigitCNN(nn.Module):

@@ -105,6 +105,8 @@ class TrainConfig:
     """PPO clip range on the per-step probability ratio"""
     kl_beta: float = 0.0
     """weight of the KL penalty to the reference policy (0 = off)"""
+    log_kl: bool = True
+    """measure the KL to the reference even when kl_beta = 0 (one extra no-grad forward per step)"""
     adv_clip_max: float = 5.0
     """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
     timestep_fraction: float = 1.0
@@ -123,7 +125,7 @@ class Config:
     """where config, metrics, samples and checkpoints go"""
     seed: int = 0
     """seed of prompts, rollouts and timestep choice"""
-    steps: int = 60
+    steps: int = 80
     """training steps (rollout + update)"""
     rewards: str = "digit_alignment:1.0"
     """reward spec: name:weight,name:weight"""
@@ -191,6 +193,8 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         "kl": kl.detach(),
         "ratio/mean": (ratio.detach() * weight).sum(),
         "clipfrac": (((ratio.detach() - 1).abs() > cfg.clip_range).float() * weight).sum(),
+        # Exactly 0 on the first minibatch of a step: the rollout's own weights, recomputed.
+        "ratio/max_dev": ((ratio.detach() - 1).abs() * usable).max(),
     }
     return loss, stats
 
@@ -230,7 +234,10 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
                 loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc)
                 accelerator.backward(loss / backwards_per_update)
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / (len(steps) * len(minibatches))
+                if k.endswith("max_dev"):
+                    totals[k] = torch.maximum(totals.get(k, v), v)
+                else:
+                    totals[k] = totals.get(k, 0.0) + v / (len(steps) * len(minibatches))
         if (m + 1) % tc.gradient_accumulation_steps == 0:
             grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
             optimizer.step()
@@ -312,16 +319,17 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(cfg.model.card, path=cfg.model.path, device=accelerator.device, dtype=dtype)
     transformer = model.transformer
     ref_velocity = None
+    need_reference = cfg.train.kl_beta > 0 or cfg.train.log_kl
     if cfg.model.finetune == "lora":
         targets = cfg.model.lora_targets or get_card(cfg.model.card).defaults.get("lora_targets")
         add_lora(transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
-        if cfg.train.kl_beta > 0:
+        if need_reference:
             def ref_velocity(x, t, cond, uncond_cond, g):  # the base model = adapter switched off
                 with adapters_disabled(transformer):
                     return guided_velocity(model, transformer, x, t, cond, uncond_cond, g)
     else:
         transformer.requires_grad_(True)
-        if cfg.train.kl_beta > 0:
+        if need_reference:
             reference = copy.deepcopy(transformer).requires_grad_(False)
 
             def ref_velocity(x, t, cond, uncond_cond, g):

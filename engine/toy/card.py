@@ -139,5 +139,7 @@ register_card(ModelCard(
     description="Built-in toy text-to-image model: a ~250k-parameter DiT on sklearn's 8x8 digits, "
                 "pretrained with 40% label noise so it follows prompts imperfectly (room for RL).",
     load=load_toy_digits,
-    defaults=dict(steps=10, guidance_scale=1.0, noise_level=0.7, height=8, width=8),
+    defaults=dict(steps=10, guidance_scale=1.0, noise_level=0.7, height=8, width=8,
+                  # The attention and MLP projections of every block (peft matches name suffixes).
+                  lora_targets=["qkv", "proj", "mlp.0", "mlp.2"]),
 ))

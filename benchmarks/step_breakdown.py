@@ -1,0 +1,70 @@
+"""Seconds per GRPO step by phase (rollout, reward, train, sync), samples/s and peak memory.
+
+    python benchmarks/step_breakdown.py --json out.json          # default config, 20 steps
+    python benchmarks/step_breakdown.py --quick                  # 6 steps, under a minute
+    python benchmarks/step_breakdown.py -- model.finetune=lora    # any recipe override after --
+
+Runs the recipe itself (trainers/grpo.py) with tracking, evaluation and
+checkpoints off, and averages the per-step timings it writes to
+metrics.jsonl, skipping the first step (warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PHASES = ("rollout", "reward", "train", "sync")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="training steps to time")
+    parser.add_argument("--quick", action="store_true", help="6 steps (under a minute)")
+    parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
+    args = parser.parse_args()
+    steps = 6 if args.quick else args.steps
+
+    from flywheel.rundir import read_metrics
+    from trainers.grpo import main as grpo_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval_every={10**9}",
+                   f"sample_every={10**9}", f"save_every={10**9}", *args.overrides])
+        wall = time.perf_counter() - start
+        rows = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if r["step"] >= 2]
+        config = (Path(tmp) / "run" / "config.yaml").read_text()
+
+    import yaml
+
+    cfg = yaml.safe_load(config)
+    samples = cfg["data"]["prompts_per_step"] * cfg["data"]["group_size"]
+    result = {f"{p}_s": statistics.mean(r.get(f"time/{p}_s" if p != "sync" else "sync/total_s", 0.0) for r in rows)
+              for p in PHASES}
+    result["step_s"] = sum(result[f"{p}_s"] for p in PHASES)
+    result["samples_per_s"] = samples / result["step_s"]
+    result["samples_per_step"] = samples
+    result["steps_timed"] = len(rows)
+    result["wall_s"] = wall
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_goal_mb"] = 2048
+
+    print(f"{'metric':<20}{'value':>12}")
+    for k, v in result.items():
+        print(f"{k:<20}{v:>12.4g}" if isinstance(v, float) else f"{k:<20}{v:>12}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
