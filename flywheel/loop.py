@@ -99,17 +99,31 @@ class Flywheel:
         """Push the trainer's weights to the engine (freeze, drain, transfer, bump, resume)."""
         return self.sync_controller.sync()
 
-    @torch.no_grad()
     def evaluate(self, items: list[PromptItem], seeds_per_prompt: int, eval_kwargs: dict,
                  judges: dict | None = None) -> tuple[dict[str, float], Trajectory]:
-        """ODE samples of held-out prompts at fixed seeds; eval/* metrics and the trajectory."""
-        requests = [self._request(item, seed=10_000 + s, **eval_kwargs)
-                    for item in items for s in range(seeds_per_prompt)]
-        trajectory = self.engine.generate(requests)
-        rewards = self.rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata,
-                                     trajectory.weight_version)
-        metrics = rewards.metrics(prefix="eval/reward")
-        for name, judge in (judges or {}).items():
-            scores = judge(trajectory.images, trajectory.prompts, trajectory.metadata)
-            metrics[f"eval/judge/{name}/mean"] = float(torch.nanmean(scores.float()))
-        return metrics, trajectory
+        """Evaluate the engine's current weights with this flywheel's rewards (see `evaluate`)."""
+        return evaluate(self.engine, self.rewards, items, seeds_per_prompt, {**self.request_kwargs, **eval_kwargs},
+                        judges)
+
+
+EVAL_SEED_OFFSET = 10_000  # evaluation seeds never coincide with the first training rows
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_per_prompt: int,
+             request_kwargs: dict, judges: dict | None = None) -> tuple[dict[str, float], Trajectory]:
+    """Samples of `items` at fixed seeds; eval/reward/* and eval/judge/* metrics, and the trajectory.
+
+    The same prompts, seeds and sampler every time, so evaluations at different
+    steps (and of the base model by the pretraining script) are comparable.
+    """
+    requests = [GenerationRequest(prompt=item.prompt, seed=EVAL_SEED_OFFSET + s, card=engine.card_id,
+                                  metadata=item.metadata, **request_kwargs)
+                for item in items for s in range(seeds_per_prompt)]
+    trajectory = engine.generate(requests)
+    scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version)
+    metrics = scored.metrics(prefix="eval/reward")
+    for name, judge in (judges or {}).items():
+        scores = judge(trajectory.images, trajectory.prompts, trajectory.metadata)
+        metrics[f"eval/judge/{name}/mean"] = float(torch.nanmean(scores.float()))
+    return metrics, trajectory

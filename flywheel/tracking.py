@@ -7,6 +7,7 @@ its files land in the run directory for a later `wandb sync`.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import netrc
 import os
@@ -30,6 +31,10 @@ def prepare_tracker(tracker: str, run_dir: Path) -> dict:
     """Environment and init kwargs for `Accelerator.init_trackers`; call before creating trackers."""
     if tracker not in TRACKERS:
         raise ValueError(f"tracker={tracker!r} is not known; valid trackers: {', '.join(TRACKERS)}")
+    if tracker == "tensorboard" and importlib.util.find_spec("tensorboard") is None \
+            and importlib.util.find_spec("tensorboardX") is None:
+        raise ModuleNotFoundError("tracker=tensorboard needs the tensorboard package: `pip install tensorboard`, "
+                                  "or use tracker=wandb / tracker=none")
     if tracker == "wandb":
         if "WANDB_MODE" not in os.environ and not wandb_account_configured():
             os.environ["WANDB_MODE"] = "offline"

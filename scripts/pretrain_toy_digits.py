@@ -17,19 +17,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from sklearn.svm import SVC
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
-from engine.toy.card import DEFAULT_WEIGHTS, ToyDigitsModel, weights_metadata, weights_state_dict  # noqa: E402
-from engine.toy.data import digit_split, load_digit_tensors  # noqa: E402
+from engine.toy.card import DEFAULT_WEIGHTS, weights_metadata, weights_state_dict  # noqa: E402
+from engine.toy.data import load_digit_tensors  # noqa: E402
 from engine.toy.model import ToyDiT, ToyDiTConfig  # noqa: E402
-from engine.toy.prompts import TRAIN_TEMPLATES, heldout_prompts, make_prompt  # noqa: E402
+from engine.toy.prompts import TRAIN_TEMPLATES, make_prompt  # noqa: E402
 from engine.toy.text import ToyPromptEncoder, ToyTextConfig, ToyTokenizer  # noqa: E402
 
 
@@ -39,20 +37,24 @@ class Args:
 
     out: str = str(DEFAULT_WEIGHTS)  # where the safetensors file is written (atomically)
     seed: int = 0  # seeds model init, label noise, batches, prompts and noise
-    steps: int = 1500  # optimizer steps (~33 steps/s on 2 CPU cores)
+    steps: int = 1500  # optimizer steps (~5-8 steps/s on 2 CPU cores)
     batch_size: int = 128  # samples per step
     lr: float = 1e-3  # AdamW learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
     label_noise: float = 0.4  # fraction of train images whose label is replaced by a uniformly random digit
     prompt_dropout: float = 0.1  # fraction of prompts replaced by "" so classifier-free guidance works
     threads: int = 2  # torch threads; fixed because results depend on it
-    sanity_samples: int = 100  # ODE samples generated at the end as a sanity check (0 to skip)
+    evaluate: bool = True  # print the base eval reward of the written weights (as the GRPO recipe measures it)
 
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in vars(Args()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
     return Args(**vars(parser.parse_args()))
 
 
@@ -65,40 +67,22 @@ def noisy_labels(labels: torch.Tensor, fraction: float, generator: torch.Generat
     return noisy
 
 
-@torch.no_grad()
-def sample_ode(model: ToyDigitsModel, prompts: list[str], generator: torch.Generator, steps: int = 10,
-               guidance_scale: float = 1.0) -> torch.Tensor:
-    """Euler ODE from t=1 (noise) to t=0; returns latents [B, 1, 8, 8]."""
-    x = torch.randn(len(prompts), 1, 8, 8, generator=generator)
-    cond = model.encode_prompts(prompts)
-    uncond = model.encode_prompts([""] * len(prompts))
-    ts = torch.linspace(1.0, 0.0, steps + 1)
-    for i in range(steps):
-        v = model.velocity(model.transformer, x, ts[i], cond)
-        if guidance_scale != 1.0:
-            v_u = model.velocity(model.transformer, x, ts[i], uncond)
-            v = v_u + guidance_scale * (v - v_u)
-        x = x + (ts[i + 1] - ts[i]) * v
-    return x
+def evaluate_base(weights: Path) -> None:
+    """The base model's eval reward, measured exactly as trainers/grpo.py measures step 0."""
+    from engine import Engine, load_model
+    from flywheel.loop import evaluate
+    from flywheel.prompts import load_prompts
+    from rewards import RewardSet
+    from rewards.judges import DigitJudge
 
-
-def sanity_check(model: ToyDigitsModel, n: int, seed: int) -> None:
-    """Print pixel statistics of ODE samples and how often an SVC judge reads the prompted digit."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    pool = heldout_prompts()
-    picks = torch.randint(0, len(pool), (n,), generator=gen)
-    prompts = [pool[i][0] for i in picks]
-    digits = np.array([pool[i][1] for i in picks])
-    x_train, _, y_train, _ = digit_split()
-    judge = SVC(gamma=0.001).fit(x_train, y_train)  # an independent judge, never a reward
-    for g in (1.0, 3.0):
-        x = sample_ode(model, prompts, gen, steps=10, guidance_scale=g)
-        pixels = model.decode(x).reshape(n, 64).numpy() * 16.0
-        acc = float((judge.predict(pixels) == digits).mean())
-        saturated = float((x.abs() > 0.8).float().mean())
-        print(f"sanity (held-out prompts, 10 Euler steps, guidance {g:g}): latent mean {x.mean():+.3f} "
-              f"std {x.std():.3f}, |x|>0.8 for {saturated:.0%} of pixels; "
-              f"SVC reads the prompted digit in {acc:.0%} of {n} samples")
+    engine = Engine(load_model("toy-digits", path=str(weights)))
+    for guidance in (1.0, 3.0):
+        metrics, _ = evaluate(engine, RewardSet("digit_alignment"), load_prompts("toy-digits-heldout"), 4,
+                              {"steps": 10, "sampler": "ode", "guidance_scale": guidance},
+                              {"digit_svc": DigitJudge()})
+        print(f"base eval at guidance {guidance:g} (held-out prompts x 4 seeds, 10 ODE steps): "
+              f"digit_alignment {metrics['eval/reward/digit_alignment/mean']:.3f}, "
+              f"judge {metrics['eval/judge/digit_svc/mean']:.3f}")
 
 
 def main() -> None:
@@ -176,8 +160,8 @@ def main() -> None:
     os.replace(tmp, out)  # atomic: a reader never sees a half-written file
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB)")
 
-    if args.sanity_samples > 0:
-        sanity_check(ToyDigitsModel(transformer, text_encoder, tokenizer), args.sanity_samples, args.seed)
+    if args.evaluate:
+        evaluate_base(out)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,9 @@ def test_two_processes_draw_the_same_samples_as_one(tmp_path):
     # After one DDP update (gradients averaged over ranks) the weights agree to float rounding.
     assert double[2]["reward/mean"] == pytest.approx(single[2]["reward/mean"], abs=1e-3)
     assert double[2]["weight_version"] == 1
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(path):
+    cfg = parse_config(Config, ["--config", str(path)])
+    assert cfg.model.card == "toy-digits"
