@@ -77,6 +77,7 @@ def register_card(card: ModelCard) -> ModelCard:
 def _ensure_builtin_cards() -> None:
     # Imported lazily so that `import engine` stays cheap and so the built-in
     # cards can import from this module.
+    import engine.families  # noqa: F401
     import engine.toy.card  # noqa: F401
 
 
