@@ -31,6 +31,10 @@ class FlowModel(Protocol):
 
     card_id: str
     transformer: nn.Module
+    # Optional: `embedded_guidance = True` for guidance-distilled models; the
+    # engine then skips the unconditional branch and calls
+    # velocity(..., guidance=g). Optional: `schedule(steps, latent_shape)`
+    # returning the model's own flow times [T+1] from 1 to 0.
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Embed prompts (an empty string is the unconditional prompt)."""

@@ -87,14 +87,14 @@ class Engine:
     def _generate_batch(self, requests: list[GenerationRequest], version: int) -> Trajectory:
         first = requests[0]
         latent_shape = self.model.latent_shape(first.height, first.width, first.frames)
-        timesteps = flow_timesteps(first.steps, self.time_shift, device=self.device)
+        timesteps = self.schedule(first.steps, latent_shape)
         noise_levels = step_noise_levels(first.steps, first.sampler, first.noise_level, first.sde_window)
         initial_noise, step_noise = self._draw_noise(requests, latent_shape, stochastic=first.sampler != "ode")
 
         prompts = [r.prompt for r in requests]
         cond = self.encode_prompts(prompts)
         uncond = None
-        if first.guidance_scale != 1.0:
+        if first.guidance_scale != 1.0 and not getattr(self.model, "embedded_guidance", False):
             uncond = self.encode_prompts([r.negative_prompt for r in requests])
         uncond_cond = None if uncond is None else concat_embeds(uncond, cond)
 
@@ -113,6 +113,13 @@ class Engine:
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
             metadata=[dict(r.metadata) for r in requests])
+
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The flow times t_0 = 1 > ... > t_T = 0: the model's own schedule if it has one
+        (FLUX shifts by resolution), else the engine's shifted linear schedule."""
+        if hasattr(self.model, "schedule"):
+            return self.model.schedule(steps, latent_shape).to(device=self.device, dtype=torch.float32)
+        return flow_timesteps(steps, self.time_shift, device=self.device)
 
     def _draw_noise(self, requests: list[GenerationRequest], latent_shape: tuple[int, ...],
                     stochastic: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -28,6 +28,9 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
     one (see `concat_embeds`), so both run in a single batched forward. When it
     is None (g = 1, or a guidance-distilled model) only the conditional branch runs.
     """
+    if getattr(model, "embedded_guidance", False):
+        # Guidance-distilled models (FLUX.1-dev) take g as an input: no unconditional branch.
+        return model.velocity(transformer, x, t, cond, guidance=guidance_scale)
     if uncond_cond is None:
         return model.velocity(transformer, x, t, cond)
     v = model.velocity(transformer, torch.cat([x, x]), t, uncond_cond)
