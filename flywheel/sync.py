@@ -3,21 +3,32 @@
 The contract (DESIGN.md): freeze -> drain -> transfer -> bump version +
 invalidate caches -> resume. Calls already running finish on the version they
 started with; calls that arrive during a sync wait and then run on the new
-version; nothing is dropped. Each phase is timed for the metrics.
+version; nothing is dropped. Each phase is timed for the metrics, every
+rendezvous has a timeout, and `verify=True` compares per-tensor checksums of
+sender and receiver after the transfer.
 
-Colocated mode: the engine serves the trainer's own module, so the transfer
-is free (the optimizer already updated the weights in place). The sync still
-runs the full protocol so that versions and caches stay honest.
+Transports:
+- colocated: the engine serves the trainer's own module; nothing is copied.
+- copy: the engine holds its own copy in this process (named tensors copied in place).
+- disk: safetensors written atomically, then loaded by the engine from the path.
+- shm: an engine in another process (`flywheel.engine_process`), tensors staged
+  in shared-memory buckets.
 """
 
 from __future__ import annotations
 
 import enum
+import tempfile
 import time
+from pathlib import Path
+from typing import Protocol
 
-from engine import Engine
+import torch
 
-MODES = ("colocated",)
+from flywheel.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, save_weights_atomic, tensor_checksums, \
+    verify_checksums
+
+PROMPT_ENCODER_COMPONENTS = ("prompt_encoder", "text_encoder")
 
 
 class SyncState(enum.Enum):
@@ -27,25 +38,123 @@ class SyncState(enum.Enum):
     TRANSFERRED = "transferred"
 
 
+class EngineHandle(Protocol):
+    """What the controller needs of an engine, in this process or another."""
+
+    weight_version: int
+
+    def pause(self, mode: str = "drain") -> None: ...
+    def drain(self, timeout_s: float = 600.0) -> float: ...
+    def resume(self) -> None: ...
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class ColocatedTransport:
+    """The engine already serves the trainer's tensors: only the version moves."""
+
+    name = "colocated"
+
+    def transfer(self, engine, tensors, version: int, component: str) -> int:
+        engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+        return 0
+
+
+class CopyTransport:
+    """Copy named tensors into an engine's own module in this process."""
+
+    name = "copy"
+
+    def transfer(self, engine, tensors, version: int, component: str) -> int:
+        engine.load_weights(tensors, version, component=component)
+        return _nbytes(tensors)
+
+
+class DiskTransport:
+    """Write safetensors atomically into `directory`, then have the engine load the path."""
+
+    name = "disk"
+
+    def __init__(self, directory: str | Path | None = None):
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="flywheel-sync-"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def transfer(self, engine, tensors, version: int, component: str) -> int:
+        path = save_weights_atomic(tensors, self.directory / f"{component}.safetensors", version)
+        engine.load_weights(str(path), version, component=component)
+        return _nbytes(tensors)
+
+
+class SharedMemoryTransport:
+    """Stage tensors in shared-memory buckets for an engine in another process."""
+
+    name = "shm"
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.sender = SharedMemorySender(bucket_bytes)
+
+    def transfer(self, engine, tensors, version: int, component: str) -> int:
+        moved = self.sender.send(tensors, engine.receive_bucket)
+        engine.commit_weights(version, component=component)
+        return moved
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+TRANSPORTS = {"colocated": ColocatedTransport, "copy": CopyTransport, "disk": DiskTransport,
+              "shm": SharedMemoryTransport}
+
+
+def make_transport(name: str, **kwargs):
+    if name not in TRANSPORTS:
+        raise ValueError(f"weight sync transport {name!r} is not available; valid: {', '.join(TRANSPORTS)}")
+    return TRANSPORTS[name](**kwargs)
+
+
+def engine_checksums(engine, names: list[str], component: str) -> dict[str, str]:
+    """Checksums of the engine's tensors (a remote handle computes them where the tensors live)."""
+    if hasattr(engine, "checksums"):
+        return engine.checksums(names, component=component)
+    state = engine.component(component).state_dict()
+    return tensor_checksums({n: state[n] for n in names})
+
+
 class WeightSyncController:
     """Runs the sync protocol against one engine and counts versions."""
 
-    def __init__(self, engine: Engine, mode: str = "colocated", timeout_s: float = 600.0):
-        if mode not in MODES:
-            raise ValueError(f"weight sync mode {mode!r} is not available; valid modes: {', '.join(MODES)}")
+    def __init__(self, engine: EngineHandle, mode: str = "colocated", timeout_s: float = 600.0,
+                 verify: bool = False, transport=None):
         self.engine = engine
-        self.mode = mode
+        self.transport = transport if transport is not None else make_transport(mode)
+        self.mode = self.transport.name
         self.timeout_s = timeout_s
+        self.verify = verify
         self.state = SyncState.IDLE
 
     @property
     def version(self) -> int:
         return self.engine.weight_version
 
-    def sync(self, prompt_encoder_changed: bool = False) -> dict[str, float]:
-        """Push the current weights; returns the phase timings and the new version."""
+    def close(self) -> None:
+        """Release the transport's staging memory (shared-memory blocks)."""
+        if hasattr(self.transport, "close"):
+            self.transport.close()
+
+    def sync(self, tensors: dict[str, torch.Tensor] | None = None, component: str = "transformer",
+             prompt_encoder_changed: bool = False) -> dict[str, float]:
+        """Push `tensors` (named like the engine's `component`; None when colocated) and bump the version.
+
+        Returns the phase timings, the bytes moved and the new version.
+        """
         if self.state is not SyncState.IDLE:
             raise RuntimeError(f"a weight sync is already in progress (state {self.state.value})")
+        if tensors is None and self.mode != "colocated":
+            raise ValueError(f"transport {self.mode!r} needs the tensors to send")
+        if prompt_encoder_changed:
+            component = "prompt_encoder"
         start = time.perf_counter()
         self.engine.pause()
         self.state = SyncState.FROZEN
@@ -53,11 +162,11 @@ class WeightSyncController:
             drain_s = self.engine.drain(timeout_s=self.timeout_s)
             self.state = SyncState.DRAINED
             transfer_start = time.perf_counter()
-            transferred_bytes = 0  # colocated: the engine already holds the trainer's tensors
+            moved = self.transport.transfer(self.engine, tensors, self.engine.weight_version + 1, component)
             transfer_s = time.perf_counter() - transfer_start
             self.state = SyncState.TRANSFERRED
-            self.engine.set_weight_version(self.engine.weight_version + 1,
-                                           prompt_encoder_changed=prompt_encoder_changed)
+            if self.verify and tensors:
+                verify_checksums(tensor_checksums(tensors), engine_checksums(self.engine, list(tensors), component))
         finally:
             self.engine.resume()
             self.state = SyncState.IDLE
@@ -65,6 +174,6 @@ class WeightSyncController:
             "sync/drain_s": drain_s,
             "sync/transfer_s": transfer_s,
             "sync/total_s": time.perf_counter() - start,
-            "sync/bytes": float(transferred_bytes),
+            "sync/bytes": float(moved),
             "weight_version": self.engine.weight_version,
         }

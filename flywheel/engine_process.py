@@ -1,0 +1,246 @@
+"""An Engine in its own process, driven over a local authenticated socket.
+
+    handle = EngineProcess.start("toy-digits")       # spawns `python -m flywheel.engine_process`
+    traj = handle.generate([GenerationRequest(...)])  # host tensors: latents, log_probs, images
+    WeightSyncController(handle, transport=SharedMemoryTransport()).sync(tensors)
+
+Messages are JSON (plus safetensors bytes for tensors), sent with
+`multiprocessing.connection`'s `send_bytes`/`recv_bytes`: nothing is pickled.
+Each client connection is served by its own thread, so a control connection
+can pause, drain and load weights while a generation connection is busy.
+Every call has a timeout that ends in an error naming the operation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Client, Listener
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from engine import Engine, GenerationRequest
+from flywheel.transport import receive_shared_memory_bucket, tensor_checksums
+
+TRAJECTORY_TENSORS = ("latents", "log_probs", "images", "timesteps", "noise_levels")
+
+
+@dataclass
+class RemoteTrajectory:
+    """The host copy of a rollout made in the engine process."""
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    images: torch.Tensor
+    timesteps: torch.Tensor
+    noise_levels: torch.Tensor
+    prompts: list[str]
+    seeds: list[int]
+    weight_version: int
+
+
+def _request_from_json(d: dict) -> GenerationRequest:
+    if d.get("sde_window") is not None:
+        d = {**d, "sde_window": tuple(d["sde_window"])}
+    return GenerationRequest(**d)
+
+
+# ---- server (the engine process) --------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.pending: dict[str, torch.Tensor] = {}
+        self.stop = threading.Event()
+
+    def handle(self, op: str, msg: dict) -> tuple[dict, bytes | None]:
+        e = self.engine
+        if op == "generate":
+            traj = e.generate([_request_from_json(r) for r in msg["requests"]])
+            tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS}
+            return {"weight_version": traj.weight_version, "prompts": traj.prompts, "seeds": traj.seeds}, \
+                save_safetensors(tensors)
+        if op == "pause":
+            e.pause(msg.get("mode", "drain"))
+            return {}, None
+        if op == "drain":
+            return {"waited_s": e.drain(timeout_s=msg["wait_s"])}, None
+        if op == "resume":
+            e.resume()
+            return {}, None
+        if op == "version":
+            return {"weight_version": e.weight_version}, None
+        if op == "load_file":
+            return e.load_weights(msg["path"], msg["version"], component=msg["component"]), None
+        if op == "receive_bucket":
+            self.pending.update(receive_shared_memory_bucket(msg["shm"], msg["slots"]))
+            return {"received": len(self.pending)}, None
+        if op == "commit":
+            tensors, self.pending = self.pending, {}
+            return e.load_weights(tensors, msg["version"], component=msg["component"]), None
+        if op == "checksums":
+            state = e.component(msg["component"]).state_dict()
+            return {"checksums": tensor_checksums({n: state[n] for n in msg["names"]})}, None
+        if op == "shutdown":
+            self.stop.set()
+            return {}, None
+        raise ValueError(f"unknown operation {op!r}")
+
+    def serve_connection(self, conn) -> None:
+        with conn:
+            while not self.stop.is_set():
+                try:
+                    msg = json.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    return
+                try:
+                    reply, payload = self.handle(msg.get("op"), msg)
+                    reply = {"ok": True, **reply, "has_payload": payload is not None}
+                except Exception as exc:  # reported to the caller, the server keeps serving
+                    reply, payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "has_payload": False}, None
+                conn.send_bytes(json.dumps(reply).encode())
+                if payload is not None:
+                    conn.send_bytes(payload)
+
+
+def serve(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_card(args.card, path=args.path, device=args.device)
+    engine.model.transformer.eval()
+    server = _Server(engine)
+    authkey = bytes.fromhex(os.environ["FLYWHEEL_ENGINE_AUTHKEY"])
+    listener = Listener((args.host, args.port), authkey=authkey)
+    print(json.dumps({"port": listener.address[1]}), flush=True)
+
+    def accept_forever():
+        while True:
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError):  # a client that failed authentication, or the listener closed
+                continue
+            threading.Thread(target=server.serve_connection, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept_forever, daemon=True).start()
+    server.stop.wait()
+
+
+# ---- client (the trainer side) ----------------------------------------------------------------
+
+
+class EngineProcess:
+    """A handle on an engine process: generation, and the engine side of weight sync."""
+
+    def __init__(self, proc: subprocess.Popen, address: tuple[str, int], authkey: bytes, timeout_s: float):
+        self.proc, self.address, self.timeout_s = proc, address, timeout_s
+        self._authkey = authkey
+        self._connections = threading.local()
+
+    @classmethod
+    def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int = 1,
+              timeout_s: float = 120.0) -> "EngineProcess":
+        authkey = secrets.token_bytes(32)
+        cmd = [sys.executable, "-m", "flywheel.engine_process", "--card", card, "--device", device,
+               "--threads", str(threads)] + (["--path", path] if path else [])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()})
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(timeout=timeout_s)
+            raise RuntimeError(f"engine process for card {card!r} exited with code {proc.returncode} before serving")
+        return cls(proc, ("127.0.0.1", json.loads(line)["port"]), authkey, timeout_s)
+
+    def _conn(self):
+        # One connection per calling thread: a control call never queues behind a generation.
+        conn = getattr(self._connections, "conn", None)
+        if conn is None:
+            conn = self._connections.conn = Client(self.address, authkey=self._authkey)
+        return conn
+
+    def call(self, op: str, timeout_s: float | None = None, **msg) -> tuple[dict, bytes | None]:
+        conn = self._conn()
+        conn.send_bytes(json.dumps({"op": op, **msg}).encode())
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not conn.poll(timeout):
+            raise TimeoutError(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
+                               f"{op!r} within {timeout:.0f}s")
+        reply = json.loads(conn.recv_bytes())
+        payload = conn.recv_bytes() if reply.get("has_payload") else None
+        if not reply["ok"]:
+            raise RuntimeError(f"engine process {op!r} failed: {reply['error']}")
+        return reply, payload
+
+    # -- generation
+    def generate(self, requests: list[GenerationRequest]) -> RemoteTrajectory:
+        reply, payload = self.call("generate", requests=[
+            {k: v for k, v in asdict(r).items()} for r in requests])
+        tensors = load_safetensors(payload)
+        return RemoteTrajectory(**tensors, prompts=reply["prompts"], seeds=reply["seeds"],
+                                weight_version=reply["weight_version"])
+
+    # -- engine side of weight sync
+    @property
+    def weight_version(self) -> int:
+        return self.call("version")[0]["weight_version"]
+
+    def pause(self, mode: str = "drain") -> None:
+        self.call("pause", mode=mode)
+
+    def drain(self, timeout_s: float = 600.0) -> float:
+        return self.call("drain", timeout_s=timeout_s + 5, wait_s=timeout_s)[0]["waited_s"]
+
+    def resume(self) -> None:
+        self.call("resume")
+
+    def load_weights(self, path: str, version: int, component: str = "transformer") -> dict:
+        return self.call("load_file", path=str(path), version=version, component=component)[0]
+
+    def receive_bucket(self, shm_name: str, slots: list[dict]) -> None:
+        self.call("receive_bucket", shm=shm_name, slots=slots)
+
+    def commit_weights(self, version: int, component: str = "transformer") -> dict:
+        return self.call("commit", version=version, component=component)[0]
+
+    def checksums(self, names: list[str], component: str = "transformer") -> dict[str, str]:
+        return self.call("checksums", names=names, component=component)[0]["checksums"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("shutdown", timeout_s=10)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve an engine to a trainer in another process.")
+    parser.add_argument("--card", default="toy-digits")
+    parser.add_argument("--path", default=None, help="local weights folder of the card")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    serve(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Weight transports: bucketing, shared memory across processes, disk, broadcast, checksums."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flywheel.transport import (SharedMemorySender, TensorSlot, pack_bucket, plan_buckets,
+                                receive_shared_memory_bucket, save_weights_atomic, tensor_checksums, unpack_bucket,
+                                verify_checksums)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sample_tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(64, 32, generator=g),
+        "a.bias": torch.randn(64, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(300, 300, generator=g).half(),
+        "steps": torch.tensor([3, 4, 5]),
+        "flag": torch.tensor([True, False]),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_buckets_respect_the_size_and_keep_every_tensor():
+    tensors = sample_tensors()
+    buckets = plan_buckets(tensors, bucket_bytes=16 * 1024)
+    assert [s.name for b in buckets for s in b] == list(tensors)
+    for b in buckets:
+        size = sum(s.nbytes for s in b)
+        assert size <= 16 * 1024 or len(b) == 1  # an oversized tensor travels alone
+    assert any(len(b) == 1 and b[0].name == "b.weight" for b in buckets)
+
+
+def test_pack_unpack_round_trip_is_bitwise():
+    tensors = sample_tensors()
+    for slots in plan_buckets(tensors, bucket_bytes=1 << 20):
+        buffer = torch.empty(sum(s.nbytes for s in slots), dtype=torch.uint8)
+        pack_bucket(tensors, slots, buffer)
+        for name, t in unpack_bucket(buffer, slots).items():
+            assert t.dtype == tensors[name].dtype and torch.equal(t, tensors[name])
+    assert TensorSlot.from_json(slots[0].to_json()) == slots[0]
+
+
+def test_checksums_catch_a_single_changed_element():
+    tensors = sample_tensors()
+    sent = tensor_checksums(tensors)
+    verify_checksums(sent, tensor_checksums({k: v.clone() for k, v in tensors.items()}))
+    changed = {k: v.clone() for k, v in tensors.items()}
+    changed["a.weight"][3, 4] += 1e-6
+    with pytest.raises(RuntimeError, match="1 tensor\\(s\\) differ \\['a.weight'\\]"):
+        verify_checksums(sent, tensor_checksums(changed))
+    with pytest.raises(RuntimeError, match="missing"):
+        verify_checksums(sent, {k: v for k, v in tensor_checksums(tensors).items() if k != "flag"})
+
+
+RECEIVER = r"""
+import json, sys
+from flywheel.transport import receive_shared_memory_bucket, tensor_checksums
+got = {}
+for line in sys.stdin:
+    msg = json.loads(line)
+    got.update(receive_shared_memory_bucket(msg["shm"], msg["slots"]))
+    print("ack", flush=True)
+print(json.dumps(tensor_checksums(got)), flush=True)
+"""
+
+
+def test_shared_memory_moves_buckets_to_another_process():
+    tensors = sample_tensors()
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    sender = SharedMemorySender(bucket_bytes=32 * 1024)
+
+    def deliver(shm_name, slots):
+        proc.stdin.write(json.dumps({"shm": shm_name, "slots": slots}) + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "ack"  # the receiver copied the bucket out
+
+    try:
+        sent = sender.send(tensors, deliver)
+        proc.stdin.close()
+        received = json.loads(proc.stdout.readline())
+    finally:
+        sender.close()
+        proc.wait(timeout=30)
+    assert sent == sum(t.numel() * t.element_size() for t in tensors.values())
+    verify_checksums(tensor_checksums(tensors), received)
+
+
+def test_disk_transport_is_atomic_safetensors_with_the_version(tmp_path):
+    tensors = sample_tensors()
+    path = save_weights_atomic(tensors, tmp_path / "w.safetensors", version=7)
+    assert not list(tmp_path.glob(".*.tmp"))
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["weight_version"] == "7"
+
+
+BROADCAST = r"""
+import json, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+from flywheel.transport import broadcast_weights, tensor_checksums
+rank = dist.get_rank()
+g = torch.Generator().manual_seed(1)
+shapes = {"w1": (128, 64), "w2": (1000,), "w3": (7, 7)}
+if rank == 0:
+    tensors = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+else:
+    tensors = {k: torch.zeros(s) for k, s in shapes.items()}  # the receiver starts from junk
+sent = broadcast_weights(tensors, src=0, bucket_bytes=8 * 1024)
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({"bytes": sent, "sums": tensor_checksums(tensors)}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_broadcast_in_buckets_reaches_the_other_rank(tmp_path):
+    script = tmp_path / "bcast.py"
+    script.write_text(BROADCAST)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+                    str(script)], env=env, cwd=tmp_path, timeout=120, capture_output=True, check=True)
+    sender, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert sender["bytes"] == receiver["bytes"] == (128 * 64 + 1000 + 49) * 4
+    verify_checksums(sender["sums"], receiver["sums"])

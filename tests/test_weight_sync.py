@@ -1,0 +1,154 @@
+"""WeightSyncController: the protocol, each transport, parity after a sync, verification, caches."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import Engine, GenerationRequest, PromptEmbeds, load_model
+from engine.loop import guided_velocity
+from engine.sampling import sde_step_log_prob, sde_t_cap
+from flywheel.engine_process import EngineProcess
+from flywheel.sync import (CopyTransport, DiskTransport, SharedMemoryTransport, SyncState, WeightSyncController)
+from flywheel.transport import tensor_checksums
+
+
+def reqs(n=4, steps=10, **kw):
+    return [GenerationRequest(prompt=f"the digit {d}", seed=500 + i, steps=steps, **kw)
+            for i, d in enumerate([7, 3, 1, 0, 2, 9, 4, 5][:n])]
+
+
+def trained_weights(seed=1):
+    """A different set of weights for the toy transformer (a stand-in for an optimizer step)."""
+    model = load_model("toy-digits")
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in model.transformer.state_dict().items()}
+
+
+def engine_with(weights=None):
+    model = load_model("toy-digits")
+    if weights is not None:
+        model.transformer.load_state_dict(weights)
+    return Engine(model)
+
+
+def test_colocated_sync_runs_every_phase_and_bumps_the_version():
+    engine = engine_with()
+    controller = WeightSyncController(engine)
+    metrics = controller.sync()
+    assert metrics["weight_version"] == 1 and engine.weight_version == 1 and controller.state is SyncState.IDLE
+    assert set(metrics) == {"sync/drain_s", "sync/transfer_s", "sync/total_s", "sync/bytes", "weight_version"}
+    assert metrics["sync/bytes"] == 0 and not engine.paused
+
+
+def test_inflight_requests_finish_on_their_version_and_later_ones_use_the_new_weights():
+    new = trained_weights()
+    engine = engine_with()
+    results = {}
+
+    def run(name, requests):
+        results[name] = engine.generate(requests)
+
+    before = threading.Thread(target=run, args=("before", reqs(8, steps=60)))
+    before.start()
+    while engine.in_flight == 0:
+        time.sleep(0.001)
+    controller = WeightSyncController(engine, transport=CopyTransport(), verify=True)
+    syncing = threading.Thread(target=lambda: results.setdefault("sync", controller.sync(new)))
+    syncing.start()
+    while not engine.paused:
+        time.sleep(0.001)
+    after = threading.Thread(target=run, args=("after", reqs(4)))
+    after.start()  # arrives during the sync: waits, then runs on the new version
+    for t in (before, syncing, after):
+        t.join(timeout=120)
+
+    assert results["before"].weight_version == 0 and results["after"].weight_version == 1
+    baseline = engine_with().generate(reqs(8, steps=60))
+    assert torch.equal(results["before"].latents, baseline.latents)  # as if no sync ever happened
+    fresh = engine_with(new).generate(reqs(4))
+    assert torch.equal(results["after"].latents, fresh.latents)  # as if built with the new weights
+    assert results["sync"]["sync/bytes"] == sum(t.numel() * 4 for t in new.values())
+
+
+@pytest.fixture(scope="module")
+def engine_process():
+    with EngineProcess.start("toy-digits", threads=1) as handle:
+        yield handle
+
+
+@pytest.mark.parametrize("transport", ["shm", "disk"])
+def test_process_sync_into_a_randomized_receiver_matches_the_sender(engine_process, transport, tmp_path):
+    sender_weights = trained_weights(seed=2)
+    # Randomize the receiver first, so a sync that moved nothing could not pass.
+    junk = {k: torch.randn(v.shape) for k, v in sender_weights.items()}
+    WeightSyncController(engine_process, transport=DiskTransport(tmp_path / "junk")).sync(junk)
+    assert engine_process.checksums(list(junk)) == tensor_checksums(junk)
+
+    chosen = SharedMemoryTransport(bucket_bytes=128 * 1024) if transport == "shm" else DiskTransport(tmp_path)
+    controller = WeightSyncController(engine_process, transport=chosen, verify=True)
+    try:
+        before = engine_process.weight_version
+        metrics = controller.sync(sender_weights)
+    finally:
+        controller.close()
+    assert metrics["weight_version"] == before + 1 == engine_process.weight_version
+    assert engine_process.checksums(list(sender_weights)) == tensor_checksums(sender_weights)
+
+    # A sentinel rollout in the engine process equals the sender's own rollout ...
+    sender_engine = engine_with(sender_weights)
+    remote = engine_process.generate(reqs(4))
+    local = sender_engine.generate(reqs(4))
+    assert torch.equal(remote.latents, local.latents) and torch.equal(remote.log_probs, local.log_probs)
+    # ... and the trainer's recomputed log-probs of that rollout agree with the engine's.
+    cond = PromptEmbeds(local.prompt_embeds, local.pooled_prompt_embeds, local.prompt_mask)
+    model = sender_engine.model
+    for j in range(remote.log_probs.shape[1]):
+        v = guided_velocity(model, model.transformer, remote.latents[:, j], remote.timesteps[j], cond, None, 1.0)
+        log_prob, _, _ = sde_step_log_prob(remote.latents[:, j], remote.latents[:, j + 1], v, remote.timesteps[j],
+                                           remote.timesteps[j + 1], remote.noise_levels[j],
+                                           sde_t_cap(remote.timesteps))
+        assert (log_prob - remote.log_probs[:, j]).abs().max() <= 1e-6
+
+
+def test_verification_fails_loudly_on_a_corrupted_transfer():
+    class Corrupting(CopyTransport):
+        def transfer(self, engine, tensors, version, component):
+            bad = dict(tensors)
+            name = next(iter(bad))
+            bad[name] = bad[name] + 1e-3
+            return super().transfer(engine, bad, version, component)
+
+    engine = engine_with()
+    with pytest.raises(RuntimeError, match="verification failed: 1 tensor"):
+        WeightSyncController(engine, transport=Corrupting(), verify=True).sync(trained_weights())
+    assert not engine.paused  # the engine is never left frozen
+
+
+def test_transformer_sync_keeps_the_prompt_cache_and_an_encoder_sync_drops_it():
+    engine = engine_with()
+    engine.generate(reqs(4))
+    misses = engine.prompt_cache.misses
+    controller = WeightSyncController(engine, transport=CopyTransport())
+    controller.sync(trained_weights())
+    engine.generate(reqs(4))
+    assert engine.prompt_cache.misses == misses  # no prompt re-encoded
+
+    encoder = {k: v + 0.01 for k, v in engine.model.text_encoder.state_dict().items()}
+    controller.sync(encoder, component="text_encoder")
+    assert len(engine.prompt_cache) == 0
+    traj = engine.generate(reqs(4))
+    assert engine.prompt_cache.misses == misses + 4 and traj.weight_version == 2
+
+
+def test_a_drain_that_never_ends_times_out_with_a_clear_error_and_resumes():
+    engine = engine_with()
+    engine._in_flight += 1  # a generate() call that never returns
+    try:
+        controller = WeightSyncController(engine, timeout_s=0.05)
+        with pytest.raises(TimeoutError, match="did not drain within"):
+            controller.sync()
+        assert controller.state is SyncState.IDLE and not engine.paused and engine.weight_version == 0
+    finally:
+        engine._in_flight -= 1
