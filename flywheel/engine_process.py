@@ -1,7 +1,7 @@
 """An Engine in its own process, driven over a local authenticated socket.
 
     handle = EngineProcess.start("toy-digits")       # spawns `python -m flywheel.engine_process`
-    traj = handle.generate([GenerationRequest(...)])  # host tensors: latents, log_probs, images
+    traj = handle.generate([GenerationRequest(...)])  # a Trajectory of host tensors
     WeightSyncController(handle, transport=SharedMemoryTransport()).sync(tensors)
 
 Messages are JSON (plus safetensors bytes for tensors), sent with
@@ -20,31 +20,20 @@ import secrets
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from engine import Engine, GenerationRequest
+from engine import Engine, GenerationRequest, Trajectory
 from flywheel.transport import receive_shared_memory_bucket, tensor_checksums
 
-TRAJECTORY_TENSORS = ("latents", "log_probs", "images", "timesteps", "noise_levels")
-
-
-@dataclass
-class RemoteTrajectory:
-    """The host copy of a rollout made in the engine process."""
-
-    latents: torch.Tensor
-    log_probs: torch.Tensor
-    images: torch.Tensor
-    timesteps: torch.Tensor
-    noise_levels: torch.Tensor
-    prompts: list[str]
-    seeds: list[int]
-    weight_version: int
+# Trajectory fields that travel as tensors (the optional ones only when present).
+TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
+                      "prompt_mask", "negative_prompt_embeds", "negative_pooled_prompt_embeds",
+                      "negative_prompt_mask", "images")
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
@@ -66,9 +55,11 @@ class _Server:
         e = self.engine
         if op == "generate":
             traj = e.generate([_request_from_json(r) for r in msg["requests"]])
-            tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS}
-            return {"weight_version": traj.weight_version, "prompts": traj.prompts, "seeds": traj.seeds}, \
-                save_safetensors(tensors)
+            tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS
+                       if getattr(traj, k) is not None}
+            header = {"weight_version": traj.weight_version, "prompts": traj.prompts, "seeds": traj.seeds,
+                      "card": traj.card, "guidance_scale": traj.guidance_scale, "metadata": traj.metadata}
+            return header, save_safetensors(tensors)
         if op == "pause":
             e.pause(msg.get("mode", "drain"))
             return {}, None
@@ -139,8 +130,9 @@ def serve(args: argparse.Namespace) -> None:
 class EngineProcess:
     """A handle on an engine process: generation, and the engine side of weight sync."""
 
-    def __init__(self, proc: subprocess.Popen, address: tuple[str, int], authkey: bytes, timeout_s: float):
-        self.proc, self.address, self.timeout_s = proc, address, timeout_s
+    def __init__(self, proc: subprocess.Popen, address: tuple[str, int], authkey: bytes, timeout_s: float,
+                 card: str):
+        self.proc, self.address, self.timeout_s, self.card = proc, address, timeout_s, card
         self._authkey = authkey
         self._connections = threading.local()
 
@@ -156,7 +148,7 @@ class EngineProcess:
         if not line:
             proc.wait(timeout=timeout_s)
             raise RuntimeError(f"engine process for card {card!r} exited with code {proc.returncode} before serving")
-        return cls(proc, ("127.0.0.1", json.loads(line)["port"]), authkey, timeout_s)
+        return cls(proc, ("127.0.0.1", json.loads(line)["port"]), authkey, timeout_s, card)
 
     def _conn(self):
         # One connection per calling thread: a control call never queues behind a generation.
@@ -179,12 +171,18 @@ class EngineProcess:
         return reply, payload
 
     # -- generation
-    def generate(self, requests: list[GenerationRequest]) -> RemoteTrajectory:
-        reply, payload = self.call("generate", requests=[
-            {k: v for k, v in asdict(r).items()} for r in requests])
+    @property
+    def card_id(self) -> str:
+        return self.card
+
+    def generate(self, requests: list[GenerationRequest]) -> Trajectory:
+        """Roll out in the engine process; the Trajectory comes back with host tensors."""
+        reply, payload = self.call("generate", requests=[asdict(r) for r in requests])
         tensors = load_safetensors(payload)
-        return RemoteTrajectory(**tensors, prompts=reply["prompts"], seeds=reply["seeds"],
-                                weight_version=reply["weight_version"])
+        optional = {k: tensors.get(k) for k in TRAJECTORY_TENSORS}
+        return Trajectory(**optional, prompts=reply["prompts"], seeds=reply["seeds"], card=reply["card"],
+                          weight_version=reply["weight_version"], guidance_scale=reply["guidance_scale"],
+                          metadata=reply["metadata"])
 
     # -- engine side of weight sync
     @property
