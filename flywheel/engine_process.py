@@ -158,8 +158,16 @@ class EngineProcess:
         return conn
 
     def call(self, op: str, timeout_s: float | None = None, **msg) -> tuple[dict, bytes | None]:
+        """Send one operation and wait for its answer."""
+        conn = self._send(op, msg)
+        return self._answer(conn, op, timeout_s)
+
+    def _send(self, op: str, msg: dict):
         conn = self._conn()
         conn.send_bytes(json.dumps({"op": op, **msg}).encode())
+        return conn
+
+    def _answer(self, conn, op: str, timeout_s: float | None = None) -> tuple[dict, bytes | None]:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not conn.poll(timeout):
             raise TimeoutError(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
@@ -201,8 +209,11 @@ class EngineProcess:
     def load_weights(self, path: str, version: int, component: str = "transformer") -> dict:
         return self.call("load_file", path=str(path), version=version, component=component)[0]
 
-    def receive_bucket(self, shm_name: str, slots: list[dict]) -> None:
-        self.call("receive_bucket", shm=shm_name, slots=slots)
+    def receive_bucket(self, shm_name: str, slots: list[dict]):
+        """Ask the engine process to copy a bucket out; returns the wait for its answer, so the
+        sender can pack the next bucket meanwhile (answers come back in order)."""
+        conn = self._send("receive_bucket", {"shm": shm_name, "slots": slots})
+        return lambda: self._answer(conn, "receive_bucket")
 
     def commit_weights(self, version: int, component: str = "transformer") -> dict:
         return self.call("commit", version=version, component=component)[0]

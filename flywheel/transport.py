@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Callable
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 64 * 2**20
+DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -107,56 +108,90 @@ def verify_checksums(sent: dict[str, str], received: dict[str, str]) -> None:
 
 
 class SharedMemorySender:
-    """Stages buckets in one named shared-memory block that a receiver process maps.
+    """Stages buckets in two named shared-memory blocks that a receiver process maps.
 
-    `send(tensors, deliver)` fills the block one bucket at a time and calls
-    `deliver(shm_name, slots_json)` for each; `deliver` must return only after
-    the receiver has copied the bucket out (it is the rendezvous).
+    `send(tensors, deliver)` packs bucket k into block k % 2 and calls
+    `deliver(shm_name, slots_json)`. If `deliver` waits for the receiver, the
+    transfer is synchronous; if it returns a callable instead, that callable
+    is the rendezvous (it returns once the receiver has copied the bucket
+    out), and the sender packs the next bucket into the other block while
+    the receiver copies this one: the two copies overlap.
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.bucket_bytes = bucket_bytes
-        self._shm: shared_memory.SharedMemory | None = None
+        self._blocks: list[shared_memory.SharedMemory] = []
 
-    def _block(self, size: int) -> shared_memory.SharedMemory:
-        if self._shm is None or self._shm.size < size:
-            self.close()
-            self._shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
-        return self._shm
+    def _ensure_blocks(self, size: int) -> None:
+        if len(self._blocks) == 2 and all(b.size >= size for b in self._blocks):
+            return
+        self.close()
+        self._blocks = [shared_memory.SharedMemory(create=True, size=max(size, 1)) for _ in range(2)]
 
-    def send(self, tensors: dict[str, torch.Tensor], deliver: Callable[[str, list[dict]], None]) -> int:
+    def send(self, tensors: dict[str, torch.Tensor],
+             deliver: Callable[[str, list[dict]], Callable[[], None] | None]) -> int:
         buckets = plan_buckets(tensors, self.bucket_bytes)
-        largest = max((sum(s.nbytes for s in b) for b in buckets), default=1)
-        shm = self._block(largest)
-        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        self._ensure_blocks(max((sum(s.nbytes for s in b) for b in buckets), default=1))
+        buffers = [torch.frombuffer(b.buf, dtype=torch.uint8) for b in self._blocks]
+        waiting: deque[Callable[[], None]] = deque()  # rendezvous of blocks in use, oldest first
         total = 0
-        for slots in buckets:
-            pack_bucket(tensors, slots, buffer)
-            deliver(shm.name, [s.to_json() for s in slots])
-            total += sum(s.nbytes for s in slots)
-        del buffer
+        try:
+            for i, slots in enumerate(buckets):
+                if len(waiting) == 2:
+                    waiting.popleft()()  # the oldest delivery used the block this bucket goes into
+                pack_bucket(tensors, slots, buffers[i % 2])
+                wait = deliver(self._blocks[i % 2].name, [s.to_json() for s in slots])
+                if wait is not None:
+                    waiting.append(wait)
+                total += sum(s.nbytes for s in slots)
+            while waiting:
+                waiting.popleft()()
+        finally:
+            del buffers
         return total
 
     def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        for block in self._blocks:
+            block.close()
+            block.unlink()
+        self._blocks = []
 
 
-def receive_shared_memory_bucket(shm_name: str, slots_json: list[dict]) -> dict[str, torch.Tensor]:
-    """Receiver side: copy one bucket's tensors out of the sender's shared-memory block."""
-    shm = shared_memory.SharedMemory(name=shm_name)
-    # Python < 3.13 registers an attached block with this process's resource
-    # tracker, which would unlink the sender's block when this process exits.
-    resource_tracker.unregister(shm._name, "shared_memory")
-    try:
-        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
-        tensors = unpack_bucket(buffer, [TensorSlot.from_json(s) for s in slots_json], copy=True)
-        del buffer
-        return tensors
-    finally:
-        shm.close()
+_ATTACHED: dict[str, shared_memory.SharedMemory] = {}
+
+
+def _attach(shm_name: str) -> shared_memory.SharedMemory:
+    """Map a sender's block once and keep it mapped: re-mapping per bucket would fault every page again."""
+    shm = _ATTACHED.get(shm_name)
+    if shm is None:
+        shm = shared_memory.SharedMemory(name=shm_name)
+        # Python < 3.13 registers an attached block with this process's resource
+        # tracker, which would unlink the sender's block when this process exits.
+        resource_tracker.unregister(shm._name, "shared_memory")
+        _ATTACHED[shm_name] = shm
+    return shm
+
+
+def receive_shared_memory_bucket(shm_name: str, slots_json: list[dict],
+                                 into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Receiver side: one bucket's tensors out of the sender's block (copied into `into` where given)."""
+    buffer = torch.frombuffer(_attach(shm_name).buf, dtype=torch.uint8)
+    slots = [TensorSlot.from_json(s) for s in slots_json]
+    if into is None:
+        return unpack_bucket(buffer, slots, copy=True)
+    views = unpack_bucket(buffer, slots, copy=False)
+    with torch.no_grad():
+        for name, view in views.items():
+            into[name].copy_(view)
+    return {name: into[name] for name in views}
+
+
+def release_shared_memory(shm_name: str | None = None) -> None:
+    """Unmap blocks this process attached (all of them when no name is given)."""
+    for name in [shm_name] if shm_name else list(_ATTACHED):
+        shm = _ATTACHED.pop(name, None)
+        if shm is not None:
+            shm.close()
 
 
 # ---- disk ----------------------------------------------------------------------------------

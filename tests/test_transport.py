@@ -73,16 +73,22 @@ print(json.dumps(tensor_checksums(got)), flush=True)
 """
 
 
-def test_shared_memory_moves_buckets_to_another_process():
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_shared_memory_moves_buckets_to_another_process(pipelined):
     tensors = sample_tensors()
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     sender = SharedMemorySender(bucket_bytes=32 * 1024)
 
+    def wait():
+        assert proc.stdout.readline().strip() == "ack"  # the receiver copied the bucket out
+
     def deliver(shm_name, slots):
         proc.stdin.write(json.dumps({"shm": shm_name, "slots": slots}) + "\n")
         proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "ack"  # the receiver copied the bucket out
+        if pipelined:
+            return wait  # the sender packs the next bucket into the other block meanwhile
+        wait()
 
     try:
         sent = sender.send(tensors, deliver)
