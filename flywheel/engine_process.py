@@ -28,6 +28,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from engine import Engine, GenerationRequest, Trajectory
+from flywheel.lora import add_lora
 from flywheel.transport import receive_shared_memory_bucket, tensor_checksums
 
 # Trajectory fields that travel as tensors (the optional ones only when present).
@@ -107,6 +108,9 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     engine = Engine.from_card(args.card, path=args.path, device=args.device)
     engine.model.transformer.eval()
+    if args.lora_rank:
+        # The same adapter layout as the trainer's, so LoRA-only syncs carry just the adapter.
+        add_lora(engine.model.transformer, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     server = _Server(engine)
     authkey = bytes.fromhex(os.environ["FLYWHEEL_ENGINE_AUTHKEY"])
     listener = Listener((args.host, args.port), authkey=authkey)
@@ -138,10 +142,14 @@ class EngineProcess:
 
     @classmethod
     def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int = 1,
-              timeout_s: float = 120.0) -> "EngineProcess":
+              timeout_s: float = 120.0, lora: dict | None = None) -> "EngineProcess":
+        """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout."""
         authkey = secrets.token_bytes(32)
         cmd = [sys.executable, "-m", "flywheel.engine_process", "--card", card, "--device", device,
                "--threads", str(threads)] + (["--path", path] if path else [])
+        if lora:
+            cmd += ["--lora-rank", str(lora["rank"]), "--lora-alpha", str(lora["alpha"]),
+                    "--lora-targets", ",".join(lora["targets"])]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()})
         line = proc.stdout.readline()
@@ -248,6 +256,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="inject a LoRA adapter of this rank (0: none)")
+    parser.add_argument("--lora-alpha", type=float, default=8.0)
+    parser.add_argument("--lora-targets", default="", help="comma-separated module names to adapt")
     serve(parser.parse_args())
 
 

@@ -152,3 +152,26 @@ def test_a_drain_that_never_ends_times_out_with_a_clear_error_and_resumes():
         assert controller.state is SyncState.IDLE and not engine.paused and engine.weight_version == 0
     finally:
         engine._in_flight -= 1
+
+
+def test_lora_only_sync_moves_just_the_adapter_and_leaves_the_base_untouched():
+    from flywheel.lora import add_lora
+
+    targets = ["qkv", "proj", "mlp.0", "mlp.2"]
+    trainer = load_model("toy-digits")
+    add_lora(trainer.transformer, 4, 4.0, targets)
+    adapter = {n: p.detach() + 0.05 for n, p in trainer.transformer.named_parameters() if "lora_" in n}
+    with EngineProcess.start("toy-digits", lora={"rank": 4, "alpha": 4.0, "targets": targets}) as handle:
+        base_names = [n for n in trainer.transformer.state_dict() if "lora_" not in n]
+        base_before = handle.checksums(base_names)
+        handle.generate(reqs(2))
+        controller = WeightSyncController(handle, transport=SharedMemoryTransport(), verify=True)
+        try:
+            metrics = controller.sync(adapter)
+        finally:
+            controller.close()
+        assert metrics["sync/bytes"] == sum(t.numel() * 4 for t in adapter.values())
+        assert metrics["sync/bytes"] < 0.2 * sum(t.numel() * 4 for t in trainer.transformer.state_dict().values())
+        assert handle.checksums(base_names) == base_before  # the frozen base is untouched
+        assert handle.checksums(list(adapter)) == tensor_checksums(adapter)
+        assert handle.generate(reqs(2)).weight_version == 1

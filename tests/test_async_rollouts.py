@@ -1,0 +1,57 @@
+"""AsyncCollector: prefetching, the staleness bound, regeneration and the histogram."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from flywheel.async_rollouts import AsyncCollector
+
+
+class FakeFlywheel:
+    """collect(step) returns a batch stamped with the engine's version at the time it ran."""
+
+    def __init__(self):
+        self.version = 0
+        self.calls = []
+        self.lock = threading.Lock()
+
+    def collect(self, step):
+        with self.lock:
+            self.calls.append((step, self.version))
+            return SimpleNamespace(trajectory=SimpleNamespace(weight_version=self.version), metrics={})
+
+
+def test_prefetched_batches_lag_by_one_version_and_are_counted():
+    fake = FakeFlywheel()
+    collector = AsyncCollector(fake.collect, max_staleness=1)
+    try:
+        for step in range(4):
+            batch = collector.get(step, trainer_version=fake.version)
+            collector.prefetch(step + 1)  # generated with the weights before this step's update
+            collector._pending[step + 1].result()
+            fake.version += 1  # the trainer's update, synced into the engine
+            assert batch.metrics["staleness"] == (0 if step == 0 else 1)
+        assert collector.metrics() == {"staleness/count_0": 1.0, "staleness/count_1": 3.0,
+                                       "staleness/regenerated": 0.0}
+    finally:
+        collector.close()
+
+
+def test_too_stale_batches_are_generated_again():
+    fake = FakeFlywheel()
+    collector = AsyncCollector(fake.collect, max_staleness=0)
+    try:
+        collector.prefetch(0)
+        collector._pending[0].result()
+        fake.version = 2  # two updates landed while the batch waited
+        batch = collector.get(0, trainer_version=2)
+        assert batch.trajectory.weight_version == 2 and batch.metrics["staleness"] == 0
+        assert collector.regenerated == 1 and fake.calls == [(0, 0), (0, 2)]
+    finally:
+        collector.close()
+
+
+def test_negative_staleness_bound_is_an_error():
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncCollector(lambda s: None, max_staleness=-1)
