@@ -57,3 +57,43 @@ def distributed_group_advantages(local_rewards: torch.Tensor, local_group_ids: t
     valid = all_gather_cat(local_valid.to(torch.uint8)).bool()
     adv, usable = group_advantages(rewards, group_ids, valid, eps=eps, clip=clip)
     return adv[rank * n:(rank + 1) * n], usable[rank * n:(rank + 1) * n]
+
+
+def reward_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], total: torch.Tensor,
+                      valid: torch.Tensor, group_ids: torch.Tensor, mode: str = "weighted_sum",
+                      eps: float = 1e-4, clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [N], usable [N]) of a multi-reward batch under a combination mode.
+
+    "weighted_sum": group-normalise the weighted total. "sum_of_advantages":
+    group-normalise each scorer's raw scores on its own, then sum with the
+    weights (clipping applies to the sum). Either way a sample any scorer
+    masked is left out of every group statistic and gets no advantage, and a
+    group with no valid sample is dropped.
+    """
+    if mode == "weighted_sum":
+        return group_advantages(total, group_ids, valid, eps=eps, clip=clip)
+    if mode != "sum_of_advantages":
+        raise ValueError(f"reward combination mode {mode!r} is not known; valid modes: weighted_sum, "
+                         "sum_of_advantages")
+    adv = torch.zeros(total.shape[0], dtype=torch.float32, device=total.device)
+    for name, weight in weights.items():
+        per, _ = group_advantages(scores[name], group_ids, valid, eps=eps)
+        adv = adv + weight * per
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return torch.where(valid, adv, torch.zeros_like(adv)), valid.clone()
+
+
+def distributed_reward_advantages(batch, local_group_ids: torch.Tensor, eps: float = 1e-4,
+                                  clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reward_advantages` of a `RewardBatch` over every rank's samples; returns this rank's slice."""
+    if batch.mode == "weighted_sum":  # one gathered tensor is enough
+        return distributed_group_advantages(batch.total, local_group_ids, batch.valid, eps=eps, clip=clip)
+    rank, _ = rank_and_world()
+    n = len(batch)
+    gather = lambda t: all_gather_cat(t.float())  # noqa: E731
+    valid = all_gather_cat(batch.valid.to(torch.uint8)).bool()
+    scores = {name: gather(batch.scores[name]) for name in batch.scorer_ids}
+    adv, usable = reward_advantages(scores, batch.weights, gather(batch.total), valid,
+                                    all_gather_cat(local_group_ids.long()), mode=batch.mode, eps=eps, clip=clip)
+    return adv[rank * n:(rank + 1) * n], usable[rank * n:(rank + 1) * n]

@@ -6,17 +6,24 @@ of a step is prompts_per_step x group_size samples; rank r generates rows
 [r·n, (r+1)·n), so a prompt's group may span ranks, and every sample's seed is
 a function of (seed, step, global row) alone: the same run on 1 or 2 ranks
 draws the same samples.
+
+With `overlap_scoring`, a step's rows are generated in chunks and each chunk
+is scored on a background thread while the engine generates the next one; the
+chunks and their order are the same as with scoring in line, so the results
+are identical (only the wall time changes).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from engine import Engine, GenerationRequest, Trajectory
-from flywheel.advantages import distributed_group_advantages
+from flywheel.advantages import distributed_group_advantages, distributed_reward_advantages
 from flywheel.distributed import rank_and_world
 from flywheel.prompts import PromptItem, PromptSampler
 from flywheel.sync import WeightSyncController
@@ -54,7 +61,10 @@ class Flywheel:
     """Generates, scores and ranks the samples of a step on this rank."""
 
     def __init__(self, engine: Engine, rewards: RewardSet, sampler: PromptSampler, sync: WeightSyncController,
-                 group_size: int, request_kwargs: dict, seed: int = 0, adv_clip: float | None = None):
+                 group_size: int, request_kwargs: dict, seed: int = 0, adv_clip: float | None = None,
+                 overlap_scoring: bool = False, rollout_chunk_size: int | None = None):
+        """`rollout_chunk_size`: rows per engine call (None: all rows at once, or half of them when
+        `overlap_scoring` is on, so that there is a next chunk to overlap with)."""
         rank, world = rank_and_world()
         global_batch = sampler.prompts_per_step * group_size
         if global_batch % world:
@@ -64,10 +74,59 @@ class Flywheel:
         self.group_size, self.request_kwargs, self.seed, self.adv_clip = group_size, request_kwargs, seed, adv_clip
         self.rank, self.world = rank, world
         self.local_batch = global_batch // world
+        if rollout_chunk_size is not None and rollout_chunk_size < 1:
+            raise ValueError(f"rollout_chunk_size must be a positive number of rows or None, got {rollout_chunk_size}")
+        self.overlap_scoring = overlap_scoring
+        if rollout_chunk_size is None:
+            rollout_chunk_size = math.ceil(self.local_batch / 2) if overlap_scoring else self.local_batch
+        self.rollout_chunk_size = rollout_chunk_size
+        self._executor: ThreadPoolExecutor | None = None
 
-    def set_rewards(self, rewards: RewardSet) -> None:
-        """Swap the reward between steps."""
-        self.rewards = rewards
+    def set_rewards(self, rewards: RewardSet | str | dict | list, **kwargs) -> None:
+        """Swap the reward between steps: a `RewardSet`, or a spec (plus RewardSet kwargs) to build one.
+
+        `collect` returns only once every score of its step is in, so no scoring
+        is in flight here; the next step's metrics carry the new scorers' names.
+        """
+        # A spec (str/dict/list) is built here; anything else with .score (a RewardSet or a wrapper) is used as is.
+        self.rewards = RewardSet(rewards, **kwargs) if isinstance(rewards, (str, dict, list)) else rewards
+
+    def close(self) -> None:
+        """Stop the background scoring thread (if overlap_scoring started one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _rollout_and_score(self, requests: list[GenerationRequest]) -> tuple[Trajectory, RewardBatch, dict]:
+        """Generate in chunks and score each; with overlap, chunk i is scored while chunk i+1 generates."""
+        rewards = self.rewards  # one reward set for the whole step, even if set_rewards races with us
+        chunks = [requests[i:i + self.rollout_chunk_size] for i in range(0, len(requests), self.rollout_chunk_size)]
+        busy = [0.0]
+
+        def score(traj: Trajectory) -> RewardBatch:
+            t = time.perf_counter()
+            out = rewards.score(traj.images, traj.prompts, traj.metadata, traj.weight_version)
+            busy[0] += time.perf_counter() - t
+            return out
+
+        trajectories, scored, gen_s = [], [], 0.0
+        for chunk in chunks:
+            t = time.perf_counter()
+            traj = self.engine.generate(chunk)
+            gen_s += time.perf_counter() - t
+            trajectories.append(traj)
+            if self.overlap_scoring:
+                if self._executor is None:  # one worker: chunks are scored one at a time, in order
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flywheel-score")
+                scored.append(self._executor.submit(score, traj))
+            else:
+                scored.append(score(traj))
+        t = time.perf_counter()
+        parts = [s.result() if isinstance(s, Future) else s for s in scored]
+        wait_s = time.perf_counter() - t
+        timings = {"time/rollout_s": gen_s, "time/reward_s": wait_s if self.overlap_scoring else busy[0],
+                   "time/reward_busy_s": busy[0]}
+        return Trajectory.concat(trajectories), RewardBatch.concat(parts), timings
 
     def collect(self, step: int) -> RolloutBatch:
         """Roll out, score and compute advantages for this rank's rows of step `step`."""
@@ -76,15 +135,13 @@ class Flywheel:
         requests = [self._request(items[row // self.group_size], sample_seed(self.seed, step, row)) for row in rows]
         group_ids = torch.tensor([row // self.group_size for row in rows])
 
-        t0 = time.perf_counter()
-        trajectory = self.engine.generate(requests)
-        t1 = time.perf_counter()
-        rewards = self.rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata,
-                                     trajectory.weight_version)
-        t2 = time.perf_counter()
-        advantages, usable = distributed_group_advantages(rewards.total, group_ids, rewards.valid,
-                                                          clip=self.adv_clip)
-        metrics = {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1,
+        trajectory, rewards, timings = self._rollout_and_score(requests)
+        if rewards.mode == "weighted_sum":
+            advantages, usable = distributed_group_advantages(rewards.total, group_ids, rewards.valid,
+                                                              clip=self.adv_clip)
+        else:
+            advantages, usable = distributed_reward_advantages(rewards, group_ids, clip=self.adv_clip)
+        metrics = {**timings, "reward/usable": float(usable.sum()),
                    "diversity": group_diversity(trajectory.images, group_ids),
                    "weight_version": trajectory.weight_version, **rewards.metrics()}
         return RolloutBatch(trajectory, rewards, advantages.to(trajectory.latents.device),

@@ -12,12 +12,24 @@ from rewards.types import RewardBatch, Scorer
 
 logger = logging.getLogger(__name__)
 
+# weighted_sum: advantages of sum_k w_k·r_k (one group normalisation);
+# sum_of_advantages: sum_k w_k·A_k with each reward normalised in its group first, so a reward
+# with a large raw scale cannot drown the others (Flow-Factory / MixGRPO style).
+MODES = ("weighted_sum", "sum_of_advantages")
+
 
 class RewardSet:
     """The scorers of a reward spec with their weights; `score` turns images into a `RewardBatch`."""
 
-    def __init__(self, spec: str | dict | list, scorer_kwargs: dict[str, dict[str, Any]] | None = None):
-        """Build (once) every scorer named in `spec`; `scorer_kwargs[name]` goes to that scorer's factory."""
+    def __init__(self, spec: str | dict | list, scorer_kwargs: dict[str, dict[str, Any]] | None = None,
+                 mode: str = "weighted_sum"):
+        """Build (once) every scorer named in `spec`; `scorer_kwargs[name]` goes to that scorer's factory.
+
+        `mode` says how the trainer turns the scores into advantages (see MODES).
+        """
+        if mode not in MODES:
+            raise ValueError(f"reward combination mode {mode!r} is not known; valid modes: {', '.join(MODES)}")
+        self.mode = mode
         pairs = parse_spec(spec)
         scorer_kwargs = dict(scorer_kwargs or {})
         names = [n for n, _ in pairs]
@@ -31,7 +43,8 @@ class RewardSet:
         self.scorers: dict[str, Scorer] = {n: get(n, **scorer_kwargs.get(n, {})) for n in names}
 
     def __repr__(self) -> str:
-        return "RewardSet(" + ", ".join(f"{n}:{w:g}" for n, w in self.weights.items()) + ")"
+        body = ", ".join(f"{n}:{w:g}" for n, w in self.weights.items())
+        return f"RewardSet({body}" + (f", mode={self.mode}" if self.mode != "weighted_sum" else "") + ")"
 
     def _run(self, name: str, images: torch.Tensor, prompts: list[str],
              metadata: list[dict]) -> tuple[torch.Tensor, str | None]:
@@ -72,4 +85,4 @@ class RewardSet:
         total = torch.where(valid, total, torch.full_like(total, float("nan")))
         return RewardBatch(scores=scores, valid_per_scorer=valid_per_scorer, valid=valid, total=total,
                            weights=dict(self.weights), scorer_ids=list(self.scorer_ids),
-                           weight_version=int(weight_version), errors=errors)
+                           weight_version=int(weight_version), errors=errors, mode=self.mode)

@@ -40,8 +40,15 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
+REMOTE = "remote:"  # "remote:<url>" names a scorer served by `python -m rewards.serve` at that address
+
+
 def get(name: str, **kwargs: Any) -> Scorer:
-    """Construct the scorer registered as `name`, passing `kwargs` to its factory."""
+    """Construct the scorer registered as `name` (or the client of `remote:<url>`), passing `kwargs`."""
+    if name.startswith(REMOTE):
+        from rewards.remote import RemoteScorer
+
+        return RemoteScorer(name[len(REMOTE):], **kwargs)
     if name not in _FACTORIES:
         raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available()) or '(none)'}")
     return _FACTORIES[name](**kwargs)
@@ -69,8 +76,34 @@ def _name(value: Any, where: str) -> str:
     return value.strip()
 
 
+def _split_remote(text: str) -> tuple[str, float]:
+    """A "remote:<url>[:weight]" entry: the weight is a trailing ":<number>" after the URL's port.
+
+    "remote:http://h:8100" has no weight (8100 is the port); "remote:http://h:8100:0.5"
+    and "remote:http://h:8100/score:0.5" have weight 0.5. A URL without an explicit port
+    cannot carry a weight in a string spec; use the dict/YAML form {"remote:http://h": 0.5}.
+    """
+    from urllib.parse import urlsplit
+
+    entry = text.strip()
+    head, sep, tail = entry.rpartition(":")
+    try:
+        # A trailing ":number" inside the path (".../score:0.5") is a weight too: paths have no colons here.
+        whole_is_url = ":" not in urlsplit(entry[len(REMOTE):]).path
+        urlsplit(entry[len(REMOTE):]).port  # noqa: B018
+    except ValueError:
+        whole_is_url = False
+    if sep and not whole_is_url and head != REMOTE.rstrip(":"):
+        return head, _weight(tail.strip(), entry)
+    if entry == REMOTE or "//" not in entry:
+        raise ValueError(f"reward spec entry {entry!r} needs an address: 'remote:http://host:port[:weight]'")
+    return entry, 1.0
+
+
 def _parse_entry(text: str) -> tuple[str, float]:
-    """One "name" or "name:weight" entry of a string spec."""
+    """One "name" or "name:weight" entry of a string spec (or "remote:<url>[:weight]")."""
+    if text.strip().startswith(REMOTE):
+        return _split_remote(text)
     parts = text.split(":")
     if len(parts) > 2:
         raise ValueError(f"reward spec entry {text.strip()!r} has more than one ':'; expected 'name' or 'name:weight'")
@@ -127,3 +160,7 @@ def _lazy(module: str, attr: str) -> ScorerFactory:
 register("digit_alignment", _lazy("rewards.digits", "DigitAlignment"))
 register("jpeg_compressibility", _lazy("rewards.jpeg", "JpegCompressibility"))
 register("jpeg_incompressibility", _lazy("rewards.jpeg", "JpegIncompressibility"))
+register("ocr", _lazy("rewards.ocr", "OcrReward"))
+register("clip_score", _lazy("rewards.clip", "ClipScore"))
+register("pickscore", _lazy("rewards.clip", "PickScore"))
+register("aesthetic", _lazy("rewards.clip", "Aesthetic"))

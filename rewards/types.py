@@ -49,10 +49,34 @@ class RewardBatch:
     scorer_ids: list[str]
     weight_version: int
     errors: dict[str, str] = field(default_factory=dict)
+    mode: str = "weighted_sum"
+    """how advantages combine the scorers: weighted_sum (of raw scores) or sum_of_advantages"""
 
     def __len__(self) -> int:
         """Batch size B."""
         return self.total.shape[0]
+
+    @staticmethod
+    def concat(parts: list["RewardBatch"]) -> "RewardBatch":
+        """Join the batches of one reward set (scored in chunks) along the batch, in order."""
+        first = parts[0]
+        for p in parts[1:]:
+            if p.scorer_ids != first.scorer_ids or p.weights != first.weights or p.mode != first.mode:
+                raise ValueError(f"RewardBatch.concat needs parts of one reward set; got scorers {p.scorer_ids} "
+                                 f"and {first.scorer_ids}")
+            if p.weight_version != first.weight_version:
+                raise ValueError(f"RewardBatch.concat got weight versions {p.weight_version} and "
+                                 f"{first.weight_version}; a batch comes from one version")
+        errors = {}
+        for p in parts:
+            for name, error in p.errors.items():
+                errors.setdefault(name, error)
+        return RewardBatch(
+            scores={n: torch.cat([p.scores[n] for p in parts]) for n in first.scorer_ids},
+            valid_per_scorer={n: torch.cat([p.valid_per_scorer[n] for p in parts]) for n in first.scorer_ids},
+            valid=torch.cat([p.valid for p in parts]), total=torch.cat([p.total for p in parts]),
+            weights=dict(first.weights), scorer_ids=list(first.scorer_ids), weight_version=first.weight_version,
+            errors=errors, mode=first.mode)
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Flat metrics: mean/std of the total and of each scorer over valid rows, invalid counts."""

@@ -1,0 +1,104 @@
+"""The remote-reward wire format: images as safetensors (exact) or PNG, prompts and metadata as JSON.
+
+No pickle anywhere: a request is either a safetensors body whose header
+metadata holds the prompts and metadata as JSON strings, or a JSON body with
+base64 PNG images. A response is JSON {"scores": [float | null]}, null for a
+non-finite score (JSON has no NaN).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+SAFETENSORS = "application/vnd.flywheel.safetensors"
+JSON = "application/json"
+ENCODINGS = ("safetensors", "png")
+
+
+def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                   encoding: str = "safetensors") -> tuple[bytes, str]:
+    """(body, content type) of a scoring request; images [B, C, H, W] in [0, 1]."""
+    if encoding == "safetensors":
+        header = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps(list(metadata))}
+        return st_save({"images": images.detach().float().cpu().contiguous()}, metadata=header), SAFETENSORS
+    if encoding == "png":
+        pngs = [base64.b64encode(png_bytes(img)).decode("ascii") for img in quantise(images)]
+        body = {"images": pngs, "channels": int(images.shape[1]), "prompts": list(prompts),
+                "metadata": list(metadata)}
+        return json.dumps(body).encode(), JSON
+    raise ValueError(f"image encoding {encoding!r} is not known; valid encodings: {', '.join(ENCODINGS)}")
+
+
+def decode_request(body: bytes, content_type: str) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """(images, prompts, metadata) from a request body; ValueError on anything malformed."""
+    if content_type == SAFETENSORS:
+        try:
+            images = st_load(body)["images"]
+            header = _safetensors_header(body)
+            prompts, metadata = json.loads(header["prompts"]), json.loads(header["metadata"])
+        except Exception as exc:
+            raise ValueError(f"bad safetensors scoring request: {exc}") from None
+    elif content_type == JSON:
+        try:
+            data = json.loads(body)
+            images = torch.stack([from_png(base64.b64decode(p), data["channels"]) for p in data["images"]])
+            prompts, metadata = data["prompts"], data["metadata"]
+        except Exception as exc:
+            raise ValueError(f"bad JSON/PNG scoring request: {exc}") from None
+    else:
+        raise ValueError(f"content type {content_type!r} is not accepted; send {SAFETENSORS} or {JSON}")
+    if images.ndim != 4 or len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:
+        raise ValueError(f"scoring request has images {tuple(images.shape)}, {len(prompts)} prompts and "
+                         f"{len(metadata)} metadata dicts; expected [B, C, H, W] and B of each")
+    return images, prompts, metadata
+
+
+def _safetensors_header(body: bytes) -> dict[str, str]:
+    """The __metadata__ dict of a safetensors buffer (8-byte little-endian length, then JSON)."""
+    n = int.from_bytes(body[:8], "little")
+    return json.loads(body[8:8 + n]).get("__metadata__", {})
+
+
+def quantise(images: torch.Tensor) -> torch.Tensor:
+    """Images in [0, 1] -> the uint8 values a PNG stores, back as float in [0, 1] (what PNG transport yields)."""
+    return (images.detach().float().clamp(0, 1) * 255).round() / 255
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    """One image [C, H, W] in [0, 1] (C = 1 or 3) as PNG bytes."""
+    array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def from_png(data: bytes, channels: int) -> torch.Tensor:
+    """PNG bytes -> [C, H, W] float in [0, 1]."""
+    image = Image.open(io.BytesIO(data)).convert("L" if channels == 1 else "RGB")
+    array = np.asarray(image, dtype=np.uint8)
+    if array.ndim == 2:
+        array = array[..., None]
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
+
+
+def encode_scores(scores: torch.Tensor) -> bytes:
+    """JSON {"scores": [...]} with null for non-finite values."""
+    values = [v if math.isfinite(v) else None for v in torch.as_tensor(scores).float().tolist()]
+    return json.dumps({"scores": values}).encode()
+
+
+def decode_scores(body: bytes, batch: int) -> torch.Tensor:
+    """float32 [batch] from a JSON response; null -> NaN."""
+    values = json.loads(body)["scores"]
+    if len(values) != batch:
+        raise ValueError(f"server returned {len(values)} scores for a batch of {batch}")
+    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)

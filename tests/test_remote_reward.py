@@ -1,0 +1,131 @@
+"""Remote rewards: `rewards.serve` + the `remote:<url>` client give in-process scores; failures are clear."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import rewards
+from rewards import RewardSet, parse_spec
+from rewards.remote import RemoteRewardError, RemoteScorer
+from rewards.serve import ServerThread
+from rewards.wire import quantise
+
+PROMPTS = ["three", "seven", "a 0", "digit 5", "one", "nine"]
+
+
+def _images() -> torch.Tensor:
+    return torch.rand(6, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def digit_server():
+    with ServerThread(rewards.get("digit_alignment"), "digit_alignment") as server:
+        yield server
+
+
+def test_spec_syntax_for_remote_entries():
+    assert parse_spec("remote:http://127.0.0.1:8100") == [("remote:http://127.0.0.1:8100", 1.0)]
+    assert parse_spec("digit_alignment:1,remote:http://127.0.0.1:8100:0.5") == [
+        ("digit_alignment", 1.0), ("remote:http://127.0.0.1:8100", 0.5)]
+    assert parse_spec({"remote:http://h.example": 2}) == [("remote:http://h.example", 2.0)]
+    with pytest.raises(ValueError, match="needs an address"):
+        parse_spec("remote:")
+    with pytest.raises(ValueError, match="not valid"):
+        rewards.get("remote:ftp://127.0.0.1:1")
+
+
+def test_remote_scores_equal_in_process_scores(digit_server):
+    images, local = _images(), rewards.get("digit_alignment")
+    exact = RemoteScorer(digit_server.url)  # safetensors: float32 images travel bit for bit
+    assert exact.served_reward == "digit_alignment"
+    expected = local(images, PROMPTS, [{}] * 6)
+    assert torch.equal(exact(images, PROMPTS, [{}] * 6), expected)
+    png = RemoteScorer(digit_server.url, encoding="png")  # PNG: the server sees uint8-quantised pixels
+    assert torch.equal(png(images, PROMPTS, [{}] * 6), local(quantise(images), PROMPTS, [{}] * 6))
+    # Through a spec, weighted like any other scorer; metadata travels as JSON.
+    spec = f"remote:{digit_server.url}:0.5"
+    batch = RewardSet(spec).score(images, PROMPTS, [{"digit": i} for i in range(6)], weight_version=7)
+    direct = RewardSet("digit_alignment:0.5").score(images, PROMPTS, [{"digit": i} for i in range(6)], 7)
+    name = f"remote:{digit_server.url}"
+    assert batch.scorer_ids == [name] and batch.valid.all()
+    assert torch.equal(batch.scores[name], direct.scores["digit_alignment"])
+    assert torch.equal(batch.total, direct.total)
+
+
+def test_nan_scores_cross_the_wire_as_masked_rows():
+    def half_nan(images, prompts, metadata):
+        out = torch.arange(len(prompts), dtype=torch.float32)
+        out[::2] = float("nan")
+        return out
+
+    with ServerThread(half_nan, "half_nan") as server:
+        batch = RewardSet(f"remote:{server.url}").score(_images(), PROMPTS, None, weight_version=0)
+    assert batch.valid.tolist() == [False, True] * 3
+    assert batch.total[1::2].tolist() == [1.0, 3.0, 5.0]
+
+
+def test_token_is_required_when_set(digit_server):
+    with ServerThread(rewards.get("jpeg_compressibility"), "jpeg_compressibility", token="s3cret") as server:
+        with pytest.raises(RemoteRewardError, match="401") as err:
+            RemoteScorer(server.url, token="wrong")
+        assert server.url in str(err.value)
+        scorer = RemoteScorer(server.url, token="s3cret")
+        assert torch.equal(scorer(_images(), PROMPTS, [{}] * 6),
+                           rewards.get("jpeg_compressibility")(_images(), PROMPTS, [{}] * 6))
+
+
+def test_server_side_error_masks_the_batch_with_the_reason():
+    def broken(images, prompts, metadata):
+        raise RuntimeError("model exploded")
+
+    with ServerThread(broken, "broken") as server:
+        batch = RewardSet(f"remote:{server.url}").score(_images(), PROMPTS, None, weight_version=0)
+        assert not batch.valid.any()
+        error = batch.errors[f"remote:{server.url}"]
+        assert "HTTP 500" in error and "model exploded" in error and server.url in error
+
+
+def test_stopped_server_gives_a_clear_error_in_bounded_time():
+    server = ServerThread(rewards.get("jpeg_compressibility"), "jpeg_compressibility")
+    scorer = RemoteScorer(server.url, timeout_s=2.0, retries=2, backoff_s=0.05)
+    server.stop()
+    start = time.monotonic()
+    with pytest.raises(RemoteRewardError) as err:
+        scorer(_images(), PROMPTS, [{}] * 6)
+    elapsed = time.monotonic() - start
+    message = str(err.value)
+    assert server.url in message and "unreachable" in message and "3 times" in message
+    assert elapsed < 30  # bounded: 3 attempts x 2 s timeout + backoff, not a hang
+    # Building a client against a dead address fails the health check the same way.
+    with pytest.raises(RemoteRewardError, match="unreachable"):
+        RemoteScorer(server.url, retries=0, health_timeout_s=1.0)
+    # Inside a RewardSet the batch is masked and the error recorded, the run goes on.
+    reward_set = RewardSet("jpeg_compressibility")
+    reward_set.scorers["jpeg_compressibility"] = scorer
+    batch = reward_set.score(_images(), PROMPTS, None, weight_version=0)
+    assert not batch.valid.any() and server.url in batch.errors["jpeg_compressibility"]
+
+
+def test_serve_module_runs_as_a_command(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rewards.serve", "--reward", "jpeg_compressibility",
+                             "--port", "0", "--token", "t0k"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    try:
+        line = ""
+        while "serving reward" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "server exited before printing its address"
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:")  # binds the loopback address by default
+        scores = RemoteScorer(url, token="t0k")(_images(), PROMPTS, [{}] * 6)
+        assert torch.equal(scores, rewards.get("jpeg_compressibility")(_images(), PROMPTS, [{}] * 6))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
