@@ -59,13 +59,28 @@ class ModelCard:
     """A registered model family.
 
     `load(path, device, dtype)` returns a FlowModel; `path` is a local folder
-    of weights or None for weights the project ships.
+    of weights or None for weights the project ships. The descriptive fields
+    (components, latent rule, precision) are what `GET /v1/models` shows.
     """
 
     id: str
     description: str
     load: Callable[..., FlowModel]
     defaults: dict = field(default_factory=dict)
+    # Component name -> what it is, e.g. {"prompt_encoder": "CLIP-L + T5", "transformer": ..., "decoder": "VAE"}.
+    components: dict = field(default_factory=dict)
+    # How the latent shape follows from the requested size, in words.
+    latent_rule: str = ""
+    # The dtype the transformer runs in by default; latents and log-probs stay fp32 whatever it is.
+    precision: str = "float32"
+    kind: str = "generator"
+
+    def describe(self) -> dict:
+        """A JSON-able summary of the card."""
+        return {"id": self.id, "kind": self.kind, "description": self.description,
+                "components": dict(self.components), "latent_rule": self.latent_rule,
+                "precision": self.precision,
+                "defaults": {k: v for k, v in self.defaults.items() if isinstance(v, (int, float, str, bool))}}
 
 
 _CARDS: dict[str, ModelCard] = {}

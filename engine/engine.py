@@ -2,22 +2,37 @@
 
 The engine side of weight sync lives here too: `pause()` stops admitting new
 generate calls, `drain()` waits for the running ones (which finish on the
-version they started with), `set_weight_version()` / `invalidate_prompt_cache()`
-mark the new weights, and `resume()` lets waiting calls in again.
+version they started with), `load_weights()` copies new tensors in place and
+bumps the version (or `set_weight_version()` / `invalidate_prompt_cache()`
+when the caller already changed the module), and `resume()` lets waiting
+calls in again.
+
+Batch invariance: a request's noise comes from its own seed, so its output
+does not depend on its batch neighbours up to the model's arithmetic. On the
+CPU the toy model's matmuls may round differently at different batch sizes,
+so the guarantee is <= 1e-5 (tested), not bitwise; the same request in the
+same batch shape is bitwise reproducible.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
 from engine.loop import concat_embeds, denoise
 from engine.sampling import flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
+
+PAUSE_MODES = ("drain",)
+# Components whose weights feed the prompt-embedding cache: loading them invalidates it.
+PROMPT_ENCODER_COMPONENTS = ("prompt_encoder", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class Engine:
@@ -74,6 +89,24 @@ class Engine:
                 self._in_flight -= 1
                 self._state.notify_all()
 
+    def generate_many(self, requests: list[GenerationRequest]) -> list[Trajectory]:
+        """Generate heterogeneous requests; one single-row Trajectory per request, in request order.
+
+        Requests are grouped by batch key (card, steps, sampler, guidance,
+        size, ...) and each group runs as batches of up to `max_batch`.
+        """
+        if not requests:
+            raise ValueError("generate_many() needs at least one request")
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, r in enumerate(requests):
+            groups[r.batch_key()].append(i)
+        results: list[Trajectory | None] = [None] * len(requests)
+        for rows in groups.values():
+            traj = self.generate([requests[i] for i in rows])
+            for j, i in enumerate(rows):
+                results[i] = traj.select([j])
+        return results
+
     def _check_batch(self, requests: list[GenerationRequest]) -> None:
         key = requests[0].batch_key()
         for i, r in enumerate(requests):
@@ -100,7 +133,7 @@ class Engine:
 
         latents, log_probs = denoise(self.model, self.model.transformer, initial_noise, step_noise, timesteps,
                                      noise_levels, cond, uncond_cond, first.guidance_scale,
-                                     keep_trajectory=first.keep_trajectory)
+                                     keep_trajectory=first.keep_trajectory, sampler=first.sampler)
         with torch.no_grad():
             images = self.model.decode(latents[:, -1])
         return Trajectory(
@@ -112,7 +145,7 @@ class Engine:
             negative_prompt_mask=None if uncond is None else uncond.mask,
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
-            metadata=[dict(r.metadata) for r in requests])
+            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler)
 
     def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """The flow times t_0 = 1 > ... > t_T = 0: the model's own schedule if it has one
@@ -156,8 +189,22 @@ class Engine:
 
     # ---- engine side of weight sync -----------------------------------------------------
 
-    def pause(self) -> None:
-        """Stop admitting new generate() calls; running ones carry on."""
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def in_flight(self) -> int:
+        """generate() calls running now."""
+        return self._in_flight
+
+    def pause(self, mode: str = "drain") -> None:
+        """Stop admitting new generate() calls; running ones carry on ("drain": nothing is dropped).
+
+        Calls that arrive while paused wait and run after `resume()` on the new version.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not supported; valid modes: {', '.join(PAUSE_MODES)}")
         with self._state:
             self._paused = True
 
@@ -190,3 +237,79 @@ class Engine:
         with self._state:
             self._paused = False
             self._state.notify_all()
+
+    def load_weights(self, tensors: dict[str, torch.Tensor] | str | Path, version: int,
+                     component: str = "transformer") -> dict:
+        """Copy named tensors into the served `component` in place, then mark `version`.
+
+        `tensors` is a name -> tensor dict or the path of a .safetensors file;
+        names are the component's state-dict names (a file whose keys carry a
+        "<component>." prefix is filtered and stripped). Every name and shape
+        is checked before anything is copied. If the engine is not paused this
+        does the whole freeze -> drain -> load -> resume itself; if it is, it
+        drains and loads and leaves resuming to the caller. Loading a prompt
+        encoder invalidates the prompt-embedding cache.
+        """
+        module = self.component(component)
+        tensors = _named_tensors(tensors, (component, self._component_attr(component)))
+        targets = _check_tensors(module.state_dict(keep_vars=True), tensors, component)
+        if version <= self._weight_version:
+            raise ValueError(f"weight version must increase: {version} <= current {self._weight_version}")
+        was_paused = self._paused
+        if not was_paused:
+            self.pause()
+        try:
+            drain_s = self.drain()
+            start = time.perf_counter()
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+            self.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+            return {"version": version, "component": component, "tensors": len(tensors),
+                    "drain_s": drain_s, "load_s": time.perf_counter() - start}
+        finally:
+            if not was_paused:
+                self.resume()
+
+    def _component_attr(self, name: str) -> str:
+        return "text_encoder" if name == "prompt_encoder" and not hasattr(self.model, name) else name
+
+    def component(self, name: str) -> nn.Module:
+        """The model's module called `name` ("prompt_encoder" finds the text encoder)."""
+        module = getattr(self.model, self._component_attr(name), None)
+        if not isinstance(module, nn.Module):
+            known = sorted(k for k, v in vars(self.model).items() if isinstance(v, nn.Module))
+            raise ValueError(f"model {self.card_id!r} has no component {name!r}; "
+                             f"components with weights: {', '.join(known)}")
+        return module
+
+
+def _named_tensors(tensors: dict[str, torch.Tensor] | str | Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A name -> tensor dict from a dict or a .safetensors path, with a "<component>." prefix stripped."""
+    if isinstance(tensors, (str, Path)):
+        from safetensors.torch import load_file
+
+        path = Path(tensors)
+        if not path.is_file():
+            raise FileNotFoundError(f"no safetensors file at {path}")
+        tensors = load_file(str(path))
+    if not isinstance(tensors, dict) or not tensors:
+        raise ValueError("load_weights needs a non-empty dict of name -> tensor or a .safetensors path")
+    for prefix in dict.fromkeys(n + "." for n in names):
+        if any(k.startswith(prefix) for k in tensors):
+            return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return tensors
+
+
+def _check_tensors(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                   component: str) -> dict[str, torch.Tensor]:
+    """The target parameters/buffers of `tensors`; a clear error on unknown names or mismatched shapes."""
+    unknown = [k for k in tensors if k not in state]
+    if unknown:
+        raise KeyError(f"{len(unknown)} tensor name(s) are not in {component}: {unknown[:5]}; "
+                       f"examples of valid names: {list(state)[:5]}")
+    bad = [f"{k}: got {tuple(v.shape)}, expected {tuple(state[k].shape)}"
+           for k, v in tensors.items() if tuple(v.shape) != tuple(state[k].shape)]
+    if bad:
+        raise ValueError(f"{len(bad)} tensor(s) have the wrong shape for {component}: {bad[:5]}")
+    return {k: state[k] for k in tensors}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.cards import FlowModel, PromptEmbeds
-from engine.sampling import ode_step, sde_step, sde_t_cap
+from engine.sampling import cps_step, ode_step, sde_step, sde_t_cap
 
 
 def concat_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
@@ -42,11 +42,12 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
 def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tensor, step_noise: torch.Tensor | None,
             timesteps: torch.Tensor, noise_levels: list[float], cond: PromptEmbeds,
             uncond_cond: PromptEmbeds | None, guidance_scale: float,
-            keep_trajectory: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            keep_trajectory: bool = True, sampler: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
     """Run the sampler from noise to data.
 
     initial_noise [B, *latent]; step_noise [B, T, *latent] (None for a pure ODE run);
-    timesteps [T+1] from 1 to 0; noise_levels: T host floats (0 = ODE step).
+    timesteps [T+1] from 1 to 0; noise_levels: T host floats (0 = ODE step);
+    sampler: "sde" (Flow-SDE) or "cps" for the stochastic steps ("ode" = none).
     Returns (latents [B, T+1, *latent] or [B, 1, *latent] with only the
     final latent when keep_trajectory is False, log_probs [B, T]).
     """
@@ -62,8 +63,11 @@ def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tenso
     for k in range(steps):
         t, t_next = timesteps[k], timesteps[k + 1]
         v = guided_velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale)
-        if step_noise is None:
+        # noise_levels are host floats known before the loop: this branch costs no sync.
+        if step_noise is None or noise_levels[k] == 0.0:
             x = ode_step(x, v, t, t_next)
+        elif sampler == "cps":
+            x, log_probs[:, k] = cps_step(x, v, t, t_next, noise_levels[k], step_noise[:, k])
         else:
             x, log_probs[:, k] = sde_step(x, v, t, t_next, noise_levels[k], step_noise[:, k], t_cap)
         if keep_trajectory:

@@ -18,8 +18,26 @@ the denominator is floored at 1 - t_1 (the next schedule point), which keeps
 the first step finite. With a = 0 the SDE step reduces to the Euler step
 exactly (every correction is multiplied by zero), and its log-prob is 0.
 
+CPS (coefficients-preserving sampling, arXiv 2509.05952) with noise level eta in [0, 1):
+    x0_hat  = x_k - t · v                      (predicted data)
+    eps_hat = x_k + (1 - t) · v                (predicted noise)
+    std     = t_next · sin(eta · pi / 2)
+    mean    = (1 - t_next) · x0_hat + sqrt(t_next² - std²) · eps_hat
+    x_{k+1} = mean + std · eps_k
+The noise coefficients t_next·cos(eta·pi/2) and std add in quadrature to
+t_next, so x_{k+1} keeps the marginal's coefficients (1 - t_next, t_next)
+instead of the Flow-SDE's drifting ones. sqrt(t_next² - std²) is computed as
+t_next · cos(eta · pi / 2), the same value without a negative under the root.
+Its log-prob is the Gaussian log-density of the taken step with that mean and
+std (mean over elements, as for Flow-SDE). With eta = 0 the mean is
+x_k + (t_next - t) · v algebraically: the Euler step, equal up to rounding.
+
 The log-prob is averaged over elements (not summed) so that its scale does
 not depend on the image size; constants cancel in PPO ratios anyway.
+
+Steps whose noise level is 0 (outside the SDE window, or every step of the
+"ode" sampler) are run as plain Euler steps by the loop, so they equal ODE
+steps bit for bit whatever the sampler.
 """
 
 from __future__ import annotations
@@ -97,9 +115,53 @@ def sde_step_log_prob(x: torch.Tensor, x_next: torch.Tensor, v: torch.Tensor, t:
     return gaussian_step_log_prob(x_next, mean, std), mean, std
 
 
+def cps_mean_std(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,
+                 noise_level: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation of the CPS transition x_t -> x_{t_next} (noise level = eta)."""
+    angle = torch.as_tensor(noise_level, dtype=torch.float32, device=x.device) * (math.pi / 2)
+    x0_hat = x - t * v
+    eps_hat = x + (1 - t) * v
+    std = t_next * torch.sin(angle)
+    mean = (1 - t_next) * x0_hat + (t_next * torch.cos(angle)) * eps_hat
+    return mean, std
+
+
+def cps_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,
+             noise_level: float | torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CPS step: returns (x_next, log_prob [B])."""
+    mean, std = cps_mean_std(x, v, t, t_next, noise_level)
+    x_next = mean + std * noise
+    return x_next, gaussian_step_log_prob(x_next, mean, std)
+
+
+def cps_step_log_prob(x: torch.Tensor, x_next: torch.Tensor, v: torch.Tensor, t: torch.Tensor,
+                      t_next: torch.Tensor, noise_level: float | torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-prob of a CPS step already taken, under velocity v: (log_prob [B], mean, std)."""
+    mean, std = cps_mean_std(x, v, t, t_next, noise_level)
+    return gaussian_step_log_prob(x_next, mean, std), mean, std
+
+
+def step_log_prob(sampler: str, x: torch.Tensor, x_next: torch.Tensor, v: torch.Tensor, t: torch.Tensor,
+                  t_next: torch.Tensor, noise_level: float | torch.Tensor,
+                  t_cap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-prob of a taken step under the sampler that took it ("sde" or "cps"): (log_prob, mean, std).
+
+    A trainer recomputing a rollout's log-probs calls this with `Trajectory.sampler`.
+    """
+    if sampler == "cps":
+        return cps_step_log_prob(x, x_next, v, t, t_next, noise_level)
+    if sampler in ("sde", "ode"):
+        return sde_step_log_prob(x, x_next, v, t, t_next, noise_level, t_cap)
+    raise ValueError(f"sampler={sampler!r} is not known; valid samplers: ode, sde, cps")
+
+
 def step_noise_levels(steps: int, sampler: str, noise_level: float,
                       sde_window: tuple[int, int] | None = None) -> list[float]:
-    """The noise level `a` of every step: 0 for ODE steps, `noise_level` inside the SDE window."""
+    """The noise level of every step: 0 for ODE steps, `noise_level` inside the SDE window.
+
+    For "sde" the level is Flow-SDE's `a`, for "cps" it is eta; the window applies to both.
+    """
     if sampler == "ode":
         return [0.0] * steps
     start, end = sde_window if sde_window is not None else (0, steps)

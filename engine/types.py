@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-SAMPLERS = ("ode", "sde")
+SAMPLERS = ("ode", "sde", "cps")
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class GenerationRequest:
     steps: int = 10
     guidance_scale: float = 1.0
     sampler: str = "sde"
+    # Flow-SDE's `a` for "sde"; CPS's eta in [0, 1) for "cps"; unused by "ode".
     noise_level: float = 0.7
     # Half-open range [start, end) of step indices that are stochastic and
     # recorded; None means every step. Steps outside it are plain ODE steps.
@@ -37,6 +38,9 @@ class GenerationRequest:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.noise_level < 0:
             raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.sampler == "cps" and not self.noise_level < 1:
+            raise ValueError(f"noise_level is CPS's eta and must be in [0, 1) for sampler='cps', "
+                             f"got {self.noise_level}")
         if self.sde_window is not None:
             start, end = self.sde_window
             if not 0 <= start < end <= self.steps:
@@ -78,6 +82,8 @@ class Trajectory:
     weight_version: int
     guidance_scale: float
     metadata: list[dict] = field(default_factory=list)
+    # The sampler that took the steps: recompute log-probs with engine.sampling.step_log_prob(sampler, ...).
+    sampler: str = "sde"
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -4,8 +4,9 @@ import math
 
 import torch
 
-from engine.sampling import (flow_timesteps, gaussian_step_log_prob, ode_step, sde_mean_std, sde_step,
-                             sde_step_log_prob, sde_t_cap, step_noise_levels)
+from engine.sampling import (cps_mean_std, cps_step, cps_step_log_prob, flow_timesteps, gaussian_step_log_prob,
+                             ode_step, sde_mean_std, sde_step, sde_step_log_prob, sde_t_cap, step_log_prob,
+                             step_noise_levels)
 
 
 def _state(seed=0, shape=(3, 1, 8, 8)):
@@ -82,3 +83,64 @@ def test_noise_levels_respect_the_window():
     assert step_noise_levels(5, "ode", 0.7) == [0.0] * 5
     assert step_noise_levels(5, "sde", 0.7) == [0.7] * 5
     assert step_noise_levels(5, "sde", 0.7, (1, 3)) == [0.0, 0.7, 0.7, 0.0, 0.0]
+
+
+def test_cps_mean_and_std_follow_the_formula():
+    """x0_hat = x - t·v, eps_hat = x + (1-t)·v, std = t'·sin(eta·pi/2),
+    mean = (1-t')·x0_hat + sqrt(t'^2-std^2)·eps_hat."""
+    x, v, _ = _state(5)
+    t, t_next, eta = 0.6, 0.45, 0.5
+    mean, std = cps_mean_std(x, v, torch.tensor(t), torch.tensor(t_next), eta)
+    xd, vd = x.double(), v.double()
+    x0_hat, eps_hat = xd - t * vd, xd + (1 - t) * vd
+    std_direct = t_next * math.sin(eta * math.pi / 2)
+    mean_direct = (1 - t_next) * x0_hat + math.sqrt(t_next**2 - std_direct**2) * eps_hat
+    assert math.isclose(float(std), std_direct, rel_tol=1e-6)
+    torch.testing.assert_close(mean.double(), mean_direct, rtol=1e-6, atol=1e-6)
+
+
+def test_cps_with_zero_eta_is_the_euler_step():
+    x, v, eps = _state(6)
+    t_all = flow_timesteps(10)
+    for k in range(10):
+        x_cps, log_prob = cps_step(x, v, t_all[k], t_all[k + 1], 0.0, eps)
+        assert (x_cps - ode_step(x, v, t_all[k], t_all[k + 1])).abs().max() <= 1e-6
+        assert torch.equal(log_prob, torch.zeros(3))
+
+
+def test_cps_keeps_the_marginal_coefficients_for_an_exact_velocity():
+    """With v = eps - x0 the next state is (1-t')·x0 + t'·cos·eps + t'·sin·z: noise norm exactly t'."""
+    x0, eps, z = _state(7)
+    t, t_next, eta = torch.tensor(0.8), torch.tensor(0.6), 0.7
+    x_t = (1 - t) * x0 + t * eps
+    x_next, _ = cps_step(x_t, eps - x0, t, t_next, eta, z)
+    c, s = math.cos(eta * math.pi / 2), math.sin(eta * math.pi / 2)
+    expected = (1 - 0.6) * x0 + 0.6 * c * eps + 0.6 * s * z
+    torch.testing.assert_close(x_next, expected, rtol=1e-5, atol=1e-5)
+    assert math.isclose(c**2 + s**2, 1.0)
+
+
+def test_cps_log_prob_is_the_gaussian_density_and_recomputes_bitwise():
+    x, v, eps = _state(8)
+    t_all = flow_timesteps(10)
+    for k in (0, 5, 8):
+        x_next, log_prob = cps_step(x, v, t_all[k], t_all[k + 1], 0.6, eps)
+        mean, std = cps_mean_std(x, v, t_all[k], t_all[k + 1], 0.6)
+        direct = torch.distributions.Normal(mean.double(), std.double()).log_prob(x_next.double())
+        torch.testing.assert_close(log_prob.double(), direct.flatten(1).mean(1), rtol=1e-5, atol=1e-5)
+        again, _, _ = cps_step_log_prob(x, x_next, v, t_all[k], t_all[k + 1], torch.tensor(0.6))
+        assert torch.equal(again, log_prob)
+    # The last step lands on t' = 0: deterministic, log-prob 0.
+    _, last = cps_step(x, v, t_all[9], t_all[10], 0.6, eps)
+    assert torch.equal(last, torch.zeros(3))
+
+
+def test_step_log_prob_dispatches_on_the_sampler():
+    x, v, eps = _state(9)
+    t_all = flow_timesteps(10)
+    cap = sde_t_cap(t_all)
+    x_sde, lp_sde = sde_step(x, v, t_all[2], t_all[3], 0.7, eps, cap)
+    x_cps, lp_cps = cps_step(x, v, t_all[2], t_all[3], 0.7, eps)
+    assert torch.equal(step_log_prob("sde", x, x_sde, v, t_all[2], t_all[3], 0.7, cap)[0], lp_sde)
+    assert torch.equal(step_log_prob("cps", x, x_cps, v, t_all[2], t_all[3], 0.7, cap)[0], lp_cps)
+    assert step_noise_levels(4, "cps", 0.5, (1, 3)) == [0.0, 0.5, 0.5, 0.0]

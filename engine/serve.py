@@ -1,0 +1,264 @@
+"""HTTP serving of an `AsyncEngine` on aiohttp: `python -m engine.serve --card toy-digits`.
+
+Routes
+    POST /v1/generate   JSON in: {"prompt": str, "seed": int, "n": int, and any GenerationRequest
+                        field (steps, sampler, noise_level, guidance_scale, negative_prompt,
+                        sde_window, height, width, frames, card), "return_latents": bool,
+                        "return_log_probs": bool}
+                        JSON out: {"card", "weight_version", "seeds", "images": [base64 PNG],
+                        "tensors": base64 safetensors of latents / log_probs / timesteps (on request)}
+    GET  /v1/models     the hosted cards
+    GET  /v1/weights    the weight version of each hosted generator
+    GET  /health        liveness (no token needed)
+
+Binds 127.0.0.1 by default; `--token` (or FLYWHEEL_SERVE_TOKEN) requires
+`Authorization: Bearer <token>` on /v1 routes. Bad input is a 4xx naming
+what was wrong: malformed JSON or a bad field 400, a body over the limit or a
+request that can never fit the memory budget 413, an unknown card 404
+listing the known ones. A 500 means a bug in the server, never bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hmac
+import io
+import json
+import math
+import os
+
+import torch
+from aiohttp import web
+
+from engine.admission import AdmissionController, AdmissionError
+from engine.async_engine import AsyncEngine, UnknownCardError
+from engine.types import SAMPLERS, GenerationRequest
+
+ENGINE_KEY = web.AppKey("engine", AsyncEngine)
+TOKEN_KEY = web.AppKey("token", str)
+CARD_KEY = web.AppKey("default_card", str)
+LIMITS_KEY = web.AppKey("limits", dict)
+DEFAULT_MAX_BODY_BYTES = 64 * 1024
+DEFAULT_MAX_IMAGES = 16
+MAX_STEPS = 1000
+MAX_SEED = 2**63 - 1
+
+# JSON field -> (accepted Python types, description for the error message).
+_FIELDS = {
+    "prompt": ((str,), "a string"),
+    "negative_prompt": ((str,), "a string"),
+    "seed": ((int,), "an integer"),
+    "n": ((int,), "an integer"),
+    "steps": ((int,), "an integer"),
+    "guidance_scale": ((int, float), "a number"),
+    "sampler": ((str,), f"one of {', '.join(SAMPLERS)}"),
+    "noise_level": ((int, float), "a number"),
+    "sde_window": ((list,), "a [start, end] pair of integers or null"),
+    "height": ((int,), "an integer or null"),
+    "width": ((int,), "an integer or null"),
+    "frames": ((int,), "an integer or null"),
+    "card": ((str,), "a card id string"),
+    "return_latents": ((bool,), "true or false"),
+    "return_log_probs": ((bool,), "true or false"),
+    "metadata": ((dict,), "a JSON object"),
+}
+_NULLABLE = {"sde_window", "height", "width", "frames"}
+
+
+class BadRequest(ValueError):
+    """Input the client must fix; carries the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status)
+
+
+def parse_generate(body: object, default_card: str, max_images: int) -> tuple[list[GenerationRequest], dict]:
+    """The requests of a /v1/generate body and its output options; BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(_FIELDS))}")
+    if "prompt" not in body:
+        raise BadRequest("field 'prompt' is required (a string)")
+    for name, value in body.items():
+        types, what = _FIELDS[name]
+        if value is None and name in _NULLABLE:
+            continue
+        # bool is an int in Python; only fields that want a bool accept one.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise BadRequest(f"field '{name}' must be {what}, got {json.dumps(value)[:80]}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest(f"field '{name}' must be finite, got {value}")
+    n = body.get("n", 1)
+    if not 1 <= n <= max_images:
+        raise BadRequest(f"field 'n' must be in 1..{max_images}, got {n}", status=413 if n > max_images else 400)
+    if not 1 <= body.get("steps", 1) <= MAX_STEPS:
+        raise BadRequest(f"field 'steps' must be in 1..{MAX_STEPS}, got {body['steps']}")
+    seed = body.get("seed", 0)
+    if not 0 <= seed <= MAX_SEED - n:
+        raise BadRequest(f"field 'seed' must be in 0..{MAX_SEED - n} (seed + n must fit in 63 bits), got {seed}")
+    window = body.get("sde_window")
+    if window is not None:
+        if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window):
+            raise BadRequest(f"field 'sde_window' must be a [start, end] pair of integers, got {window}")
+    kwargs = {k: v for k, v in body.items() if k not in ("n", "seed", "return_latents", "return_log_probs")}
+    if window is not None:
+        kwargs["sde_window"] = tuple(window)
+    kwargs.setdefault("card", default_card)
+    kwargs["keep_trajectory"] = bool(body.get("return_latents", False))
+    try:
+        requests = [GenerationRequest(seed=seed + i, **kwargs) for i in range(n)]
+    except ValueError as exc:  # GenerationRequest names the field and the valid values
+        raise BadRequest(str(exc)) from None
+    options = {"latents": bool(body.get("return_latents", False)),
+               "log_probs": bool(body.get("return_log_probs", False))}
+    return requests, options
+
+
+def png_base64(image: torch.Tensor) -> str:
+    """One image [C, H, W] in [0, 1] as a base64 PNG (1 channel: grayscale, 3: RGB)."""
+    from PIL import Image
+
+    array = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+    if array.shape[0] == 1:
+        pil = Image.fromarray(array[0].numpy(), mode="L")
+    else:
+        pil = Image.fromarray(array[:3].permute(1, 2, 0).contiguous().numpy(), mode="RGB")
+    buffer = io.BytesIO()
+    pil.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _encode_images(images: torch.Tensor) -> list:
+    """PNGs of images [B, C, H, W]; for videos [B, C, F, H, W] a list of frame PNGs per sample."""
+    if images.ndim == 5:
+        return [[png_base64(video[:, f]) for f in range(video.shape[1])] for video in images]
+    return [png_base64(image) for image in images]
+
+
+async def _read_json(request: web.Request) -> object:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"body exceeds {request.app[LIMITS_KEY]['max_body_bytes']} bytes", status=413) from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine: AsyncEngine = request.app[ENGINE_KEY]
+    body = await _read_json(request)
+    requests, options = parse_generate(body, request.app[CARD_KEY], request.app[LIMITS_KEY]["max_images"])
+    trajectories = await engine.generate(requests)
+    images = torch.cat([t.images for t in trajectories])
+    out = {"card": requests[0].card, "weight_version": trajectories[0].weight_version,
+           "seeds": [r.seed for r in requests], "images": _encode_images(images)}
+    if options["latents"] or options["log_probs"]:
+        from safetensors.torch import save
+
+        tensors = {"timesteps": trajectories[0].timesteps.detach().cpu().contiguous()}
+        if options["latents"]:
+            tensors["latents"] = torch.cat([t.latents for t in trajectories]).detach().cpu().contiguous()
+        if options["log_probs"]:
+            tensors["log_probs"] = torch.cat([t.log_probs for t in trajectories]).detach().cpu().contiguous()
+        out["tensors"] = base64.b64encode(save(tensors)).decode("ascii")
+    return web.json_response(out)
+
+
+async def models(request: web.Request) -> web.Response:
+    from engine.cards import get_card
+
+    entries = []
+    for info in request.app[ENGINE_KEY].models():
+        try:
+            info = {**get_card(info["id"]).describe(), **info}
+        except KeyError:
+            pass  # a card hosted without registration (a scorer added at run time)
+        entries.append(info)
+    return web.json_response({"models": entries})
+
+
+async def weights(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({"weights": {m["id"]: m["weight_version"] for m in engine.models()}})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", **request.app[ENGINE_KEY].stats()})
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    """Map client mistakes to 4xx with a message; unexpected errors are real 500s."""
+    token = request.app[TOKEN_KEY]
+    if token and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return _error(exc.status, str(exc))
+    except UnknownCardError as exc:
+        return _error(404, str(exc))
+    except AdmissionError as exc:
+        return _error(413, str(exc))
+    except ValueError as exc:  # a model's own validation, e.g. an unsupported size
+        return _error(400, str(exc))
+
+
+def build_app(engine: AsyncEngine, default_card: str | None = None, token: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_images: int = DEFAULT_MAX_IMAGES) -> web.Application:
+    """The aiohttp application serving `engine`."""
+    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes)
+    app[ENGINE_KEY] = engine
+    app[TOKEN_KEY] = token or ""
+    app[LIMITS_KEY] = {"max_body_bytes": max_body_bytes, "max_images": max_images}
+    generators = [m["id"] for m in engine.models() if m["kind"] == "generator"]
+    app[CARD_KEY] = default_card or (generators[0] if generators else "")
+    app.router.add_post("/v1/generate", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/weights", weights)
+    app.router.add_get("/health", health)
+
+    async def close_engine(app: web.Application) -> None:
+        await engine.aclose()
+
+    app.on_cleanup.append(close_engine)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve a model card over HTTP.")
+    parser.add_argument("--card", default="toy-digits", help="model card id (see engine.list_cards())")
+    parser.add_argument("--path", default=None, help="local weights folder or file (default: shipped weights)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    parser.add_argument("--token", default=os.environ.get("FLYWHEEL_SERVE_TOKEN"),
+                        help="bearer token required on /v1 routes (default: $FLYWHEEL_SERVE_TOKEN, none)")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--max-concurrency", type=int, default=2)
+    parser.add_argument("--budget-bytes", type=int, default=8 * 1024**3, help="admission memory budget")
+    args = parser.parse_args(argv)
+
+    from engine.engine import Engine
+
+    engine = AsyncEngine(Engine.from_card(args.card, path=args.path, device=args.device),
+                         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                         max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes))
+    web.run_app(build_app(engine, default_card=args.card, token=args.token), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""HTTP serving: routes, every bad input as a clear 4xx, bearer token, 64 concurrent clients on loopback."""
+
+import asyncio
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import torch
+from aiohttp import ClientSession, ClientTimeout, TCPConnector
+from aiohttp.test_utils import TestClient, TestServer
+from PIL import Image
+from safetensors.torch import load as load_safetensors
+
+from engine import AdmissionController, AsyncEngine, Engine, GenerationRequest
+from engine.serve import build_app
+
+
+def serve(toy_model, check, token=None, budget=8 * 1024**3, **app_kwargs):
+    """Run `check(client)` against the app on 127.0.0.1, port 0."""
+
+    async def main():
+        engine = AsyncEngine(Engine(toy_model), max_batch=32, max_wait_ms=20,
+                             admission=AdmissionController(budget))
+        server = TestServer(build_app(engine, token=token, **app_kwargs), host="127.0.0.1", port=0)
+        async with TestClient(server) as client:
+            return await check(client)
+
+    return asyncio.run(main())
+
+
+def test_generate_returns_pngs_and_safetensors_matching_the_engine(toy_model):
+    body = {"prompt": "a handwritten seven", "seed": 5, "n": 2, "steps": 6, "sampler": "sde",
+            "return_latents": True, "return_log_probs": True}
+
+    async def check(client):
+        resp = await client.post("/v1/generate", json=body)
+        return resp.status, await resp.json()
+
+    status, out = serve(toy_model, check)
+    assert status == 200 and out["card"] == "toy-digits" and out["weight_version"] == 0 and out["seeds"] == [5, 6]
+    expected = Engine(toy_model).generate([GenerationRequest(prompt="a handwritten seven", seed=s, steps=6)
+                                           for s in (5, 6)])
+    for i, png in enumerate(out["images"]):
+        image = Image.open(io.BytesIO(base64.b64decode(png)))
+        assert image.size == (8, 8) and image.mode == "L"
+        pixels = torch.from_numpy(np.array(image)).float()
+        assert (pixels - expected.images[i, 0] * 255).abs().max() <= 0.5 + 1e-3
+    tensors = load_safetensors(base64.b64decode(out["tensors"]))
+    assert tensors["latents"].shape == (2, 7, 1, 8, 8) and tensors["log_probs"].shape == (2, 6)
+    assert (tensors["latents"] - expected.latents).abs().max() <= 1e-5
+    assert (tensors["log_probs"] - expected.log_probs).abs().max() <= 1e-4
+
+
+def test_models_weights_and_health(toy_model):
+    async def check(client):
+        return [(r.status, await r.json()) for r in
+                [await client.get("/v1/models"), await client.get("/v1/weights"), await client.get("/health")]]
+
+    (s1, models), (s2, weights), (s3, health) = serve(toy_model, check)
+    assert s1 == s2 == s3 == 200
+    (toy,) = models["models"]
+    assert toy["id"] == "toy-digits" and toy["kind"] == "generator" and toy["defaults"]["steps"] == 10
+    assert weights == {"weights": {"toy-digits": 0}}
+    assert health["status"] == "ok"
+
+
+BAD_INPUTS = [
+    ("not json{", 400, "not valid JSON"),
+    ([1, 2], 400, "JSON object"),
+    ({"seed": 1}, 400, "'prompt' is required"),
+    ({"prompt": 7}, 400, "'prompt' must be a string"),
+    ({"prompt": "x", "steps": "ten"}, 400, "'steps' must be an integer"),
+    ({"prompt": "x", "steps": True}, 400, "'steps' must be an integer"),
+    ({"prompt": "x", "steps": 0}, 400, "'steps' must be in"),
+    ({"prompt": "x", "sampler": "ddim"}, 400, "valid samplers"),
+    ({"prompt": "x", "noise_level": -1}, 400, "noise_level"),
+    ({"prompt": "x", "sde_window": [3]}, 400, "'sde_window'"),
+    ({"prompt": "x", "sde_window": [5, 2]}, 400, "sde_window"),
+    ({"prompt": "x", "height": 16}, 400, "8x8 images only"),
+    ({"prompt": "x", "colour": "red"}, 400, "unknown field(s) colour"),
+    ("null", 400, "JSON object"),
+    ('{"prompt": "x", "noise_level": NaN}', 400, "must be finite"),
+    ("\xff\xfe", 400, "not valid JSON"),
+    ({"prompt": "x", "seed": -1}, 400, "'seed' must be in"),
+    ({"prompt": "x", "seed": 2**70}, 400, "'seed' must be in"),
+    ({"prompt": "x", "noise_level": "NaN"}, 400, "'noise_level' must be a number"),
+    ({"prompt": "x", "frames": 4}, 400, "not videos"),
+    ({"prompt": "x", "n": 10_000}, 413, "'n' must be in 1..16"),
+    ({"prompt": "x", "card": "sd9"}, 404, "known: toy-digits"),
+    ({"prompt": "x" * 100_000}, 413, "body exceeds"),
+]
+
+
+def test_every_bad_input_is_a_clear_4xx_never_a_500(toy_model):
+    async def check(client):
+        out = []
+        for body, _, _ in BAD_INPUTS:
+            data = body if isinstance(body, str) else json.dumps(body)
+            resp = await client.post("/v1/generate", data=data, headers={"Content-Type": "application/json"})
+            out.append((resp.status, (await resp.json())["error"]))
+        good = await client.post("/v1/generate", json={"prompt": "a handwritten one", "steps": 2})
+        return out, good.status
+
+    results, good = serve(toy_model, check)
+    for (body, status, message), (got_status, got_message) in zip(BAD_INPUTS, results):
+        assert got_status == status, (body, got_status, got_message)
+        assert message in got_message, (body, got_message)
+    assert good == 200  # the server is unharmed
+
+
+def test_admission_refusal_is_413(toy_model):
+    async def check(client):
+        resp = await client.post("/v1/generate", json={"prompt": "x", "steps": 50, "return_latents": True})
+        return resp.status, (await resp.json())["error"]
+
+    status, message = serve(toy_model, check, budget=20_000)
+    assert status == 413 and "admission budget" in message
+
+
+def test_bearer_token(toy_model):
+    async def check(client):
+        missing = await client.get("/v1/models")
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        right = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        health = await client.get("/health")
+        return missing.status, wrong.status, right.status, health.status
+
+    assert serve(toy_model, check, token="s3cret") == (401, 401, 200, 200)
+
+
+def test_64_concurrent_clients_on_loopback_with_zero_errors(toy_model):
+    async def check(client):
+        url = str(client.make_url("/v1/generate"))
+        assert url.startswith("http://127.0.0.1:")
+
+        async def one(i, session):
+            async with session.post(url, json={"prompt": "a handwritten four", "seed": i, "steps": 4}) as resp:
+                body = await resp.json()
+                return resp.status, body.get("seeds")
+
+        async with ClientSession(connector=TCPConnector(limit=64), timeout=ClientTimeout(total=120)) as session:
+            return await asyncio.gather(*(one(i, session) for i in range(64)), return_exceptions=True)
+
+    results = serve(toy_model, check)
+    errors = [r for r in results if isinstance(r, BaseException) or r[0] != 200]
+    assert errors == [] and sorted(r[1][0] for r in results) == list(range(64))
+
+
+def test_module_entry_point_serves_on_loopback(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--card", "toy-digits", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, health = time.monotonic() + 60, None
+        while time.monotonic() < deadline and health is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    health = json.loads(resp.read())
+            except OSError:
+                time.sleep(0.2)
+        assert health is not None and health["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
