@@ -59,7 +59,8 @@ class _Server:
             tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS
                        if getattr(traj, k) is not None}
             header = {"weight_version": traj.weight_version, "prompts": traj.prompts, "seeds": traj.seeds,
-                      "card": traj.card, "guidance_scale": traj.guidance_scale, "metadata": traj.metadata}
+                      "card": traj.card, "guidance_scale": traj.guidance_scale, "metadata": traj.metadata,
+                      "sampler": traj.sampler}
             return header, save_safetensors(tensors)
         if op == "pause":
             e.pause(msg.get("mode", "drain"))
@@ -198,7 +199,7 @@ class EngineProcess:
         optional = {k: tensors.get(k) for k in TRAJECTORY_TENSORS}
         return Trajectory(**optional, prompts=reply["prompts"], seeds=reply["seeds"], card=reply["card"],
                           weight_version=reply["weight_version"], guidance_scale=reply["guidance_scale"],
-                          metadata=reply["metadata"])
+                          metadata=reply["metadata"], sampler=reply["sampler"])
 
     # -- engine side of weight sync
     @property

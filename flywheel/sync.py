@@ -25,11 +25,9 @@ from typing import Protocol
 
 import torch
 
+from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, save_weights_atomic, tensor_checksums, \
     verify_checksums
-
-PROMPT_ENCODER_COMPONENTS = ("prompt_encoder", "text_encoder")
-
 
 class SyncState(enum.Enum):
     IDLE = "idle"

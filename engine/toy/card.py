@@ -139,6 +139,11 @@ register_card(ModelCard(
     description="Built-in toy text-to-image model: a ~250k-parameter DiT on sklearn's 8x8 digits, "
                 "pretrained with 40% label noise so it follows prompts imperfectly (room for RL).",
     load=load_toy_digits,
+    components={"prompt_encoder": "ToyPromptEncoder (word tokenizer, 1 attention layer, 64-d)",
+                "transformer": "ToyDiT (patch 2, width 64, 3 joint-attention blocks)",
+                "decoder": "identity (latents are the images, rescaled from [-1, 1])"},
+    latent_rule="[1, 8, 8]: the 8x8 gray image itself",
+    precision="float32 weights; fp32 latents and log-probs",
     defaults=dict(steps=10, guidance_scale=1.0, noise_level=0.7, height=8, width=8,
                   # The attention and MLP projections of every block (peft matches name suffixes).
                   lora_targets=["qkv", "proj", "mlp.0", "mlp.2"]),
