@@ -43,3 +43,31 @@ def adapters_disabled(module: nn.Module):
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+def lora_state_dict(module: nn.Module) -> dict:
+    """The adapter's tensors in peft's saved naming (no adapter name), contiguous on the CPU."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(module).items()}
+
+
+def save_lora_for_diffusers(module: nn.Module, directory, pipeline_class: str) -> str:
+    """Save the transformer's LoRA where a stock diffusers pipeline's `load_lora_weights(directory)` reads it.
+
+    `pipeline_class` names the diffusers pipeline (e.g. "StableDiffusion3Pipeline");
+    its `save_lora_weights` writes the file with diffusers' key prefixes, and the
+    adapter's config (rank, alpha, targets) goes into the file's metadata so the
+    loaded scale equals the trained one. Returns the file path.
+    """
+    import diffusers
+
+    module = getattr(module, "module", module)  # a DDP wrapper holds the model in .module
+    cls = getattr(diffusers, pipeline_class, None)
+    if cls is None or not hasattr(cls, "save_lora_weights"):
+        raise ValueError(f"pipeline_class={pipeline_class!r} is not a diffusers pipeline that saves LoRA weights")
+    config = module.peft_config["default"].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    cls.save_lora_weights(str(directory), transformer_lora_layers=lora_state_dict(module),
+                          transformer_lora_adapter_metadata=config, safe_serialization=True)
+    return str(directory) + "/pytorch_lora_weights.safetensors"

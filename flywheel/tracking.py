@@ -56,3 +56,25 @@ def log_images(accelerator, name: str, images: list, step: int) -> None:
 
             for i, im in enumerate(images):
                 tracker.writer.add_image(f"{name}/{i}", np.asarray(im), step, dataformats="HWC")
+
+
+def log_videos(accelerator, name: str, paths: list, step: int, fps: int = 16) -> None:
+    """Log MP4 files (see `flywheel.video.write_mp4`) to whichever trackers are active.
+
+    wandb gets the MP4s; TensorBoard (whose video summaries need moviepy) gets
+    each video's frames side by side as one image.
+    """
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({name: [wandb.Video(str(p), fps=fps, format="mp4") for p in paths]}, step=step)
+        elif tracker.name == "tensorboard":
+            import numpy as np
+
+            from flywheel.video import read_mp4
+
+            for i, p in enumerate(paths):
+                frames = read_mp4(p)
+                tracker.writer.add_image(f"{name}/{i}", np.concatenate(list(frames), axis=1), step,
+                                         dataformats="HWC")

@@ -30,12 +30,13 @@ from engine.sampling import sde_step_log_prob, sde_t_cap
 from flywheel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flywheel.config import apply_overrides, config_to_dict, load_config, parse_config, save_config
 from flywheel.distributed import all_reduce_mean
-from flywheel.lora import adapters_disabled, add_lora
+from flywheel.lora import adapters_disabled, add_lora, save_lora_for_diffusers
 from flywheel.loop import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.rundir import MetricsLog, RunDir, make_image_grid
 from flywheel.sync import WeightSyncController
-from flywheel.tracking import log_images, prepare_tracker
+from flywheel.tracking import log_images, log_videos, prepare_tracker
+from flywheel.video import MiddleFrameRewards, is_video, middle_frame, write_mp4
 from rewards import RewardSet
 
 # ---------------------------------------------------------------------------------------
@@ -89,6 +90,14 @@ class SamplingConfig:
     """guidance of the ODE evaluation samples"""
     eval_seeds: int = 4
     """samples per evaluation prompt (fixed seeds)"""
+    eval_steps: int | None = None
+    """denoising steps of the ODE evaluation samples; None = `steps`"""
+    height: int | None = None
+    """image / video height in pixels; None uses the card's native size"""
+    width: int | None = None
+    """image / video width in pixels; None uses the card's native size"""
+    frames: int | None = None
+    """video frames (video cards only; None uses the card's default)"""
 
 
 @dataclass
@@ -117,6 +126,8 @@ class TrainConfig:
     """samples per training forward"""
     gradient_accumulation_steps: int = 1
     """minibatches accumulated into one optimizer step"""
+    gradient_checkpointing: bool = False
+    """recompute the transformer's activations in backward (less memory, ~30% slower; diffusers models)"""
 
 
 @dataclass
@@ -128,7 +139,11 @@ class Config:
     steps: int = 80
     """training steps (rollout + update)"""
     rewards: str = "digit_alignment:1.0"
-    """reward spec: name:weight,name:weight"""
+    """reward spec: name:weight,name:weight (remote:http://host:port[:weight] for a served reward)"""
+    rewards_mode: Literal["weighted_sum", "sum_of_advantages"] = "weighted_sum"
+    """advantages of the weighted sum of raw scores, or the weighted sum of per-reward group advantages"""
+    overlap_scoring: bool = False
+    """score each rollout chunk on a background thread while the engine generates the next one"""
     eval_every: int = 20
     """evaluate every N steps (and at the start and end)"""
     sample_every: int = 20
@@ -281,17 +296,42 @@ def build_judges(cfg: Config) -> dict:
     return {}
 
 
+def fsdp_full_params(accelerator, module):
+    """A context factory that gathers FSDP-sharded parameters whole (a no-op without FSDP).
+
+    Under FSDP (version 1, use_orig_params) the wrapped module's own parameters
+    become shards; inside `summon_full_params` they are whole again, so the
+    engine can call the plain module for rollouts without per-forward collectives.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return contextlib.nullcontext
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(module, FullyShardedDataParallel):
+        raise ValueError("the FSDP recipe path needs FSDP version 1 (fsdp_version: 1 in the accelerate config, "
+                         "see configs/accelerate/fsdp.yaml)")
+    return lambda: FullyShardedDataParallel.summon_full_params(module, writeback=False)
+
+
 def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, accelerator, run: RunDir, step: int) -> dict:
     """Evaluate on the main process; save and log a sample grid."""
     if not accelerator.is_main_process:
         return {}
     items = load_prompts(cfg.data.eval_prompts)
     metrics, traj = flywheel.evaluate(items, cfg.sampling.eval_seeds,
-                                      {"sampler": "ode", "guidance_scale": cfg.sampling.eval_guidance_scale},
+                                      {"sampler": "ode", "guidance_scale": cfg.sampling.eval_guidance_scale,
+                                       "steps": cfg.sampling.eval_steps or cfg.sampling.steps},
                                       judges)
     if step % cfg.sample_every == 0 or step == cfg.steps:
         # One image per prompt, first seed: a row per digit for the toy task.
-        grid = make_image_grid(traj.images[::cfg.sampling.eval_seeds].detach().cpu(), nrow=len(items) // 10 or None)
+        shown = traj.images[::cfg.sampling.eval_seeds].detach().cpu()
+        if is_video(shown):
+            paths = [write_mp4(v, run.samples_dir / f"step-{step:06d}-{i:02d}.mp4") for i, v in enumerate(shown[:8])]
+            log_videos(accelerator, "eval/videos", paths, step)
+            shown = middle_frame(shown)
+        grid = make_image_grid(shown, nrow=len(items) // 10 or None)
         grid.save(run.sample_path(step))
         log_images(accelerator, "eval/samples", [grid], step)
     return metrics
@@ -318,10 +358,16 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, cfg.model.dtype)
     model = load_model(cfg.model.card, path=cfg.model.path, device=accelerator.device, dtype=dtype)
     transformer = model.transformer
+    card_defaults = get_card(cfg.model.card).defaults
+    if cfg.train.gradient_checkpointing:
+        if not hasattr(transformer, "enable_gradient_checkpointing"):
+            raise ValueError(f"train.gradient_checkpointing=true: the {cfg.model.card} card's transformer does not "
+                             f"support it (diffusers models do)")
+        transformer.enable_gradient_checkpointing()
     ref_velocity = None
     need_reference = cfg.train.kl_beta > 0 or cfg.train.log_kl
     if cfg.model.finetune == "lora":
-        targets = cfg.model.lora_targets or get_card(cfg.model.card).defaults.get("lora_targets")
+        targets = cfg.model.lora_targets or card_defaults.get("lora_targets")
         add_lora(transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
         if need_reference:
             def ref_velocity(x, t, cond, uncond_cond, g):  # the base model = adapter switched off
@@ -353,16 +399,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     train_transformer, optimizer = accelerator.prepare(transformer, optimizer)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
+    # FSDP shards model.transformer's parameters in place; the engine's rollouts (and checkpoints)
+    # need them whole: gather them for the duration, on every rank (the gather is a collective).
+    full_params = fsdp_full_params(accelerator, train_transformer)
 
     # --- engine, rewards, flywheel --------------------------------------------------------------
     engine = Engine(model, device=accelerator.device, weight_version=version, time_shift=cfg.sampling.time_shift)
+    rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode)
+    if card_defaults.get("video"):
+        rewards = MiddleFrameRewards(rewards)  # image scorers see each video's middle frame
     flywheel = Flywheel(
-        engine, RewardSet(cfg.rewards), PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step,
+        engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step,
                                                      cfg.seed),
         WeightSyncController(engine, mode="colocated"), cfg.data.group_size,
         request_kwargs=dict(steps=cfg.sampling.steps, sampler="sde", noise_level=cfg.sampling.noise_level,
-                            guidance_scale=cfg.sampling.guidance_scale, sde_window=cfg.sampling.sde_window),
-        seed=cfg.seed, adv_clip=cfg.train.adv_clip_max)
+                            guidance_scale=cfg.sampling.guidance_scale, sde_window=cfg.sampling.sde_window,
+                            height=cfg.sampling.height, width=cfg.sampling.width, frames=cfg.sampling.frames),
+        seed=cfg.seed, adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring)
     judges = build_judges(cfg) if accelerator.is_main_process else {}
     if cfg.tracker != "none":
         accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)), init_kwargs=init_kwargs)
@@ -375,12 +428,14 @@ def main(argv: list[str] | None = None) -> dict:
     # --- the loop -------------------------------------------------------------------------------
     base_eval = None
     if start_step == 0:
-        base_eval = eval_step(flywheel, cfg, judges, accelerator, run, 0)
+        with full_params():
+            base_eval = eval_step(flywheel, cfg, judges, accelerator, run, 0)
         log({"step": 0, "weight_version": engine.weight_version, **base_eval})
     progress = _progress(accelerator, start_step, cfg.steps)
     row: dict = {}
     for step in range(start_step, cfg.steps):
-        batch = flywheel.collect(step)
+        with full_params():
+            batch = flywheel.collect(step)
         t0 = time.perf_counter()
         train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
                                     flywheel, params, cfg, step)
@@ -389,19 +444,28 @@ def main(argv: list[str] | None = None) -> dict:
         row["weight_version"] = batch.trajectory.weight_version
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            row.update(eval_step(flywheel, cfg, judges, accelerator, run, done))
+            with full_params():
+                row.update(eval_step(flywheel, cfg, judges, accelerator, run, done))
         log(row)
         if done % cfg.save_every == 0 or done == cfg.steps:
-            if accelerator.is_main_process:
-                save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params}, raw_optimizer,
-                                named_params, {"step": done, "weight_version": engine.weight_version,
-                                               "data_position": flywheel.sampler.position(done)},
-                                keep_last=cfg.keep_checkpoints)
+            with full_params():
+                if accelerator.is_main_process:
+                    save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params},
+                                    raw_optimizer, named_params,
+                                    {"step": done, "weight_version": engine.weight_version,
+                                     "data_position": flywheel.sampler.position(done)},
+                                    keep_last=cfg.keep_checkpoints)
             accelerator.wait_for_everyone()
         progress.update(1)
         progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}", kl=f"{row.get('kl', 0.0):.2e}",
                              v=engine.weight_version)
     progress.close()
+    if cfg.model.finetune == "lora" and card_defaults.get("diffusers_pipeline"):
+        # The adapter in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
+        with full_params():
+            if accelerator.is_main_process:
+                save_lora_for_diffusers(transformer, run.path / "lora", card_defaults["diffusers_pipeline"])
+        accelerator.wait_for_everyone()
 
     # --- report ---------------------------------------------------------------------------------
     final_eval = {k: v for k, v in row.items() if k.startswith("eval/")}

@@ -1,0 +1,120 @@
+"""What the diffusers families share: folder checks, the scheduler's flow times, dtype policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+
+
+def check_diffusers_folder(path: str | Path | None, card_id: str, components: dict[str, str]) -> Path:
+    """Fail with one message listing everything missing from a local diffusers folder.
+
+    components maps a subfolder to its kind: "model" (config.json + weights),
+    "tokenizer" (tokenizer files) or "scheduler" (scheduler_config.json).
+    """
+    if path is None:
+        raise ValueError(f"model card {card_id!r} needs model.path: a local diffusers folder "
+                         f"(with model_index.json and {', '.join(components)}); nothing is downloaded")
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{card_id}: model.path={str(root)!r} is not a folder; expected a local diffusers "
+                                f"folder with model_index.json and {', '.join(components)}")
+    missing = []
+    if not (root / "model_index.json").is_file():
+        missing.append("model_index.json")
+    for sub, kind in components.items():
+        folder = root / sub
+        if not folder.is_dir():
+            missing.append(f"{sub}/ ({kind})")
+            continue
+        if kind == "model":
+            if not (folder / "config.json").is_file():
+                missing.append(f"{sub}/config.json")
+            if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in folder.iterdir()):
+                missing.append(f"{sub}/*.safetensors (weights)")
+        elif kind == "tokenizer":
+            if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+                missing.append(f"{sub}/ tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+        elif kind == "scheduler":
+            if not (folder / "scheduler_config.json").is_file():
+                missing.append(f"{sub}/scheduler_config.json")
+    if missing:
+        raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; missing: "
+                                + "; ".join(missing))
+    return root
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def scheduler_flow_times(scheduler_config: dict, steps: int, image_seq_len: int | None = None,
+                         flux_sigmas: bool = False) -> torch.Tensor:
+    """The flow times [T+1] (1 -> 0, fp32) diffusers' FlowMatchEulerDiscreteScheduler would use.
+
+    The scheduler itself computes them, so shifts (static or resolution-dependent)
+    match the stock pipeline exactly. `flux_sigmas`: FLUX passes linspace(1, 1/T)
+    instead of the scheduler's default; dynamic shifting needs `image_seq_len`.
+    """
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
+    if "flow_shift" in config and "shift" not in config:  # UniPC-style configs (Wan) name the shift flow_shift
+        config["shift"] = config["flow_shift"]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    kwargs = {}
+    if scheduler.config.use_dynamic_shifting:
+        if image_seq_len is None:
+            raise ValueError("this scheduler shifts by resolution: image_seq_len is required")
+        kwargs["mu"] = flux_shift_mu(image_seq_len, scheduler.config)
+    if flux_sigmas:
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
+    else:
+        scheduler.set_timesteps(steps, **kwargs)
+    return scheduler.sigmas.to(torch.float32)
+
+
+def flux_shift_mu(image_seq_len: int, config) -> float:
+    """FLUX's resolution-dependent shift: linear in the token count between two anchors."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + base_shift - slope * base_len
+
+
+def flow_time_to_batch(t: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
+    """A scalar or [B] flow time as a [B] fp32 tensor on `device` (no host transfer)."""
+    return torch.as_tensor(t, dtype=torch.float32, device=device).reshape(-1).expand(batch)
+
+
+def load_pipeline(pipeline_class: str, root: Path, device: torch.device, dtype: torch.dtype):
+    """The stock diffusers pipeline of a local folder, every component in `dtype` on `device`, eval mode."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class)
+    return prepare_pipeline(cls.from_pretrained(str(root), dtype=dtype, local_files_only=True), device)
+
+
+def prepare_pipeline(pipe, device: torch.device, dtype: torch.dtype | None = None):
+    """Every module of a pipeline on `device` (and cast to `dtype` if given), frozen, eval mode, no progress bars."""
+    if dtype is None:
+        pipe.to(device)
+    else:
+        pipe.to(device=device, dtype=dtype)
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            component.eval().requires_grad_(False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def sequence_length(tokenizer, family_default: int) -> int:
+    """Text tokens per prompt: the family's default, capped by what the tokenizer declares it handles."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    return family_default if not declared or declared > 100_000 else min(family_default, declared)

@@ -1,0 +1,87 @@
+"""The `sd3` card: Stable Diffusion 3 / 3.5 through diffusers' SD3Transformer2DModel.
+
+Prompts are embedded by the stock pipeline's own `encode_prompt` (CLIP-L,
+CLIP-G and T5 joined as diffusers does), and the scheduler's config sets the
+time shift (3.0 for SD3.5), so a rollout matches `StableDiffusion3Pipeline`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cards import PromptEmbeds
+from engine.families.common import (check_diffusers_folder, flow_time_to_batch, load_pipeline, read_json,
+                                    scheduler_flow_times, sequence_length)
+
+CARD_ID = "sd3"
+PIPELINE = "StableDiffusion3Pipeline"
+COMPONENTS = {"transformer": "model", "vae": "model", "scheduler": "scheduler",
+              "text_encoder": "model", "tokenizer": "tokenizer", "text_encoder_2": "model",
+              "tokenizer_2": "tokenizer", "text_encoder_3": "model", "tokenizer_3": "tokenizer"}
+
+
+class SD3Model:
+    """FlowModel of SD3: latents [B, C, H/8, W/8] after the VAE's scaling and shift."""
+
+    card_id = CARD_ID
+
+    def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = 256):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.dtype = dtype
+        self.scheduler_config = scheduler_config
+        # Text tokens per prompt (SD3: 256, FLUX and Wan: 512, as their pipelines use), capped by the tokenizer.
+        self.max_sequence_length = sequence_length(pipe.tokenizer_3, max_sequence_length)
+        self.vae_scale = pipe.vae_scale_factor
+        self.patch = self.transformer.config.patch_size
+        self.default_size = self.transformer.config.sample_size * self.vae_scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """The pipeline's joint CLIP + T5 embeddings (fp32); no mask (SD3 attends to padding)."""
+        prompts = list(prompts)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=prompts, prompt_3=prompts, device=self.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(embeds.float(), pooled.float(), None)
+
+    def velocity(self, transformer, latents: torch.Tensor, t, cond: PromptEmbeds) -> torch.Tensor:
+        """Velocity (fp32); diffusers' timestep is t·1000."""
+        timestep = flow_time_to_batch(t, latents.shape[0], latents.device) * 1000.0
+        out = transformer(hidden_states=latents.to(self.dtype), timestep=timestep,
+                          encoder_hidden_states=cond.embeds.to(self.dtype),
+                          pooled_projections=cond.pooled.to(self.dtype), return_dict=False)[0]
+        return out.float()
+
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The scheduler's shifted flow times (SD3.5: shift 3.0)."""
+        tokens = (latent_shape[-2] // self.patch) * (latent_shape[-1] // self.patch)
+        return scheduler_flow_times(self.scheduler_config, steps, image_seq_len=tokens)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents to images [B, 3, H, W] in [0, 1] (fp32)."""
+        config = self.vae.config
+        latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
+        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0.0, 1.0)
+
+    def latent_shape(self, height: int | None, width: int | None, frames: int | None) -> tuple[int, ...]:
+        """(C, H/s, W/s); H and W default to the transformer's native size and must be multiples of s·patch."""
+        if frames not in (None, 1):
+            raise ValueError(f"{CARD_ID} generates images, not videos; got frames={frames} (use frames=None)")
+        height, width = height or self.default_size, width or self.default_size
+        step = self.vae_scale * self.patch
+        if height % step or width % step:
+            raise ValueError(f"{CARD_ID}: height and width must be multiples of {step}; got {height}x{width}")
+        return (self.transformer.config.in_channels, height // self.vae_scale, width // self.vae_scale)
+
+
+def load_sd3(path, device: torch.device, dtype: torch.dtype) -> SD3Model:
+    """Load SD3 / SD3.5 from a local diffusers folder (every component in `dtype`)."""
+    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
+    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
+    return SD3Model(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))

@@ -1,0 +1,87 @@
+"""The `wan2.1-t2v` card: Wan2.1 text-to-video through diffusers' WanTransformer3DModel.
+
+Latents are [B, C, F', H/8, W/8] (F' = (F - 1)/4 + 1, the causal VAE's
+temporal compression), normalised by the VAE's per-channel mean and std as
+`WanPipeline` does; decoded videos are [B, 3, F, H, W] in [0, 1]. The engine
+samples with its Euler / Flow-SDE loop at the shift of the folder's scheduler
+config (`shift`, or UniPC's `flow_shift`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cards import PromptEmbeds
+from engine.families.common import (check_diffusers_folder, flow_time_to_batch, load_pipeline, read_json,
+                                    scheduler_flow_times, sequence_length)
+
+CARD_ID = "wan2.1-t2v"
+PIPELINE = "WanPipeline"
+COMPONENTS = {"transformer": "model", "vae": "model", "scheduler": "scheduler", "text_encoder": "model",
+              "tokenizer": "tokenizer"}
+
+
+class WanModel:
+    """FlowModel of Wan2.1 T2V: video latents [B, C, F', H', W']."""
+
+    card_id = CARD_ID
+
+    def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = 512):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.dtype = dtype
+        self.scheduler_config = scheduler_config
+        self.max_sequence_length = sequence_length(pipe.tokenizer, max_sequence_length)
+        self.spatial_scale = pipe.vae_scale_factor_spatial
+        self.temporal_scale = pipe.vae_scale_factor_temporal
+        z = self.vae.config.z_dim
+        self._mean = torch.tensor(self.vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
+        self._std = torch.tensor(self.vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """UMT5 embeddings zero-padded past each prompt (fp32); Wan has no pooled embedding (pooled is [B, 0])."""
+        embeds, _ = self.pipe.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
+                                            max_sequence_length=self.max_sequence_length, device=self.device)
+        embeds = embeds.float()
+        return PromptEmbeds(embeds, embeds.new_zeros(embeds.shape[0], 0), None)
+
+    def velocity(self, transformer, latents: torch.Tensor, t, cond: PromptEmbeds) -> torch.Tensor:
+        """Velocity (fp32) of video latents; diffusers' timestep is t·1000."""
+        timestep = flow_time_to_batch(t, latents.shape[0], latents.device) * 1000.0
+        out = transformer(hidden_states=latents.to(self.dtype), timestep=timestep,
+                          encoder_hidden_states=cond.embeds.to(self.dtype), return_dict=False)[0]
+        return out.float()
+
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The scheduler config's shifted flow times (Wan2.1: shift 3.0 at 480p, 5.0 at 720p)."""
+        return scheduler_flow_times(self.scheduler_config, steps)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents to videos [B, 3, F, H, W] in [0, 1] (fp32)."""
+        mean, std = self._mean.to(latents.device), self._std.to(latents.device)
+        latents = latents.float() * std + mean
+        video = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return (video.float() / 2 + 0.5).clamp(0.0, 1.0)
+
+    def latent_shape(self, height: int | None, width: int | None, frames: int | None) -> tuple[int, ...]:
+        """(C, (F-1)/4+1, H/8, W/8); F = 4k+1 frames, H and W multiples of 16 (default 480x832, 33 frames)."""
+        height, width, frames = height or 480, width or 832, frames or 33
+        step = self.spatial_scale * self.transformer.config.patch_size[1]
+        if height % step or width % step:
+            raise ValueError(f"{CARD_ID}: height and width must be multiples of {step}; got {height}x{width}")
+        if (frames - 1) % self.temporal_scale:
+            raise ValueError(f"{CARD_ID}: frames must be {self.temporal_scale}k+1 (e.g. 33, 81); got {frames}")
+        return (self.vae.config.z_dim, (frames - 1) // self.temporal_scale + 1,
+                height // self.spatial_scale, width // self.spatial_scale)
+
+
+def load_wan(path, device: torch.device, dtype: torch.dtype) -> WanModel:
+    """Load Wan2.1 T2V from a local diffusers folder (every component in `dtype`)."""
+    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
+    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
+    return WanModel(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))

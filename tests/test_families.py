@@ -1,0 +1,243 @@
+"""Real model families (SD3, FLUX, Wan2.1 T2V) on tiny random diffusers folders built from configs.
+
+Each folder is written with `save_pretrained` once per session and loaded through
+the same card loader a user's folder takes. Parity runs the engine's own loop
+and the stock diffusers pipeline on the same weights, prompt embeddings and
+initial noise; the GRPO runs train a LoRA for three steps and check that the
+saved adapter changes the stock pipeline's output exactly as the engine's.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import Engine, GenerationRequest, get_card, list_cards, load_model
+from flywheel.checkpoint import latest_checkpoint
+from flywheel.lora import adapters_disabled, add_lora
+
+ROOT = Path(__file__).resolve().parents[1]
+# card id -> (builder, request size, stock pipeline class)
+FAMILIES = {
+    "sd3": ("build_tiny_sd3", dict(height=32, width=32), "StableDiffusion3Pipeline"),
+    "flux": ("build_tiny_flux", dict(height=32, width=32), "FluxPipeline"),
+    "wan2.1-t2v": ("build_tiny_wan", dict(height=16, width=16, frames=5), "WanPipeline"),
+}
+PROMPTS = ["a red cat", "a blue dog"]
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory):
+    """card id -> a tiny diffusers folder of that family (built once)."""
+    import engine.families.tiny as tiny
+
+    root = tmp_path_factory.mktemp("tiny-families")
+    return {card: getattr(tiny, builder)(root / card) for card, (builder, _, _) in FAMILIES.items()}
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def draw_noise(seeds, shape):
+    """Initial noise as the engine draws it: one generator per request seed, initial noise first."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def stock_pipeline(card, folder):
+    import diffusers
+
+    pipe = getattr(diffusers, FAMILIES[card][2]).from_pretrained(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipeline_latents(card, pipe, engine, noise, steps, guidance):
+    """Final latents of the stock pipeline's own __call__, fed the engine's embeddings and noise."""
+    size = FAMILIES[card][1]
+    cond = engine.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        if card == "sd3":
+            uncond = engine.encode_prompts([""] * len(PROMPTS))
+            out = pipe(prompt_embeds=cond.embeds, pooled_prompt_embeds=cond.pooled,
+                       negative_prompt_embeds=uncond.embeds, negative_pooled_prompt_embeds=uncond.pooled,
+                       latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance,
+                       output_type="latent", **size).images
+        elif card == "flux":
+            from engine.families.flux import pack_latents, unpack_latents
+
+            out = pipe(prompt_embeds=cond.embeds, pooled_prompt_embeds=cond.pooled, latents=pack_latents(noise),
+                       num_inference_steps=steps, guidance_scale=guidance, output_type="latent", **size).images
+            out = unpack_latents(out, *noise.shape[1:])
+        else:
+            uncond = engine.encode_prompts([""] * len(PROMPTS))
+            out = pipe(prompt_embeds=cond.embeds, negative_prompt_embeds=uncond.embeds, latents=noise.clone(),
+                       num_inference_steps=steps, guidance_scale=guidance, output_type="latent",
+                       height=size["height"], width=size["width"], num_frames=size["frames"]).frames
+    return out.float()
+
+
+def engine_latents(card, engine, steps, guidance, seeds=(3, 4)):
+    requests = [GenerationRequest(prompt=p, seed=s, card=card, steps=steps, sampler="ode", guidance_scale=guidance,
+                                  keep_trajectory=False, **FAMILIES[card][1]) for p, s in zip(PROMPTS, seeds)]
+    return engine.generate(requests)
+
+
+def test_family_cards_are_registered_without_importing_diffusers():
+    assert {"sd3", "flux", "wan2.1-t2v"} <= set(list_cards())
+    code = "import sys, engine; engine.list_cards(); print('diffusers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_incomplete_folder_is_an_error_listing_what_is_missing(tiny_folders, tmp_path):
+    broken = tmp_path / "broken-sd3"
+    shutil.copytree(tiny_folders["sd3"], broken)
+    shutil.rmtree(broken / "vae")
+    shutil.rmtree(broken / "tokenizer_3")
+    (broken / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        load_model("sd3", path=str(broken))
+    message = str(err.value)
+    assert "vae/" in message and "tokenizer_3/" in message and "transformer/*.safetensors" in message
+    assert "text_encoder/" not in message  # present components are not listed
+    with pytest.raises(ValueError, match="model.path"):
+        load_model("flux", path=None)
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        load_model("wan2.1-t2v", path=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("card, guidance", [("sd3", 4.5), ("flux", 3.5), ("wan2.1-t2v", 5.0)])
+def test_engine_ode_rollout_equals_the_stock_pipeline(tiny_folders, card, guidance):
+    model = load_model(card, path=str(tiny_folders[card]))
+    engine = Engine(model)
+    steps = 4
+    traj = engine_latents(card, engine, steps, guidance)
+    size = FAMILIES[card][1]
+    noise = draw_noise((3, 4), model.latent_shape(size["height"], size["width"], size.get("frames")))
+    expected = pipeline_latents(card, stock_pipeline(card, tiny_folders[card]), engine, noise, steps, guidance)
+    assert traj.latents[:, -1].shape == expected.shape
+    assert (traj.latents[:, -1] - expected).abs().max() <= 1e-5
+    # Same output kind as the family: images [B, 3, H, W], videos [B, 3, F, H, W], in [0, 1].
+    shape = (2, 3, size["frames"], 16, 16) if card == "wan2.1-t2v" else (2, 3, 32, 32)
+    assert tuple(traj.images.shape) == shape
+    assert 0.0 <= traj.images.min() and traj.images.max() <= 1.0
+
+
+def test_sde_rollout_carries_log_probs_and_fp32_under_bf16_weights(tiny_folders):
+    model = load_model("sd3", path=str(tiny_folders["sd3"]), dtype=torch.bfloat16)
+    assert model.transformer.dtype == torch.bfloat16
+    requests = [GenerationRequest(prompt=p, seed=i, card="sd3", steps=3, sampler="sde", guidance_scale=2.0,
+                                  height=32, width=32) for i, p in enumerate(PROMPTS)]
+    traj = Engine(model).generate(requests)
+    assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
+    assert traj.log_probs.shape == (2, 3) and torch.isfinite(traj.log_probs).all()
+    assert (traj.log_probs[:, :2] != 0).all()  # stochastic steps carry a log-prob (the last step to t=0 too)
+
+
+def test_flux_schedule_shifts_with_resolution(tiny_folders):
+    model = load_model("flux", path=str(tiny_folders["flux"]))
+    small, large = model.schedule(4, (4, 8, 8)), model.schedule(4, (4, 32, 32))
+    assert small[0] == 1.0 and small[-1] == 0.0 and large[0] == 1.0
+    assert (large[1:-1] > small[1:-1]).all()  # more tokens -> more time spent near noise
+    with pytest.raises(ValueError, match="multiples of 4"):
+        model.latent_shape(30, 32, None)
+
+
+def grpo_args(card, folder, prompts_file, run_dir, *extra):
+    size = FAMILIES[card][1]
+    args = [f"run_dir={run_dir}", f"model.card={card}", f"model.path={folder}", "tracker=none", "steps=3",
+            f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
+            "data.group_size=2", "sampling.steps=2", "sampling.eval_seeds=1", "sampling.guidance_scale=2.0",
+            "sampling.eval_guidance_scale=2.0", "rewards=jpeg_compressibility:1.0", "eval_every=1000",
+            "sample_every=3", "sampling.eval_steps=1", "train.log_kl=false", "train.learning_rate=0.02",
+            "train.clip_range=0.2",
+            f"sampling.height={size['height']}", f"sampling.width={size['width']}"]
+    if "frames" in size:
+        args.append(f"sampling.frames={size['frames']}")
+    return args + list(extra)
+
+
+@pytest.mark.parametrize("card", ["sd3", "flux", "wan2.1-t2v"])
+def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(tiny_folders, prompts_file, tmp_path,
+                                                                         card):
+    from trainers.grpo import main
+
+    run_dir = tmp_path / "run"
+    # Gradient checkpointing on one family keeps the test quick and still covers the option.
+    main(grpo_args(card, tiny_folders[card], prompts_file, run_dir, "model.finetune=lora", "model.lora_rank=4",
+                   "model.lora_alpha=8", f"train.gradient_checkpointing={card == 'sd3'}"))
+    trained = load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+    lora_b = [v for k, v in trained.items() if "lora_B" in k]
+    assert lora_b and all("lora_" in k for k in trained)  # only the adapter was trained
+    assert max(v.abs().max() for v in lora_b) > 0  # LoRA B starts at zero: the adapter changed
+    if card == "wan2.1-t2v":
+        assert len(list((run_dir / "samples").glob("*.mp4"))) == 4  # two prompts, at the start and the end
+
+    # The engine with the trained adapter, as the trainer injected it.
+    model = load_model(card, path=str(tiny_folders[card]))
+    add_lora(model.transformer, 4, 8, get_card(card).defaults["lora_targets"])
+    missing = model.transformer.load_state_dict(trained, strict=False)
+    assert not missing.unexpected_keys
+    engine = Engine(model)
+    tuned = engine_latents(card, engine, 3, 2.0).latents[:, -1]
+    with adapters_disabled(model.transformer):
+        base = engine_latents(card, engine, 3, 2.0).latents[:, -1]
+
+    # The stock pipeline, before and after load_lora_weights(run_dir / "lora").
+    pipe = stock_pipeline(card, tiny_folders[card])
+    noise = draw_noise((3, 4), tuple(base.shape[1:]))
+    stock_base = pipeline_latents(card, pipe, engine, noise, 3, 2.0)
+    pipe.load_lora_weights(str(run_dir / "lora"))
+    stock_tuned = pipeline_latents(card, pipe, engine, noise, 3, 2.0)
+
+    assert (stock_base - base).abs().max() <= 1e-5
+    assert (tuned - base).abs().max() > 1e-3  # the adapter matters...
+    assert (stock_tuned - tuned).abs().max() <= 1e-5  # ...and the same way in the stock pipeline
+
+
+def test_full_finetune_changes_every_transformer_weight_group(tiny_folders, prompts_file, tmp_path):
+    from trainers.grpo import main
+
+    main(grpo_args("sd3", tiny_folders["sd3"], prompts_file, tmp_path / "full", "model.finetune=full",
+                   "steps=2", "train.learning_rate=1e-3"))
+    trained = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    base = {k: p.detach() for k, p in load_model("sd3", path=str(tiny_folders["sd3"])).transformer.named_parameters()}
+    assert set(trained) == set(base)
+    changed = [k for k in trained if not torch.equal(trained[k], base[k])]
+    assert any("attn.to_q" in k for k in changed) and any("proj_out" in k for k in changed)
+    assert not (tmp_path / "full" / "lora").exists()
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_a_clear_error(tmp_path):
+    from trainers.grpo import main
+
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        main([f"run_dir={tmp_path / 'toy'}", "tracker=none", "train.gradient_checkpointing=true"])
+
+
+@pytest.mark.parametrize("card", ["sd3", "flux", "wan2.1-t2v"])
+def test_family_denoise_loop_makes_no_host_transfers(tiny_folders, card):
+    from engine import forbid_host_transfers
+    from engine.loop import concat_embeds, denoise
+    from engine.sampling import step_noise_levels
+
+    model = load_model(card, path=str(tiny_folders[card]))
+    engine = Engine(model)
+    size = FAMILIES[card][1]
+    shape = model.latent_shape(size["height"], size["width"], size.get("frames"))
+    timesteps = engine.schedule(2, shape)
+    cond = engine.encode_prompts(PROMPTS)
+    uncond_cond = concat_embeds(engine.encode_prompts(["", ""]), cond)
+    model.image_ids(shape[-2], shape[-1], torch.device("cpu")) if card == "flux" else None  # built once, outside
+    with forbid_host_transfers():
+        latents, log_probs = denoise(model, model.transformer, torch.randn(2, *shape), torch.randn(2, 2, *shape),
+                                     timesteps, step_noise_levels(2, "sde", 0.7), cond, uncond_cond, 3.0)
+    assert torch.isfinite(latents).all() and torch.isfinite(log_probs).all()
