@@ -107,7 +107,7 @@ class _Server:
 
 def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    engine = Engine.from_card(args.card, path=args.path, device=args.device)
+    engine = Engine.from_card(args.card, path=args.path, device=args.device, weight_version=args.weight_version)
     engine.model.transformer.eval()
     if args.lora_rank:
         # The same adapter layout as the trainer's, so LoRA-only syncs carry just the adapter.
@@ -143,11 +143,11 @@ class EngineProcess:
 
     @classmethod
     def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int = 1,
-              timeout_s: float = 120.0, lora: dict | None = None) -> "EngineProcess":
+              timeout_s: float = 120.0, lora: dict | None = None, weight_version: int = 0) -> "EngineProcess":
         """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout."""
         authkey = secrets.token_bytes(32)
         cmd = [sys.executable, "-m", "flywheel.engine_process", "--card", card, "--device", device,
-               "--threads", str(threads)] + (["--path", path] if path else [])
+               "--threads", str(threads), "--weight-version", str(weight_version)] + (["--path", path] if path else [])
         if lora:
             cmd += ["--lora-rank", str(lora["rank"]), "--lora-alpha", str(lora["alpha"]),
                     "--lora-targets", ",".join(lora["targets"])]
@@ -257,6 +257,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--weight-version", type=int, default=0, help="version of the weights it starts with")
     parser.add_argument("--lora-rank", type=int, default=0, help="inject a LoRA adapter of this rank (0: none)")
     parser.add_argument("--lora-alpha", type=float, default=8.0)
     parser.add_argument("--lora-targets", default="", help="comma-separated module names to adapt")

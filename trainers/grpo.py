@@ -26,7 +26,8 @@ import torch
 
 from engine import Engine, PromptEmbeds, Trajectory, get_card, load_model
 from engine.loop import concat_embeds, guided_velocity
-from engine.sampling import sde_step_log_prob, sde_t_cap
+from engine.sampling import sde_t_cap, step_log_prob
+from flywheel.async_rollouts import AsyncCollector
 from flywheel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flywheel.config import apply_overrides, config_to_dict, load_config, parse_config, save_config
 from flywheel.distributed import all_reduce_mean
@@ -34,7 +35,8 @@ from flywheel.lora import adapters_disabled, add_lora, save_lora_for_diffusers
 from flywheel.loop import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.rundir import MetricsLog, RunDir, make_image_grid
-from flywheel.sync import WeightSyncController
+from flywheel.engine_process import EngineProcess
+from flywheel.sync import SharedMemoryTransport, WeightSyncController
 from flywheel.tracking import log_images, log_videos, prepare_tracker
 from flywheel.video import MiddleFrameRewards, is_video, middle_frame, write_mp4
 from rewards import RewardSet
@@ -78,8 +80,10 @@ class DataConfig:
 class SamplingConfig:
     steps: int = 10
     """denoising steps of a rollout"""
+    sampler: Literal["sde", "cps"] = "sde"
+    """rollout sampler: Flow-SDE, or coefficients-preserving sampling (noise_level is then eta)"""
     noise_level: float = 0.7
-    """Flow-SDE noise level a"""
+    """Flow-SDE noise level a (CPS: eta in [0, 1))"""
     guidance_scale: float = 1.0
     """classifier-free guidance of rollouts (1 = no unconditional branch)"""
     sde_window: tuple[int, int] | None = None
@@ -116,6 +120,8 @@ class TrainConfig:
     """weight of the KL penalty to the reference policy (0 = off)"""
     log_kl: bool = True
     """measure the KL to the reference even when kl_beta = 0 (one extra no-grad forward per step)"""
+    importance_cap: float = 2.0
+    """async rollouts: truncation of the importance weight pi_current / pi_rollout"""
     adv_clip_max: float = 5.0
     """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
     timestep_fraction: float = 1.0
@@ -142,6 +148,10 @@ class Config:
     """reward spec: name:weight,name:weight (remote:http://host:port[:weight] for a served reward)"""
     rewards_mode: Literal["weighted_sum", "sum_of_advantages"] = "weighted_sum"
     """advantages of the weighted sum of raw scores, or the weighted sum of per-reward group advantages"""
+    async_rollouts: bool = False
+    """roll out step s+1 in an engine process while training on step s (one trainer process)"""
+    max_staleness: int = 1
+    """async rollouts: a batch may lag the trainer by this many weight versions; older ones are regenerated"""
     overlap_scoring: bool = False
     """score each rollout chunk on a background thread while the engine generates the next one"""
     eval_every: int = 20
@@ -178,26 +188,40 @@ def step_conditioning(traj: Trajectory, use_cfg: bool) -> tuple[PromptEmbeds, Pr
 
 
 def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
-                   usable: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip loss (+ beta·KL) of step j of a trajectory batch under the current weights."""
+                   usable: torch.Tensor, cfg: TrainConfig,
+                   decoupled: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip loss (+ beta·KL) of step j of a trajectory batch under the current weights.
+
+    `decoupled` is for rollouts that lag the trainer (async): the ratio is taken
+    against the current policy (1, with its gradient intact) and a truncated
+    importance weight pi_current / pi_rollout corrects for the lag.
+    """
     x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
     t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
     noise_level = traj.noise_levels[j]
     cond, uncond_cond = step_conditioning(traj, cfg.cfg_in_train)
     v = guided_velocity(model, transformer, x, t, cond, uncond_cond, traj.guidance_scale)
-    log_prob, mean, std = sde_step_log_prob(x, x_next, v, t, t_next, noise_level, sde_t_cap(traj.timesteps))
+    t_cap = sde_t_cap(traj.timesteps)
+    log_prob, mean, std = step_log_prob(traj.sampler, x, x_next, v, t, t_next, noise_level, t_cap)
 
-    ratio = torch.exp(log_prob - traj.log_probs[:, j])
+    behaviour = traj.log_probs[:, j]
+    if decoupled:
+        proximal = log_prob.detach()
+        ratio = torch.exp(log_prob - proximal)
+        is_weight = torch.exp(proximal - behaviour).clamp(max=cfg.importance_cap)
+    else:
+        ratio = torch.exp(log_prob - behaviour)
+        is_weight = torch.ones_like(ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
     weight = usable.float() / usable.float().sum().clamp(min=1.0)
-    loss = (torch.maximum(unclipped, clipped) * weight).sum()
+    loss = (is_weight * torch.maximum(unclipped, clipped) * weight).sum()
 
     kl = torch.zeros((), device=x.device)
     if ref_velocity is not None:
         with torch.no_grad():
             v_ref = ref_velocity(x, t, cond, uncond_cond, traj.guidance_scale)
-            _, mean_ref, _ = sde_step_log_prob(x, x_next, v_ref, t, t_next, noise_level, sde_t_cap(traj.timesteps))
+            _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, noise_level, t_cap)
         # KL of two Gaussians with the same std: |mu - mu_ref|^2 / (2 std^2), per element.
         kl_per_sample = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std**2)
         kl = (kl_per_sample * weight).sum()
@@ -210,6 +234,9 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         "clipfrac": (((ratio.detach() - 1).abs() > cfg.clip_range).float() * weight).sum(),
         # Exactly 0 on the first minibatch of a step: the rollout's own weights, recomputed.
         "ratio/max_dev": ((ratio.detach() - 1).abs() * usable).max(),
+        # Trainer-vs-rollout log-prob gap: 0 on-policy, the policy's drift when rollouts lag.
+        "logprob_gap/max": ((log_prob.detach() - behaviour).abs() * usable).max(),
+        "is_weight/mean": (is_weight * weight).sum(),
     }
     return loss, stats
 
@@ -224,9 +251,9 @@ def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator) 
     return sorted(stochastic[i] for i in order[:keep])
 
 
-def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, flywheel: Flywheel,
+def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
                 params: list[torch.nn.Parameter], cfg: Config, step: int) -> dict[str, float]:
-    """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + sync."""
+    """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + `sync()`."""
     tc = cfg.train
     traj = batch.trajectory
     steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step))
@@ -246,10 +273,11 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
             # Gradients are all-reduced once per optimizer step, not once per backward.
             context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
             with context:
-                loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc)
+                loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc,
+                                             decoupled=cfg.async_rollouts)
                 accelerator.backward(loss / backwards_per_update)
             for k, v in stats.items():
-                if k.endswith("max_dev"):
+                if k.endswith(("max_dev", "/max")):
                     totals[k] = torch.maximum(totals.get(k, v), v)
                 else:
                     totals[k] = totals.get(k, 0.0) + v / (len(steps) * len(minibatches))
@@ -259,7 +287,7 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
             optimizer.zero_grad(set_to_none=True)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / (
                 len(minibatches) // tc.gradient_accumulation_steps)
-            sync_metrics = flywheel.sync()
+            sync_metrics = sync()
     metrics = {k: float(v) for k, v in totals.items()}
     metrics.update({k: v for k, v in sync_metrics.items() if k != "weight_version"})
     metrics["weight_version_after"] = sync_metrics["weight_version"]
@@ -313,6 +341,31 @@ def fsdp_full_params(accelerator, module):
         raise ValueError("the FSDP recipe path needs FSDP version 1 (fsdp_version: 1 in the accelerate config, "
                          "see configs/accelerate/fsdp.yaml)")
     return lambda: FullyShardedDataParallel.summon_full_params(module, writeback=False)
+
+
+def start_engine_process(cfg: Config, accelerator, named_params, version: int):
+    """Async rollouts: the engine in its own process, fed the trainer's weights through shared memory."""
+    if accelerator.num_processes > 1:
+        raise ValueError("async_rollouts=true needs a single trainer process (the engine takes the other cores); "
+                         f"this run has {accelerator.num_processes}")
+    lora = None
+    if cfg.model.finetune == "lora":
+        lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha,
+                "targets": cfg.model.lora_targets or get_card(cfg.model.card).defaults.get("lora_targets")}
+    engine = EngineProcess.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
+                                 lora=lora, weight_version=version)
+    controller = WeightSyncController(engine, transport=SharedMemoryTransport())
+
+    def sync() -> dict:
+        return controller.sync({n: p.detach() for n, p in named_params})
+
+    # The engine process starts from the card's weights: give it the trainer's (LoRA init, resume), checked once.
+    controller.verify = True
+    sync()
+    controller.verify = False
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # the engine process has a core of its own
+    return engine, controller, sync
 
 
 def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, accelerator, run: RunDir, step: int) -> dict:
@@ -404,15 +457,20 @@ def main(argv: list[str] | None = None) -> dict:
     full_params = fsdp_full_params(accelerator, train_transformer)
 
     # --- engine, rewards, flywheel --------------------------------------------------------------
-    engine = Engine(model, device=accelerator.device, weight_version=version, time_shift=cfg.sampling.time_shift)
+    if cfg.async_rollouts:
+        engine, sync_controller, sync = start_engine_process(cfg, accelerator, named_params, version)
+    else:  # colocated: the engine serves the trainer's own module
+        engine = Engine(model, device=accelerator.device, weight_version=version, time_shift=cfg.sampling.time_shift)
+        sync_controller = WeightSyncController(engine, mode="colocated")
+        sync = sync_controller.sync
     rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode)
     if card_defaults.get("video"):
         rewards = MiddleFrameRewards(rewards)  # image scorers see each video's middle frame
     flywheel = Flywheel(
         engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step,
                                                      cfg.seed),
-        WeightSyncController(engine, mode="colocated"), cfg.data.group_size,
-        request_kwargs=dict(steps=cfg.sampling.steps, sampler="sde", noise_level=cfg.sampling.noise_level,
+        sync_controller, cfg.data.group_size,
+        request_kwargs=dict(steps=cfg.sampling.steps, sampler=cfg.sampling.sampler, noise_level=cfg.sampling.noise_level,
                             guidance_scale=cfg.sampling.guidance_scale, sde_window=cfg.sampling.sde_window,
                             height=cfg.sampling.height, width=cfg.sampling.width, frames=cfg.sampling.frames),
         seed=cfg.seed, adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring)
@@ -433,15 +491,28 @@ def main(argv: list[str] | None = None) -> dict:
         log({"step": 0, "weight_version": engine.weight_version, **base_eval})
     progress = _progress(accelerator, start_step, cfg.steps)
     row: dict = {}
+    current_version = engine.weight_version
+    collector = AsyncCollector(flywheel.collect, cfg.max_staleness) if cfg.async_rollouts else None
     for step in range(start_step, cfg.steps):
+        step_start = time.perf_counter()
         with full_params():
-            batch = flywheel.collect(step)
+            if collector is None:
+                batch = flywheel.collect(step)
+            else:  # generated while the previous step trained; start the next one now
+                batch = collector.get(step, trainer_version=current_version)
+                if step + 1 < cfg.steps:
+                    collector.prefetch(step + 1)
         t0 = time.perf_counter()
         train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
-                                    flywheel, params, cfg, step)
+                                    sync, params, cfg, step)
         train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
+        train_metrics["time/wait_s"] = t0 - step_start
+        current_version = train_metrics["weight_version_after"]
         row = {"step": step + 1, **all_reduce_mean({**batch.metrics, **train_metrics})}
         row["weight_version"] = batch.trajectory.weight_version
+        row["time/step_s"] = time.perf_counter() - step_start
+        if collector is not None:
+            row.update(collector.metrics())
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             with full_params():
@@ -452,14 +523,18 @@ def main(argv: list[str] | None = None) -> dict:
                 if accelerator.is_main_process:
                     save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params},
                                     raw_optimizer, named_params,
-                                    {"step": done, "weight_version": engine.weight_version,
+                                    {"step": done, "weight_version": current_version,
                                      "data_position": flywheel.sampler.position(done)},
                                     keep_last=cfg.keep_checkpoints)
             accelerator.wait_for_everyone()
         progress.update(1)
         progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}", kl=f"{row.get('kl', 0.0):.2e}",
-                             v=engine.weight_version)
+                             v=current_version)
     progress.close()
+    if collector is not None:
+        collector.close()
+        sync_controller.close()
+        engine.close()
     if cfg.model.finetune == "lora" and card_defaults.get("diffusers_pipeline"):
         # The adapter in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
         with full_params():

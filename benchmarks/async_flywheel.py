@@ -1,0 +1,70 @@
+"""Asynchronous vs synchronous flywheel on the toy task: steps/s and the rewards both reach.
+
+    python benchmarks/async_flywheel.py --json out.json      # 40 steps each
+    python benchmarks/async_flywheel.py --quick              # 10 steps each
+
+Runs the GRPO recipe twice, side by side in one process run, with the same
+config: once synchronous (colocated engine: roll out, then train) and once
+with `async_rollouts=true` (the engine in its own process generates step s+1
+while the trainer trains on step s, `max_staleness` 1). Reports
+`async_speedup` (steps/s of async over sync; goal >= 1.3 on 2 cores) and the
+final train and eval rewards of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run(mode_overrides: list[str], steps: int, overrides: list[str]) -> dict:
+    from flywheel.rundir import read_metrics
+    from trainers.grpo import main as grpo_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        result = grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval_every={steps}",
+                            f"sample_every={10**9}", f"save_every={10**9}", *mode_overrides, *overrides])
+        wall = time.perf_counter() - start
+        rows = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if r["step"] >= 1]
+    # Steps/s over the loop only: from the first step's end to the last's, so start-up
+    # (model load, engine process spawn, base eval) does not count.
+    loop_s = sum(r.get("time/step_s", 0.0) for r in rows[1:])
+    return {"steps_per_s": (len(rows) - 1) / loop_s if loop_s else float("nan"), "wall_s": wall,
+            "final_train_reward": sum(r["reward/mean"] for r in rows[-3:]) / len(rows[-3:]),
+            "final_eval_reward": result["final"].get("eval/reward/mean", float("nan"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="10 steps each (under a minute)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
+    args = parser.parse_args()
+    steps = 10 if args.quick else args.steps
+
+    sync = run([], steps, args.overrides)
+    asynchronous = run(["async_rollouts=true"], steps, args.overrides)
+    result = {f"sync_{k}": v for k, v in sync.items()}
+    result.update({f"async_{k}": v for k, v in asynchronous.items()})
+    result["async_speedup"] = asynchronous["steps_per_s"] / sync["steps_per_s"]
+    result["steps"] = steps
+
+    print(f"{'mode':<8}{'steps/s':>10}{'wall s':>9}{'train reward':>14}{'eval reward':>13}")
+    for mode, r in (("sync", sync), ("async", asynchronous)):
+        print(f"{mode:<8}{r['steps_per_s']:>10.3f}{r['wall_s']:>9.1f}{r['final_train_reward']:>14.3f}"
+              f"{r['final_eval_reward']:>13.3f}")
+    print(f"async_speedup {result['async_speedup']:.2f}x (goal >= 1.3)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
