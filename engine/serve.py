@@ -9,6 +9,7 @@ Routes
                         "tensors": base64 safetensors of latents / log_probs / timesteps (on request)}
     GET  /v1/models     the hosted cards
     GET  /v1/weights    the weight version of each hosted generator
+    POST /v1/weights    load a safetensors file into a hosted card (disk weight sync)
     GET  /health        liveness (no token needed)
 
 Binds 127.0.0.1 by default; `--token` (or FLYWHEEL_SERVE_TOKEN) requires
@@ -192,6 +193,34 @@ async def weights(request: web.Request) -> web.Response:
     return web.json_response({"weights": {m["id"]: m["weight_version"] for m in engine.models()}})
 
 
+async def load_weights(request: web.Request) -> web.Response:
+    """Disk weight sync: load a safetensors file the trainer wrote (atomically) into a hosted card.
+
+    Body: {"path": "/abs/file.safetensors", "version": int, "component": "transformer", "card": optional}.
+    Running requests finish on their version; requests that arrive meanwhile wait for the new one.
+    """
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object with 'path' and 'version'")
+    path, version = body.get("path"), body.get("version")
+    if not isinstance(path, str) or not path.endswith(".safetensors"):
+        raise BadRequest("'path' must name a .safetensors file on the server's disk")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BadRequest("'version' must be an integer above the current weight version")
+    component = body.get("component", "transformer")
+    if not isinstance(component, str):
+        raise BadRequest("'component' must be a string such as 'transformer'")
+    try:
+        result = await request.app[ENGINE_KEY].load_weights(path, version, component=component,
+                                                            card=body.get("card") or request.app[CARD_KEY])
+    except FileNotFoundError as exc:
+        raise BadRequest(str(exc), status=404) from None
+    except KeyError as exc:  # tensor names that are not in the component
+        raise BadRequest(str(exc.args[0] if exc.args else exc)) from None
+    return web.json_response({"weight_version": result["version"], "component": result["component"],
+                              "tensors": result["tensors"]})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", **request.app[ENGINE_KEY].stats()})
 
@@ -228,6 +257,7 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     app.router.add_post("/v1/generate", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/weights", weights)
+    app.router.add_post("/v1/weights", load_weights)
     app.router.add_get("/health", health)
 
     async def close_engine(app: web.Application) -> None:

@@ -143,3 +143,16 @@ def test_two_processes_draw_the_same_samples_as_one(tmp_path):
 def test_shipped_configs_parse(path):
     cfg = parse_config(Config, ["--config", str(path)])
     assert cfg.model.card in list_cards()
+
+
+def test_async_rollouts_lag_one_version_and_are_corrected(tmp_path):
+    """The engine process rolls out step s+1 during step s's update; the trainer corrects for the lag."""
+    _, rows = run(tmp_path, "async", "async_rollouts=true", "steps=3", "eval_every=3", "data.prompts_per_step=4",
+                  "data.group_size=8")
+    # Version 1 is the trainer's weights pushed into the fresh engine process (verified by checksums).
+    assert [r["weight_version"] for r in rows] == [1, 1, 1, 2]
+    assert [r["staleness"] for r in rows[1:]] == [0, 1, 1]
+    assert rows[1]["logprob_gap/max"] == 0.0  # same weights in two processes: the same log-probs
+    assert rows[2]["logprob_gap/max"] > 0.0 and 0.5 < rows[2]["is_weight/mean"] <= 2.0
+    assert rows[3]["staleness/count_1"] == 2.0 and rows[3]["staleness/regenerated"] == 0.0
+    assert "eval/reward/mean" in rows[3]

@@ -172,3 +172,31 @@ def test_module_entry_point_serves_on_loopback(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_post_weights_loads_a_safetensors_file_and_later_requests_use_it(tmp_path):
+    """Disk weight sync into the HTTP engine: the version moves and outputs follow the new weights."""
+    from engine import load_model
+    from flywheel.transport import save_weights_atomic
+
+    served_model = load_model("toy-digits")  # its own copy: this test changes the weights
+    new = {k: v + 0.02 for k, v in served_model.transformer.state_dict().items()}
+    path = save_weights_atomic(new, tmp_path / "transformer.safetensors", version=1)
+    body = {"prompt": "the digit 4", "seed": 3, "steps": 4, "sampler": "ode", "return_latents": True}
+
+    async def check(client):
+        bad = [await client.post("/v1/weights", json=b) for b in
+               ({"path": str(path)}, {"path": "/nope.safetensors", "version": 1}, {"path": "x.txt", "version": 1})]
+        loaded = await client.post("/v1/weights", json={"path": str(path), "version": 1})
+        stale = await client.post("/v1/weights", json={"path": str(path), "version": 1})
+        after = await client.post("/v1/generate", json=body)
+        return [r.status for r in bad], loaded.status, await loaded.json(), stale.status, await after.json()
+
+    bad, status, loaded, stale, after = serve(served_model, check)
+    assert bad == [400, 404, 400] and status == 200 and stale == 400
+    assert loaded["weight_version"] == 1 and loaded["tensors"] == len(new)
+    fresh = load_model("toy-digits")
+    fresh.transformer.load_state_dict(new)
+    expected = Engine(fresh).generate([GenerationRequest(prompt="the digit 4", seed=3, steps=4, sampler="ode")])
+    latents = load_safetensors(base64.b64decode(after["tensors"]))["latents"]
+    assert after["weight_version"] == 1 and torch.equal(latents, expected.latents)
