@@ -118,3 +118,22 @@ def sequence_length(tokenizer, family_default: int) -> int:
     """Text tokens per prompt: the family's default, capped by what the tokenizer declares it handles."""
     declared = getattr(tokenizer, "model_max_length", None)
     return family_default if not declared or declared > 100_000 else min(family_default, declared)
+
+
+def decode_image_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """An image VAE's latents (with diffusers' scaling and shift factors) to images [B, 3, H, W] in [0, 1], fp32."""
+    config = vae.config
+    latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
+    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0.0, 1.0)
+
+
+def image_latent_shape(card_id: str, height: int | None, width: int | None, frames: int | None,
+                       default_size: int, vae_scale: int, multiple: int, channels: int) -> tuple[int, ...]:
+    """(C, H/s, W/s) of an image card; H and W default to its native size and must be multiples of `multiple`."""
+    if frames not in (None, 1):
+        raise ValueError(f"{card_id} generates images, not videos; got frames={frames} (use frames=None)")
+    height, width = height or default_size, width or default_size
+    if height % multiple or width % multiple:
+        raise ValueError(f"{card_id}: height and width must be multiples of {multiple}; got {height}x{width}")
+    return (channels, height // vae_scale, width // vae_scale)

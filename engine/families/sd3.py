@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (check_diffusers_folder, flow_time_to_batch, load_pipeline, read_json,
+from engine.families.common import (check_diffusers_folder, decode_image_latents, flow_time_to_batch,
+                                    image_latent_shape, load_pipeline, read_json,
                                     scheduler_flow_times, sequence_length)
 
 CARD_ID = "sd3"
@@ -64,20 +65,12 @@ class SD3Model:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents to images [B, 3, H, W] in [0, 1] (fp32)."""
-        config = self.vae.config
-        latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
-        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0.0, 1.0)
+        return decode_image_latents(self.vae, latents)
 
     def latent_shape(self, height: int | None, width: int | None, frames: int | None) -> tuple[int, ...]:
         """(C, H/s, W/s); H and W default to the transformer's native size and must be multiples of s·patch."""
-        if frames not in (None, 1):
-            raise ValueError(f"{CARD_ID} generates images, not videos; got frames={frames} (use frames=None)")
-        height, width = height or self.default_size, width or self.default_size
-        step = self.vae_scale * self.patch
-        if height % step or width % step:
-            raise ValueError(f"{CARD_ID}: height and width must be multiples of {step}; got {height}x{width}")
-        return (self.transformer.config.in_channels, height // self.vae_scale, width // self.vae_scale)
+        return image_latent_shape(CARD_ID, height, width, frames, self.default_size, self.vae_scale,
+                                  self.vae_scale * self.patch, self.transformer.config.in_channels)
 
 
 def load_sd3(path, device: torch.device, dtype: torch.dtype) -> SD3Model:
