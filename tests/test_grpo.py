@@ -53,6 +53,7 @@ def test_metrics_rows_carry_the_documented_keys_and_versions(tmp_path):
     assert "eval/reward/mean" in rows[0] and "eval/reward/digit_alignment/mean" in rows[2]
     # The first update is on-policy: the recomputed log-probs equal the recorded ones exactly.
     assert rows[1]["ratio/max_dev"] == 0.0 and rows[1]["clipfrac"] == 0.0
+    assert rows[2]["ratio/max_dev"] == 0.0  # right after a colocated sync: trainer and rollout agree exactly
     assert (tmp_path / "keys" / "config.yaml").exists()
     assert list((tmp_path / "keys" / "samples").glob("*.png"))
 
