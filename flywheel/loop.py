@@ -1,7 +1,7 @@
 """The flywheel: prompts -> rollouts -> rewards -> group advantages, and evaluation.
 
-An algorithm consumes a `RolloutBatch` (through its own `update(batch)`) and
-the recipe calls `Flywheel.sync()` after each optimizer step. The global batch
+An algorithm consumes a `RolloutBatch` (through its own `update(batch)`); the
+recipe owns the WeightSyncController and syncs after each optimizer step. The global batch
 of a step is prompts_per_step x group_size samples; rank r generates rows
 [r·n, (r+1)·n), so a prompt's group may span ranks, and every sample's seed is
 a function of (seed, step, global row) alone: the same run on 1 or 2 ranks
@@ -26,7 +26,6 @@ from engine import Engine, GenerationRequest, Trajectory
 from flywheel.advantages import distributed_group_advantages, distributed_reward_advantages
 from flywheel.distributed import rank_and_world
 from flywheel.prompts import PromptItem, PromptSampler
-from flywheel.sync import WeightSyncController
 from rewards import RewardBatch, RewardSet
 
 
@@ -60,7 +59,7 @@ def group_diversity(images: torch.Tensor, group_ids: torch.Tensor) -> float:
 class Flywheel:
     """Generates, scores and ranks the samples of a step on this rank."""
 
-    def __init__(self, engine: Engine, rewards: RewardSet, sampler: PromptSampler, sync: WeightSyncController,
+    def __init__(self, engine: Engine, rewards: RewardSet, sampler: PromptSampler,
                  group_size: int, request_kwargs: dict, seed: int = 0, adv_clip: float | None = None,
                  overlap_scoring: bool = False, rollout_chunk_size: int | None = None):
         """`rollout_chunk_size`: rows per engine call (None: all rows at once, or half of them when
@@ -70,7 +69,7 @@ class Flywheel:
         if global_batch % world:
             raise ValueError(f"prompts_per_step x group_size = {global_batch} must be divisible by the "
                              f"number of processes ({world})")
-        self.engine, self.rewards, self.sampler, self.sync_controller = engine, rewards, sampler, sync
+        self.engine, self.rewards, self.sampler = engine, rewards, sampler
         self.group_size, self.request_kwargs, self.seed, self.adv_clip = group_size, request_kwargs, seed, adv_clip
         self.rank, self.world = rank, world
         self.local_batch = global_batch // world
@@ -151,10 +150,6 @@ class Flywheel:
         kwargs = {**self.request_kwargs, **overrides}
         return GenerationRequest(prompt=item.prompt, seed=seed, card=self.engine.card_id,
                                  metadata=item.metadata, **kwargs)
-
-    def sync(self) -> dict[str, float]:
-        """Push the trainer's weights to the engine (freeze, drain, transfer, bump, resume)."""
-        return self.sync_controller.sync()
 
     def evaluate(self, items: list[PromptItem], seeds_per_prompt: int, eval_kwargs: dict,
                  judges: dict | None = None) -> tuple[dict[str, float], Trajectory]:

@@ -10,7 +10,6 @@ import torch
 from flywheel.advantages import group_advantages, reward_advantages
 from flywheel.loop import Flywheel
 from flywheel.prompts import PromptItem, PromptSampler
-from flywheel.sync import WeightSyncController
 from rewards import RewardBatch, RewardSet
 from rewards.registry import register, unregister
 
@@ -49,7 +48,7 @@ def scorers():
 
 def make_flywheel(engine, reward_set, **kwargs) -> Flywheel:
     return Flywheel(engine, reward_set, PromptSampler(PROMPTS, prompts_per_step=3, seed=0),
-                    WeightSyncController(engine, mode="colocated"), GROUP,
+                    GROUP,
                     request_kwargs=dict(steps=3, sampler="sde", noise_level=0.7), seed=1, **kwargs)
 
 

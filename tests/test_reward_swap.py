@@ -13,7 +13,6 @@ import torch
 
 from flywheel.loop import Flywheel
 from flywheel.prompts import PromptItem, PromptSampler
-from flywheel.sync import WeightSyncController
 from rewards import RewardSet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +21,7 @@ PROMPTS = [PromptItem("zero", {"digit": 0}), PromptItem("one", {"digit": 1}), Pr
 
 def make_flywheel(engine, reward_set, **kwargs) -> Flywheel:
     return Flywheel(engine, reward_set, PromptSampler(PROMPTS, prompts_per_step=3, seed=0),
-                    WeightSyncController(engine, mode="colocated"), 4,
+                    4,
                     request_kwargs=dict(steps=3, sampler="sde", noise_level=0.7), seed=1, **kwargs)
 
 

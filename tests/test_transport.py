@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from flywheel.transport import (SharedMemorySender, TensorSlot, pack_bucket, plan_buckets,
-                                receive_shared_memory_bucket, save_weights_atomic, tensor_checksums, unpack_bucket,
+                                save_weights_atomic, tensor_checksums, unpack_bucket,
                                 verify_checksums)
 
 ROOT = Path(__file__).resolve().parents[1]

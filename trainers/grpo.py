@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
     flywheel = Flywheel(
         engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step,
                                                      cfg.seed),
-        sync_controller, cfg.data.group_size,
+        cfg.data.group_size,
         request_kwargs=dict(steps=cfg.sampling.steps, sampler=cfg.sampling.sampler, noise_level=cfg.sampling.noise_level,
                             guidance_scale=cfg.sampling.guidance_scale, sde_window=cfg.sampling.sde_window,
                             height=cfg.sampling.height, width=cfg.sampling.width, frames=cfg.sampling.frames),
