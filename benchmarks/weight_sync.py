@@ -4,15 +4,21 @@
     python benchmarks/weight_sync.py --quick
 
 For each model (the toy transformer, and a random stack of Linear layers of
---large-mb megabytes), in one run:
+--large-mb megabytes), in one run, into a receiver process that holds the
+tensors as an engine process does:
 - memcpy: copying the same bytes into a preallocated buffer in this process;
-- shm: SharedMemorySender to a receiver process that copies every bucket out;
-- disk: safetensors written atomically, then loaded (what a disk sync costs).
-Ratios: transport_over_memcpy (shm bytes/s over memcpy bytes/s, goal >= 0.5),
-speedup_vs_disk (disk seconds over shm seconds, goal >= 5). Then, on the toy
-engine in another process: a full controller sync (freeze, drain, transfer,
-resume) and pause_over_rollout_step: the pause/drain/resume overhead of a
-sync over one denoising step of a rollout batch (goal <= 1).
+- shm (mapped, the default transport for an engine in host memory): the
+  receiver's tensors live in a shared-memory block and the sender writes
+  straight into them; the commit message (the version bump) is timed apart;
+- shm buckets (for an engine on an accelerator): staged in two shared blocks,
+  the receiver copies each out while the sender packs the next;
+- disk: safetensors written atomically, then loaded.
+Ratios: transport_over_memcpy (mapped shm bytes/s over memcpy bytes/s, goal
+>= 0.5), speedup_vs_disk (disk seconds over shm seconds, goal >= 5), and the
+same with the commit round trip and for buckets. Then, on the toy engine in
+another process: a full controller sync (freeze, drain, transfer, commit,
+resume) and pause_over_rollout_step: the pause/drain/resume overhead of a sync
+over one denoising step of a rollout batch (goal <= 1).
 """
 
 from __future__ import annotations
@@ -31,20 +37,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flywheel.transport import SharedMemorySender, save_weights_atomic  # noqa: E402
+from flywheel.transport import SharedMemorySender, SharedWeightsWriter, save_weights_atomic  # noqa: E402
 
-# The receiver copies every bucket into tensors it already holds, as an engine
-# copies into its parameters, and answers once per bucket.
+# The receiver holds the tensors the way the engine process does: mapped into a
+# shared block for the sender to write into; buckets are copied into them.
 RECEIVER = r"""
 import json, sys, torch
-from flywheel.transport import receive_shared_memory_bucket
+from flywheel.transport import SharedWeights, receive_shared_memory_bucket
 torch.set_num_threads(1)
-params = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in json.loads(sys.stdin.readline())}
-print("ready", flush=True)
+params = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, d, s in json.loads(sys.stdin.readline())}
+block = SharedWeights(params)
+print(json.dumps({"shm": block.name, "manifest": block.manifest()}), flush=True)
 for line in sys.stdin:
     msg = json.loads(line)
-    receive_shared_memory_bucket(msg["shm"], msg["slots"], into=params)
+    if msg["op"] == "bucket":
+        receive_shared_memory_bucket(msg["shm"], msg["slots"], into=params)
+    else:
+        block.commit()
     print("ack", flush=True)
+block.close()
 """
 
 
@@ -87,18 +98,24 @@ def measure_transports(tensors: dict[str, torch.Tensor], repeats: int, bucket_by
     proc.stdin.write(json.dumps([[n, str(t.dtype).removeprefix("torch."), list(t.shape)]
                                  for n, t in tensors.items()]) + "\n")
     proc.stdin.flush()
-    if proc.stdout.readline().strip() != "ready":
+    line = proc.stdout.readline()
+    if not line:
         raise RuntimeError("receiver process failed to start")
+    mapped = json.loads(line)
+    writer = SharedWeightsWriter(mapped["shm"], mapped["manifest"])
     sender = SharedMemorySender(bucket_bytes)
 
-    def wait_ack():
-        if proc.stdout.readline().strip() != "ack":
-            raise RuntimeError("receiver process failed")
+    def request(msg: dict):
+        proc.stdin.write(json.dumps(msg) + "\n")
+        proc.stdin.flush()
+
+        def wait_ack():
+            if proc.stdout.readline().strip() != "ack":
+                raise RuntimeError("receiver process failed")
+        return wait_ack
 
     def deliver(shm_name, slots):
-        proc.stdin.write(json.dumps({"shm": shm_name, "slots": slots}) + "\n")
-        proc.stdin.flush()
-        return wait_ack  # pipelined: the next bucket is packed while this one is copied out
+        return request({"op": "bucket", "shm": shm_name, "slots": slots})  # pipelined: returns the wait
 
     with tempfile.TemporaryDirectory() as tmp:
         from safetensors.torch import load_file
@@ -111,15 +128,22 @@ def measure_transports(tensors: dict[str, torch.Tensor], repeats: int, bucket_by
 
         try:
             memcpy_s = best_of(memcpy, repeats)
-            shm_s = best_of(lambda: sender.send(tensors, deliver), repeats)
+            shm_s = best_of(lambda: writer.write(tensors), repeats)
+            commit_s = best_of(lambda: request({"op": "commit"})(), repeats)
+            buckets_s = best_of(lambda: sender.send(tensors, deliver), repeats)
             disk_s = best_of(disk, repeats)
         finally:
+            writer.close()
             sender.close()
             proc.stdin.close()
             proc.wait(timeout=30)
-    return {"mb": nbytes / 2**20, "memcpy_s": memcpy_s, "shm_s": shm_s, "disk_s": disk_s,
+    return {"mb": nbytes / 2**20, "memcpy_s": memcpy_s, "shm_s": shm_s, "commit_s": commit_s,
+            "buckets_s": buckets_s, "disk_s": disk_s,
             "memcpy_gb_s": nbytes / memcpy_s / 1e9, "shm_gb_s": nbytes / shm_s / 1e9,
-            "transport_over_memcpy": memcpy_s / shm_s, "speedup_vs_disk": disk_s / shm_s}
+            "transport_over_memcpy": memcpy_s / shm_s, "speedup_vs_disk": disk_s / shm_s,
+            "with_commit_over_memcpy": memcpy_s / (shm_s + commit_s),
+            "with_commit_speedup_vs_disk": disk_s / (shm_s + commit_s),
+            "buckets_over_memcpy": memcpy_s / buckets_s, "buckets_speedup_vs_disk": disk_s / buckets_s}
 
 
 def measure_engine_sync(repeats: int, batch: int) -> dict[str, float]:
@@ -148,7 +172,8 @@ def measure_engine_sync(repeats: int, batch: int) -> dict[str, float]:
         finally:
             controller.close()
     return {"rollout_step_s": step_s, "pause_s": pause_s, "pause_over_rollout_step": pause_s / step_s,
-            "sync_total_s": sync["sync/total_s"], "sync_transfer_s": sync["sync/transfer_s"]}
+            "sync_total_s": sync["sync/total_s"], "sync_transfer_s": sync["sync/transfer_s"],
+            "sync_commit_s": sync["sync/commit_s"]}
 
 
 def main() -> None:
@@ -169,12 +194,18 @@ def main() -> None:
             result[f"{name}_{k}"] = v
     result.update({f"toy_{k}": v for k, v in measure_engine_sync(repeats, args.batch).items()})
 
-    print(f"{'model':<8}{'MB':>8}{'memcpy GB/s':>13}{'shm GB/s':>10}{'disk s':>9}{'shm/memcpy':>12}{'vs disk':>9}")
+    print(f"{'model':<7}{'MB':>7}{'memcpy GB/s':>12}{'shm GB/s':>9}{'shm/memcpy':>11}{'+commit':>8}"
+          f"{'buckets':>8}{'disk s':>8}{'vs disk':>8}{'+commit':>8}{'buckets':>8}")
     for name in ("toy", "large"):
         r = {k.removeprefix(name + "_"): v for k, v in result.items() if k.startswith(name + "_")}
-        print(f"{name:<8}{r['mb']:>8.1f}{r['memcpy_gb_s']:>13.2f}{r['shm_gb_s']:>10.2f}{r['disk_s']:>9.3f}"
-              f"{r['transport_over_memcpy']:>12.2f}{r['speedup_vs_disk']:>9.1f}")
-    print(f"toy engine: sync {result['toy_sync_total_s'] * 1e3:.1f} ms, pause cycle {result['toy_pause_s'] * 1e3:.2f} ms, "
+        print(f"{name:<7}{r['mb']:>7.1f}{r['memcpy_gb_s']:>12.2f}{r['shm_gb_s']:>9.2f}"
+              f"{r['transport_over_memcpy']:>11.2f}{r['with_commit_over_memcpy']:>8.2f}{r['buckets_over_memcpy']:>8.2f}"
+              f"{r['disk_s']:>8.4f}{r['speedup_vs_disk']:>8.1f}{r['with_commit_speedup_vs_disk']:>8.1f}"
+              f"{r['buckets_speedup_vs_disk']:>8.1f}")
+    print("(shm/memcpy and vs disk: mapped shared-memory transfer; +commit: with the version-bump round trip; "
+          "buckets: the staged path for accelerator engines)")
+    print(f"toy engine: sync {result['toy_sync_total_s'] * 1e3:.1f} ms (transfer "
+          f"{result['toy_sync_transfer_s'] * 1e3:.2f} ms, commit {result['toy_sync_commit_s'] * 1e3:.2f} ms), pause cycle {result['toy_pause_s'] * 1e3:.2f} ms, "
           f"rollout step {result['toy_rollout_step_s'] * 1e3:.2f} ms -> pause_over_rollout_step "
           f"{result['toy_pause_over_rollout_step']:.3f}")
     if args.json:

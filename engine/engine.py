@@ -252,7 +252,7 @@ class Engine:
         """
         module = self.component(component)
         tensors = _named_tensors(tensors, (component, self._component_attr(component)))
-        targets = _check_tensors(module.state_dict(keep_vars=True), tensors, component)
+        _check_tensors(module.state_dict(keep_vars=True), tensors, component)
         if version <= self._weight_version:
             raise ValueError(f"weight version must increase: {version} <= current {self._weight_version}")
         was_paused = self._paused
@@ -261,15 +261,32 @@ class Engine:
         try:
             drain_s = self.drain()
             start = time.perf_counter()
-            with torch.no_grad():
-                for name, tensor in tensors.items():
-                    targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+            self.write_weights(tensors, component)
             self.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
             return {"version": version, "component": component, "tensors": len(tensors),
                     "drain_s": drain_s, "load_s": time.perf_counter() - start}
         finally:
             if not was_paused:
                 self.resume()
+
+    def write_weights(self, tensors: dict[str, torch.Tensor], component: str = "transformer") -> int:
+        """Copy named tensors into `component` in place without marking a version; returns bytes written.
+
+        The transfer phase of a sync that arrives in parts (buckets): the engine
+        must be paused and drained, and `set_weight_version` commits. Every
+        name and shape is checked before anything is copied.
+        """
+        with self._state:
+            if not self._paused or self._in_flight:
+                raise RuntimeError("write_weights needs a paused, drained engine "
+                                   f"(paused={self._paused}, generate() calls running={self._in_flight})")
+        module = self.component(component)
+        tensors = _named_tensors(tensors, (component, self._component_attr(component)))
+        targets = _check_tensors(module.state_dict(keep_vars=True), tensors, component)
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _component_attr(self, name: str) -> str:
         return "text_encoder" if name == "prompt_encoder" and not hasattr(self.model, name) else name

@@ -29,7 +29,8 @@ from safetensors.torch import save as save_safetensors
 
 from engine import Engine, GenerationRequest, Trajectory
 from flywheel.lora import add_lora
-from flywheel.transport import receive_shared_memory_bucket, tensor_checksums
+from engine.engine import PROMPT_ENCODER_COMPONENTS
+from flywheel.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
 
 # Trajectory fields that travel as tensors (the optional ones only when present).
 TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
@@ -49,12 +50,44 @@ def _request_from_json(d: dict) -> GenerationRequest:
 class _Server:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.pending: dict[str, torch.Tensor] = {}
+        self.shared: dict[str, SharedWeights] = {}  # component -> its tensors mapped for a sender
+        self.partial: str | None = None  # a component that buckets began to overwrite, not yet committed
         self.stop = threading.Event()
+
+    def check_weights_complete(self) -> None:
+        """Refuse to serve weights that a sync left half-written (its sender died or failed mid-transfer)."""
+        broken = [c for c, block in self.shared.items() if block.incomplete] + [self.partial] * bool(self.partial)
+        if broken:
+            raise RuntimeError(f"the {', '.join(sorted(set(broken)))} weights were partly overwritten by a weight "
+                               "sync that never committed; run the sync again before generating")
+
+    def map_shared(self, names: list[str], component: str) -> dict:
+        e = self.engine
+        if e.device.type != "cpu":
+            return {"mapped": False, "reason": f"the engine's weights are on {e.device}, not in host memory"}
+        state = e.component(component).state_dict(keep_vars=True)
+        unknown = [n for n in names if n not in state]
+        if unknown:
+            raise KeyError(f"{len(unknown)} tensor name(s) are not in {component}: {unknown[:5]}")
+        old = self.shared.get(component)
+        wanted = list(dict.fromkeys([*(old.slots if old else []), *names]))
+        block = SharedWeights({n: state[n] for n in wanted})
+        self.shared[component] = block
+        if old is not None:
+            old.close()
+        return {"mapped": True, "shm": block.name, "manifest": block.manifest()}
+
+    def commit(self, version: int, component: str) -> dict:
+        if component in self.shared:
+            self.shared[component].commit()
+        self.partial = None
+        self.engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+        return {"version": version, "component": component}
 
     def handle(self, op: str, msg: dict) -> tuple[dict, bytes | None]:
         e = self.engine
         if op == "generate":
+            self.check_weights_complete()
             traj = e.generate([_request_from_json(r) for r in msg["requests"]])
             tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS
                        if getattr(traj, k) is not None}
@@ -74,12 +107,15 @@ class _Server:
             return {"weight_version": e.weight_version}, None
         if op == "load_file":
             return e.load_weights(msg["path"], msg["version"], component=msg["component"]), None
+        if op == "map_shared":
+            return self.map_shared(msg["names"], msg["component"]), None
         if op == "receive_bucket":
-            self.pending.update(receive_shared_memory_bucket(msg["shm"], msg["slots"]))
-            return {"received": len(self.pending)}, None
+            # Straight into the (drained) engine's tensors; `commit` marks the version.
+            self.partial = msg["component"]
+            views = receive_shared_memory_bucket(msg["shm"], msg["slots"], copy=False)
+            return {"bytes": e.write_weights(views, msg["component"])}, None
         if op == "commit":
-            tensors, self.pending = self.pending, {}
-            return e.load_weights(tensors, msg["version"], component=msg["component"]), None
+            return self.commit(msg["version"], msg["component"]), None
         if op == "checksums":
             state = e.component(msg["component"]).state_dict()
             return {"checksums": tensor_checksums({n: state[n] for n in msg["names"]})}, None
@@ -127,6 +163,8 @@ def serve(args: argparse.Namespace) -> None:
 
     threading.Thread(target=accept_forever, daemon=True).start()
     server.stop.wait()
+    for block in server.shared.values():
+        block.close()
 
 
 # ---- client (the trainer side) ----------------------------------------------------------------
@@ -218,13 +256,22 @@ class EngineProcess:
     def load_weights(self, path: str, version: int, component: str = "transformer") -> dict:
         return self.call("load_file", path=str(path), version=version, component=component)[0]
 
-    def receive_bucket(self, shm_name: str, slots: list[dict]):
-        """Ask the engine process to copy a bucket out; returns the wait for its answer, so the
-        sender can pack the next bucket meanwhile (answers come back in order)."""
-        conn = self._send("receive_bucket", {"shm": shm_name, "slots": slots})
+    def receive_bucket(self, shm_name: str, slots: list[dict], component: str = "transformer"):
+        """Ask the engine process to copy a bucket into its (drained) weights; returns the wait for its
+        answer, so the sender can pack the next bucket meanwhile (answers come back in order)."""
+        conn = self._send("receive_bucket", {"shm": shm_name, "slots": slots, "component": component})
         return lambda: self._answer(conn, "receive_bucket")
 
+    def map_shared(self, names: list[str], component: str = "transformer") -> dict:
+        """Move the named tensors of `component` into a shared-memory block a sender can write into.
+
+        Returns {"mapped": True, "shm": block name, "manifest": slots} or, for an
+        engine whose weights are not in host memory, {"mapped": False, "reason": ...}.
+        """
+        return self.call("map_shared", names=list(names), component=component)[0]
+
     def commit_weights(self, version: int, component: str = "transformer") -> dict:
+        """End a transfer: mark `version` (and drop the prompt cache on a prompt-encoder sync)."""
         return self.call("commit", version=version, component=component)[0]
 
     def checksums(self, names: list[str], component: str = "transformer") -> dict[str, str]:

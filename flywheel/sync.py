@@ -11,8 +11,9 @@ Transports:
 - colocated: the engine serves the trainer's own module; nothing is copied.
 - copy: the engine holds its own copy in this process (named tensors copied in place).
 - disk: safetensors written atomically, then loaded by the engine from the path.
-- shm: an engine in another process (`flywheel.engine_process`), tensors staged
-  in shared-memory buckets.
+- shm: an engine in another process (`flywheel.engine_process`): tensors written
+  straight into the engine's weights mapped in shared memory, or staged in
+  shared-memory buckets for an engine on an accelerator.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Protocol
 import torch
 
 from engine.engine import PROMPT_ENCODER_COMPONENTS
-from flywheel.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, save_weights_atomic, tensor_checksums, \
-    verify_checksums
+from flywheel.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, SharedWeightsWriter, save_weights_atomic, \
+    tensor_checksums, verify_checksums
 
 class SyncState(enum.Enum):
     IDLE = "idle"
@@ -86,19 +87,51 @@ class DiskTransport:
 
 
 class SharedMemoryTransport:
-    """Stage tensors in shared-memory buckets for an engine in another process."""
+    """Tensors for an engine in another process, through shared memory.
+
+    Mapped (the default where the engine's weights are in host memory): the
+    engine moves the synced tensors into a shared-memory block once, and each
+    sync writes straight into them, one copy and no message per tensor. An
+    engine on an accelerator gets buckets instead: staged in two shared blocks,
+    packed by this side while the engine copies the previous one out.
+    Either way the engine process refuses to generate from weights that a
+    transfer began and no commit ended.
+    """
 
     name = "shm"
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, mapped: bool = True):
         self.sender = SharedMemorySender(bucket_bytes)
+        self.mapped = mapped
+        self._writers: dict[tuple[int, str], SharedWeightsWriter | None] = {}
+
+    def _writer(self, engine, component: str, names: list[str]) -> SharedWeightsWriter | None:
+        key = (id(engine), component)
+        writer = self._writers.get(key)
+        if writer is not None and writer.covers(names):
+            return writer
+        if key in self._writers and writer is None:
+            return None  # this engine cannot map its weights
+        reply = engine.map_shared(names, component=component)
+        if writer is not None:
+            writer.close()
+        self._writers[key] = SharedWeightsWriter(reply["shm"], reply["manifest"]) if reply["mapped"] else None
+        return self._writers[key]
 
     def transfer(self, engine, tensors, version: int, component: str) -> int:
-        moved = self.sender.send(tensors, engine.receive_bucket)
+        writer = self._writer(engine, component, list(tensors)) if self.mapped else None
+        if writer is not None:
+            return writer.write(tensors)
+        return self.sender.send(tensors, lambda shm, slots: engine.receive_bucket(shm, slots, component))
+
+    def commit(self, engine, version: int, component: str) -> None:
         engine.commit_weights(version, component=component)
-        return moved
 
     def close(self) -> None:
+        for writer in self._writers.values():
+            if writer is not None:
+                writer.close()
+        self._writers = {}
         self.sender.close()
 
 
@@ -159,18 +192,25 @@ class WeightSyncController:
         try:
             drain_s = self.engine.drain(timeout_s=self.timeout_s)
             self.state = SyncState.DRAINED
+            version = self.engine.weight_version + 1
             transfer_start = time.perf_counter()
-            moved = self.transport.transfer(self.engine, tensors, self.engine.weight_version + 1, component)
+            moved = self.transport.transfer(self.engine, tensors, version, component)
             transfer_s = time.perf_counter() - transfer_start
             self.state = SyncState.TRANSFERRED
             if self.verify and tensors:
+                # Before the commit: an engine process keeps refusing to serve weights that failed it.
                 verify_checksums(tensor_checksums(tensors), engine_checksums(self.engine, list(tensors), component))
+            commit_start = time.perf_counter()
+            if hasattr(self.transport, "commit"):  # transports whose transfer leaves the version to a commit
+                self.transport.commit(self.engine, version, component)
+            commit_s = time.perf_counter() - commit_start
         finally:
             self.engine.resume()
             self.state = SyncState.IDLE
         return {
             "sync/drain_s": drain_s,
             "sync/transfer_s": transfer_s,
+            "sync/commit_s": commit_s,
             "sync/total_s": time.perf_counter() - start,
             "sync/bytes": float(moved),
             "weight_version": self.engine.weight_version,

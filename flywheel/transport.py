@@ -158,6 +158,7 @@ class SharedMemorySender:
 
 
 _ATTACHED: dict[str, shared_memory.SharedMemory] = {}
+_CREATED: set[str] = set()  # blocks this process made (and its resource tracker unlinks)
 
 
 def _attach(shm_name: str) -> shared_memory.SharedMemory:
@@ -167,18 +168,24 @@ def _attach(shm_name: str) -> shared_memory.SharedMemory:
         shm = shared_memory.SharedMemory(name=shm_name)
         # Python < 3.13 registers an attached block with this process's resource
         # tracker, which would unlink the sender's block when this process exits.
-        resource_tracker.unregister(shm._name, "shared_memory")
+        if shm_name not in _CREATED:
+            resource_tracker.unregister(shm._name, "shared_memory")
         _ATTACHED[shm_name] = shm
     return shm
 
 
 def receive_shared_memory_bucket(shm_name: str, slots_json: list[dict],
-                                 into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Receiver side: one bucket's tensors out of the sender's block (copied into `into` where given)."""
+                                 into: dict[str, torch.Tensor] | None = None,
+                                 copy: bool = True) -> dict[str, torch.Tensor]:
+    """Receiver side: one bucket's tensors out of the sender's block.
+
+    Copied into `into` where given; otherwise copied out, or with copy=False
+    views of the block (valid until the sender packs the next bucket there).
+    """
     buffer = torch.frombuffer(_attach(shm_name).buf, dtype=torch.uint8)
     slots = [TensorSlot.from_json(s) for s in slots_json]
     if into is None:
-        return unpack_bucket(buffer, slots, copy=True)
+        return unpack_bucket(buffer, slots, copy=copy)
     views = unpack_bucket(buffer, slots, copy=False)
     with torch.no_grad():
         for name, view in views.items():
@@ -192,6 +199,121 @@ def release_shared_memory(shm_name: str | None = None) -> None:
         shm = _ATTACHED.pop(name, None)
         if shm is not None:
             shm.close()
+
+
+# ---- weights mapped into shared memory ---------------------------------------------------
+
+_ALIGN = 64  # slot alignment: any dtype's view of a slot is aligned, and slots don't share cache lines
+
+
+class SharedWeights:
+    """Engine side: a module's tensors moved into one shared-memory block that a sender writes into.
+
+    Every tensor's storage is rebound (`tensor.data = view`) to its slot in the
+    block, so the engine keeps serving the same Parameter objects, and a sender
+    process that maps the block updates the weights with one copy and no
+    message per tensor. The first `_ALIGN` bytes are a header: byte 0 is set
+    by the sender before it writes and cleared by the engine when the sync
+    commits, so weights left half-written by a sender that died mid-copy are
+    detected instead of served. Tensors that share storage share a slot.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        slots, by_view, by_storage, offset = {}, {}, {}, _ALIGN
+        for name, t in tensors.items():
+            storage = t.untyped_storage().data_ptr()
+            key = (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key in by_view:
+                slots[name] = by_view[key]
+                continue
+            if storage in by_storage and t.numel():
+                raise ValueError(f"tensors {by_storage[storage]!r} and {name!r} are different views of one storage; "
+                                 "shared weights map whole tensors only (sync one of them)")
+            by_storage[storage] = name
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in _DTYPES:
+                raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which shared weights cannot carry; "
+                                f"supported: {', '.join(_DTYPES)}")
+            nbytes = t.numel() * t.element_size()
+            slots[name] = by_view[key] = TensorSlot(name, dtype, tuple(t.shape), offset, nbytes)
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.shm = shared_memory.SharedMemory(create=True, size=offset)
+        _CREATED.add(self.shm.name)
+        self.slots = slots
+        buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        self.header = buffer[:_ALIGN]
+        self.header.zero_()
+        views = unpack_bucket(buffer, list(dict.fromkeys(slots.values())), copy=False)
+        with torch.no_grad():
+            for name, t in tensors.items():
+                view = views[slots[name].name]
+                if view.data_ptr() != t.data_ptr():
+                    view.copy_(t)
+                    t.data = view  # same tensor object, storage now in the block
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @property
+    def incomplete(self) -> bool:
+        """A sender began writing and the sync has not committed."""
+        return bool(self.header[0])
+
+    def commit(self) -> None:
+        self.header[0] = 0
+
+    def manifest(self) -> list[dict]:
+        return [{**slot.to_json(), "name": name} for name, slot in self.slots.items()]
+
+    def close(self) -> None:
+        self.shm.unlink()
+        _CREATED.discard(self.shm.name)
+        try:
+            self.shm.close()
+        except BufferError:  # tensors still view the block; the mapping goes with the process
+            pass
+
+
+class SharedWeightsWriter:
+    """Sender side of `SharedWeights`: writes named tensors straight into the engine's block.
+
+    Only call `write` while the engine is paused and drained (the controller's
+    transfer phase): the engine reads these bytes as its weights.
+    """
+
+    def __init__(self, shm_name: str, manifest: list[dict]):
+        shm = _attach(shm_name)
+        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        self.shm_name = shm_name
+        self.header = buffer[:_ALIGN]
+        self.slots = {d["name"]: TensorSlot.from_json(d) for d in manifest}
+        self.views = {name: buffer[s.offset:s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape)
+                      for name, s in self.slots.items()}
+
+    def covers(self, names) -> bool:
+        return all(n in self.slots for n in names)
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Check every name and shape first (nothing is written on a mismatch), then copy; returns bytes."""
+        unknown = [n for n in tensors if n not in self.slots]
+        bad = [f"{n}: got {tuple(t.shape)}, expected {self.slots[n].shape}" for n, t in tensors.items()
+               if n in self.slots and tuple(t.shape) != self.slots[n].shape]
+        if unknown or bad:
+            raise ValueError(f"cannot write these tensors into the engine's shared weights: "
+                             f"{len(unknown)} unknown name(s) {unknown[:5]}, {len(bad)} wrong shape(s) {bad[:5]}")
+        self.header[0] = 1
+        moved = 0
+        with torch.no_grad():
+            for name, t in tensors.items():
+                view = self.views[name]
+                view.copy_(t.detach())  # casts when the trainer keeps another dtype
+                moved += view.numel() * view.element_size()
+        return moved
+
+    def close(self) -> None:
+        self.views, self.header = {}, None
+        release_shared_memory(self.shm_name)
 
 
 # ---- disk ----------------------------------------------------------------------------------

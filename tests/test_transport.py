@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flywheel.transport import (SharedMemorySender, TensorSlot, pack_bucket, plan_buckets,
+from flywheel.transport import (SharedMemorySender, SharedWeights, SharedWeightsWriter, TensorSlot, pack_bucket,
+                                plan_buckets,
                                 save_weights_atomic, tensor_checksums, unpack_bucket,
                                 verify_checksums)
 
@@ -139,3 +140,39 @@ def test_broadcast_in_buckets_reaches_the_other_rank(tmp_path):
     sender, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert sender["bytes"] == receiver["bytes"] == (128 * 64 + 1000 + 49) * 4
     verify_checksums(sender["sums"], receiver["sums"])
+
+
+def test_shared_weights_let_a_writer_update_a_module_in_place():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    module[2].weight = module[0].weight  # tied: one tensor under two names
+    state = module.state_dict(keep_vars=True)
+    weight_object, before = module[0].weight, {k: v.detach().clone() for k, v in state.items()}
+    block = SharedWeights(state)
+    writer = SharedWeightsWriter(block.name, block.manifest())
+    try:
+        assert module[0].weight is weight_object and module[2].weight is weight_object  # same Parameter
+        assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
+        assert block.slots["0.weight"] is block.slots["2.weight"]  # the tie survives: one slot
+        assert block.slots["0.weight"].offset != block.slots["0.bias"].offset
+        new = {k: torch.randn(v.shape).to(v.dtype) for k, v in before.items() if k != "2.weight"}
+        with pytest.raises(ValueError, match="1 wrong shape"):
+            writer.write({"0.weight": torch.zeros(5, 5)})
+        assert not block.incomplete  # a rejected write touches nothing
+        moved = writer.write(new)
+        assert block.incomplete and moved == sum(t.numel() * t.element_size() for t in new.values())
+        for k, v in new.items():  # the module sees every write, buffers included
+            assert torch.equal(module.state_dict()[k], v)
+        assert torch.equal(module[2].weight, new["0.weight"])
+        block.commit()
+        assert not block.incomplete
+        assert writer.write({"0.bias": new["0.bias"].double()}) == 4 * 4  # cast to the engine's dtype
+    finally:
+        writer.close()
+        block.close()
+
+
+def test_shared_weights_refuse_two_different_views_of_one_storage():
+    weight = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="different views of one storage"):
+        SharedWeights({"a": weight, "b": weight.t()})

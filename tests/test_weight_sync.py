@@ -38,7 +38,8 @@ def test_colocated_sync_runs_every_phase_and_bumps_the_version():
     controller = WeightSyncController(engine)
     metrics = controller.sync()
     assert metrics["weight_version"] == 1 and engine.weight_version == 1 and controller.state is SyncState.IDLE
-    assert set(metrics) == {"sync/drain_s", "sync/transfer_s", "sync/total_s", "sync/bytes", "weight_version"}
+    assert set(metrics) == {"sync/drain_s", "sync/transfer_s", "sync/commit_s", "sync/total_s", "sync/bytes",
+                            "weight_version"}
     assert metrics["sync/bytes"] == 0 and not engine.paused
 
 
@@ -78,7 +79,7 @@ def engine_process():
         yield handle
 
 
-@pytest.mark.parametrize("transport", ["shm", "disk"])
+@pytest.mark.parametrize("transport", ["shm", "shm-buckets", "disk"])
 def test_process_sync_into_a_randomized_receiver_matches_the_sender(engine_process, transport, tmp_path):
     sender_weights = trained_weights(seed=2)
     # Randomize the receiver first, so a sync that moved nothing could not pass.
@@ -86,7 +87,9 @@ def test_process_sync_into_a_randomized_receiver_matches_the_sender(engine_proce
     WeightSyncController(engine_process, transport=DiskTransport(tmp_path / "junk")).sync(junk)
     assert engine_process.checksums(list(junk)) == tensor_checksums(junk)
 
-    chosen = SharedMemoryTransport(bucket_bytes=128 * 1024) if transport == "shm" else DiskTransport(tmp_path)
+    chosen = {"shm": lambda: SharedMemoryTransport(),  # writes into the engine's mapped weights
+              "shm-buckets": lambda: SharedMemoryTransport(bucket_bytes=128 * 1024, mapped=False),
+              "disk": lambda: DiskTransport(tmp_path)}[transport]()
     controller = WeightSyncController(engine_process, transport=chosen, verify=True)
     try:
         before = engine_process.weight_version
@@ -227,3 +230,63 @@ def test_copy_sync_keeps_trainer_and_rollout_log_probs_within_1e6():
                                            rollout.timesteps[j + 1], rollout.noise_levels[j],
                                            sde_t_cap(rollout.timesteps))
         assert (log_prob - rollout.log_probs[:, j]).abs().max() <= 1e-6
+
+
+class DiesMidTransfer(SharedMemoryTransport):
+    """A sender that writes part of the weights and then fails, before any commit."""
+
+    def transfer(self, engine, tensors, version, component):
+        half = dict(list(tensors.items())[: len(tensors) // 2])
+        super().transfer(engine, half, version, component)
+        raise ConnectionError("trainer died mid-transfer")
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_an_engine_refuses_weights_a_failed_sync_left_half_written_until_a_sync_completes(mapped):
+    new = trained_weights(seed=7)
+    with EngineProcess.start("toy-digits", threads=1) as handle:
+        before = handle.generate(reqs(2))
+        broken = DiesMidTransfer(bucket_bytes=64 * 1024, mapped=mapped)
+        try:
+            with pytest.raises(ConnectionError, match="mid-transfer"):
+                WeightSyncController(handle, transport=broken).sync(new)
+        finally:
+            broken.close()
+        assert handle.weight_version == 0  # never committed
+        with pytest.raises(RuntimeError, match="partly overwritten by a weight sync that never committed"):
+            handle.generate(reqs(2))
+        controller = WeightSyncController(handle, transport=SharedMemoryTransport(mapped=mapped), verify=True)
+        try:
+            controller.sync(new)
+        finally:
+            controller.close()
+        after = handle.generate(reqs(2))
+    assert after.weight_version == 1 and not torch.equal(after.latents, before.latents)
+    assert torch.equal(after.latents, engine_with(new).generate(reqs(2)).latents)
+
+
+def test_mapped_sync_of_more_tensors_than_before_remaps_and_keeps_earlier_updates():
+    new = trained_weights(seed=8)
+    names = list(new)
+    first = {n: new[n] for n in names[:10]}
+    with EngineProcess.start("toy-digits", threads=1) as handle:
+        controller = WeightSyncController(handle, transport=SharedMemoryTransport(), verify=True)
+        try:
+            controller.sync(first)   # maps just these tensors
+            controller.sync(new)     # more names: the engine maps the union into a new block
+            assert handle.checksums(names) == tensor_checksums(new)
+            again = {n: v + 0.01 for n, v in first.items()}
+            controller.sync(again)   # the new block covers these: written in place
+            assert handle.checksums(list(again)) == tensor_checksums(again)
+            assert handle.checksums(names[10:]) == tensor_checksums({n: new[n] for n in names[10:]})
+        finally:
+            controller.close()
+
+
+def test_write_weights_needs_a_paused_drained_engine():
+    engine = engine_with()
+    with pytest.raises(RuntimeError, match="paused, drained engine"):
+        engine.write_weights(trained_weights())
+    engine.pause()
+    engine.write_weights(trained_weights())
+    assert engine.weight_version == 0  # a write marks no version; set_weight_version commits
