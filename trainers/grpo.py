@@ -363,8 +363,9 @@ def start_engine_process(cfg: Config, accelerator, named_params, version: int):
     controller.verify = True
     sync()
     controller.verify = False
-    if accelerator.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # the engine process has a core of its own
+    # On a CPU the trainer keeps every core's thread although the engine process rolls out on one:
+    # measured on 2 cores, a 1-thread trainer makes the async step 25% slower (2.96 s vs 2.33 s),
+    # because the rollout ends early and the trainer would leave the freed core idle.
     return engine, controller, sync
 
 
