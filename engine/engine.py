@@ -39,8 +39,14 @@ class Engine:
     """Generates batches of `GenerationRequest`s on one loaded model."""
 
     def __init__(self, model: FlowModel, device: torch.device | str | None = None, max_batch: int = 256,
-                 weight_version: int = 0, time_shift: float = 1.0, prompt_cache_size: int = 4096):
+                 weight_version: int = 0, time_shift: float = 1.0, prompt_cache_size: int = 4096,
+                 compile: bool = False):
         self.model = model
+        # torch.compile of the serving forward. Parameters stay inputs of the compiled graph (no
+        # freezing), so weights copied in place by a sync are used by the next call, and the
+        # trainer's own forward and backward stay eager.
+        self.compile = compile
+        self._compiled: tuple[nn.Module, nn.Module] | None = None  # (module, its compiled wrapper)
         self.device = torch.device(device) if device is not None else next(model.transformer.parameters()).device
         self.max_batch = max_batch
         self.time_shift = time_shift
@@ -131,7 +137,7 @@ class Engine:
             uncond = self.encode_prompts([r.negative_prompt for r in requests])
         uncond_cond = None if uncond is None else concat_embeds(uncond, cond)
 
-        latents, log_probs = denoise(self.model, self.model.transformer, initial_noise, step_noise, timesteps,
+        latents, log_probs = denoise(self.model, self.serving_transformer(), initial_noise, step_noise, timesteps,
                                      noise_levels, cond, uncond_cond, first.guidance_scale,
                                      keep_trajectory=first.keep_trajectory, sampler=first.sampler)
         with torch.no_grad():
@@ -146,6 +152,15 @@ class Engine:
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
             metadata=[dict(r.metadata) for r in requests], sampler=first.sampler)
+
+    def serving_transformer(self) -> nn.Module:
+        """The module rollouts call: the model's transformer, compiled once per module when `compile`."""
+        transformer = self.model.transformer
+        if not self.compile:
+            return transformer
+        if self._compiled is None or self._compiled[0] is not transformer:
+            self._compiled = (transformer, torch.compile(transformer))
+        return self._compiled[1]
 
     def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """The flow times t_0 = 1 > ... > t_T = 0: the model's own schedule if it has one

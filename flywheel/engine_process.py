@@ -143,7 +143,8 @@ class _Server:
 
 def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    engine = Engine.from_card(args.card, path=args.path, device=args.device, weight_version=args.weight_version)
+    engine = Engine.from_card(args.card, path=args.path, device=args.device, weight_version=args.weight_version,
+                              compile=args.compile)
     engine.model.transformer.eval()
     if args.lora_rank:
         # The same adapter layout as the trainer's, so LoRA-only syncs carry just the adapter.
@@ -181,11 +182,14 @@ class EngineProcess:
 
     @classmethod
     def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int = 1,
-              timeout_s: float = 120.0, lora: dict | None = None, weight_version: int = 0) -> "EngineProcess":
-        """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout."""
+              timeout_s: float = 120.0, lora: dict | None = None, weight_version: int = 0,
+              compile: bool = False) -> "EngineProcess":
+        """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout,
+        `compile` compiles its rollout forward (`Engine(compile=True)`)."""
         authkey = secrets.token_bytes(32)
         cmd = [sys.executable, "-m", "flywheel.engine_process", "--card", card, "--device", device,
-               "--threads", str(threads), "--weight-version", str(weight_version)] + (["--path", path] if path else [])
+               "--threads", str(threads), "--weight-version", str(weight_version)] + (["--path", path] if path else []) \
+            + (["--compile"] if compile else [])
         if lora:
             cmd += ["--lora-rank", str(lora["rank"]), "--lora-alpha", str(lora["alpha"]),
                     "--lora-targets", ",".join(lora["targets"])]
@@ -305,6 +309,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights it starts with")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the rollout forward")
     parser.add_argument("--lora-rank", type=int, default=0, help="inject a LoRA adapter of this rank (0: none)")
     parser.add_argument("--lora-alpha", type=float, default=8.0)
     parser.add_argument("--lora-targets", default="", help="comma-separated module names to adapt")

@@ -62,6 +62,8 @@ class ModelConfig:
     """Linear layers to adapt; None uses the card's default"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """transformer weight dtype; latents and log-probs stay fp32"""
+    compile: bool = False
+    """torch.compile the rollout forward (the first rollout pays for compiling; training stays eager)"""
 
 
 @dataclass
@@ -353,7 +355,7 @@ def start_engine_process(cfg: Config, accelerator, named_params, version: int):
         lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha,
                 "targets": cfg.model.lora_targets or get_card(cfg.model.card).defaults.get("lora_targets")}
     engine = EngineProcess.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
-                                 lora=lora, weight_version=version)
+                                 lora=lora, weight_version=version, compile=cfg.model.compile)
     controller = WeightSyncController(engine, transport=SharedMemoryTransport())
 
     def sync() -> dict:
@@ -461,7 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.async_rollouts:
         engine, sync_controller, sync = start_engine_process(cfg, accelerator, named_params, version)
     else:  # colocated: the engine serves the trainer's own module
-        engine = Engine(model, device=accelerator.device, weight_version=version, time_shift=cfg.sampling.time_shift)
+        engine = Engine(model, device=accelerator.device, weight_version=version, time_shift=cfg.sampling.time_shift,
+                        compile=cfg.model.compile)
         sync_controller = WeightSyncController(engine, mode="colocated")
         sync = sync_controller.sync
     rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode)
