@@ -33,6 +33,10 @@ class AsyncCollector:
         if step not in self._pending:
             self._pending[step] = self._executor.submit(self.collect, step)
 
+    def rollout_running(self) -> bool:
+        """Whether a prefetched collect is still running."""
+        return any(not future.done() for future in self._pending.values())
+
     def get(self, step: int, trainer_version: int):
         """The batch of `step`: the prefetched one if fresh enough, else a new one."""
         self.prefetch(step)

@@ -219,17 +219,13 @@ class SharedWeights:
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        slots, by_view, by_storage, offset = {}, {}, {}, _ALIGN
+        _refuse_overlapping_views(tensors)
+        slots, by_view, offset = {}, {}, _ALIGN
         for name, t in tensors.items():
-            storage = t.untyped_storage().data_ptr()
-            key = (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
             if key in by_view:
                 slots[name] = by_view[key]
                 continue
-            if storage in by_storage and t.numel():
-                raise ValueError(f"tensors {by_storage[storage]!r} and {name!r} are different views of one storage; "
-                                 "shared weights map whole tensors only (sync one of them)")
-            by_storage[storage] = name
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
                 raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which shared weights cannot carry; "
@@ -273,6 +269,26 @@ class SharedWeights:
             self.shm.close()
         except BufferError:  # tensors still view the block; the mapping goes with the process
             pass
+
+
+def _refuse_overlapping_views(tensors: dict[str, torch.Tensor]) -> None:
+    """Two names for one view share a slot; two different views of the same bytes cannot be mapped."""
+    extents = {}  # distinct views: (storage, first byte, end byte) -> name
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        size = t.element_size()
+        first = t.storage_offset() * size
+        last = first + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        extents.setdefault(view, (t.untyped_storage().data_ptr(), first, last, name))
+    previous = None
+    for storage, first, last, name in sorted(extents.values()):
+        if previous and previous[0] == storage and first < previous[2]:
+            raise ValueError(f"tensors {previous[3]!r} and {name!r} are different views of the same bytes; "
+                             "shared weights map whole tensors only (sync one of them)")
+        if not previous or previous[0] != storage or last > previous[2]:
+            previous = (storage, first, last, name)
 
 
 class SharedWeightsWriter:

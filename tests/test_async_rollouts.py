@@ -55,3 +55,35 @@ def test_too_stale_batches_are_generated_again():
 def test_negative_staleness_bound_is_an_error():
     with pytest.raises(ValueError, match="max_staleness"):
         AsyncCollector(lambda s: None, max_staleness=-1)
+
+
+def test_the_trainer_gives_the_engine_a_core_only_while_a_rollout_runs():
+    import torch
+
+    from trainers.grpo import cpu_core_sharing
+
+    release = threading.Event()
+    fake = FakeFlywheel()
+
+    def slow_collect(step):
+        release.wait(timeout=30)
+        return fake.collect(step)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    collector = AsyncCollector(slow_collect, max_staleness=1)
+    try:
+        share = cpu_core_sharing(collector, SimpleNamespace(device=torch.device("cpu")))
+        collector.prefetch(0)
+        assert collector.rollout_running()
+        share()
+        assert torch.get_num_threads() == 1  # the engine process has the other core
+        release.set()
+        collector.get(0, trainer_version=0)
+        assert not collector.rollout_running()
+        share()
+        assert torch.get_num_threads() == 2  # and gives it back when the rollout is done
+    finally:
+        release.set()
+        collector.close()
+        torch.set_num_threads(threads)

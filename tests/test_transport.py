@@ -174,5 +174,16 @@ def test_shared_weights_let_a_writer_update_a_module_in_place():
 
 def test_shared_weights_refuse_two_different_views_of_one_storage():
     weight = torch.randn(4, 3)
-    with pytest.raises(ValueError, match="different views of one storage"):
+    with pytest.raises(ValueError, match="different views of the same bytes"):
         SharedWeights({"a": weight, "b": weight.t()})
+
+
+def test_shared_weights_map_tensors_that_share_a_storage_without_overlapping():
+    flat = torch.arange(10.0)
+    block = SharedWeights({"a": flat[:4].view(2, 2), "b": flat[4:]})  # one storage, disjoint bytes
+    try:
+        assert block.slots["a"].offset != block.slots["b"].offset
+        flat.zero_()  # the mapped tensors no longer view `flat`
+        assert block.slots["a"].nbytes == 16 and block.slots["b"].nbytes == 24
+    finally:
+        block.close()

@@ -254,8 +254,12 @@ def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator) 
 
 
 def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
-                params: list[torch.nn.Parameter], cfg: Config, step: int) -> dict[str, float]:
-    """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + `sync()`."""
+                params: list[torch.nn.Parameter], cfg: Config, step: int,
+                before_each_step=lambda: None) -> dict[str, float]:
+    """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + `sync()`.
+
+    `before_each_step()` runs before every denoising step's forward (async rollouts adjust threads there).
+    """
     tc = cfg.train
     traj = batch.trajectory
     steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step))
@@ -274,6 +278,7 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
             last_backward = (m + 1) % tc.gradient_accumulation_steps == 0 and i == len(steps) - 1
             # Gradients are all-reduced once per optimizer step, not once per backward.
             context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
+            before_each_step()
             with context:
                 loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc,
                                              decoupled=cfg.async_rollouts)
@@ -365,10 +370,22 @@ def start_engine_process(cfg: Config, accelerator, named_params, version: int):
     controller.verify = True
     sync()
     controller.verify = False
-    # On a CPU the trainer keeps every core's thread although the engine process rolls out on one:
-    # measured on 2 cores, a 1-thread trainer makes the async step 25% slower (2.96 s vs 2.33 s),
-    # because the rollout ends early and the trainer would leave the freed core idle.
     return engine, controller, sync
+
+
+def cpu_core_sharing(collector: AsyncCollector | None, accelerator):
+    """Async rollouts on a CPU: train on one thread while the engine process rolls out on the other
+    core, and on every core once it is done (oversubscribing the cores instead makes the threads of
+    a parallel op wait for each other)."""
+    if collector is None or accelerator.device.type != "cpu":
+        return lambda: None
+    cores = torch.get_num_threads()
+
+    def share() -> None:
+        wanted = max(1, cores - 1) if collector.rollout_running() else cores
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+    return share
 
 
 def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, accelerator, run: RunDir, step: int) -> dict:
@@ -497,6 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
     row: dict = {}
     current_version = engine.weight_version
     collector = AsyncCollector(flywheel.collect, cfg.max_staleness) if cfg.async_rollouts else None
+    share_cores = cpu_core_sharing(collector, accelerator)
     for step in range(start_step, cfg.steps):
         step_start = time.perf_counter()
         with full_params():
@@ -508,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
                     collector.prefetch(step + 1)
         t0 = time.perf_counter()
         train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
-                                    sync, params, cfg, step)
+                                    sync, params, cfg, step, before_each_step=share_cores)
         train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
         train_metrics["time/wait_s"] = t0 - step_start
         current_version = train_metrics["weight_version_after"]
