@@ -6,10 +6,12 @@
 For each model (the toy transformer, and a random stack of Linear layers of
 --large-mb megabytes), in one run, into a receiver process that holds the
 tensors as an engine process does:
-- memcpy: copying the same bytes into a preallocated buffer in this process;
+- memcpy: one copy of a contiguous buffer of the same bytes in this process;
 - shm (mapped, the default transport for an engine in host memory): the
   receiver's tensors live in a shared-memory block and the sender writes
-  straight into them; the commit message (the version bump) is timed apart;
+  straight into them: laid out like the block (as the recipe lays out the
+  trainer's Parameters) in one copy, or tensor by tensor ("per-tensor"); the
+  commit message (the version bump) is timed apart;
 - shm buckets (for an engine on an accelerator): staged in two shared blocks,
   the receiver copies each out while the sender packs the next;
 - disk: safetensors written atomically, then loaded.
@@ -60,6 +62,7 @@ block.close()
 
 
 def best_of(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults of a fresh mapping do not count
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -83,14 +86,16 @@ def large_tensors(megabytes: int) -> dict[str, torch.Tensor]:
 
 def measure_transports(tensors: dict[str, torch.Tensor], repeats: int, bucket_bytes: int) -> dict[str, float]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if nbytes < 16 * 2**20:
+        repeats *= 10  # sub-millisecond copies: more samples for a stable minimum
+    # The baseline: one memcpy of a contiguous buffer of the same size (no per-tensor work at all).
+    flat_source = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
     flat = torch.empty(nbytes, dtype=torch.uint8)
 
     def memcpy():
-        offset = 0
-        for t in tensors.values():
-            n = t.numel() * t.element_size()
-            flat[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
+        flat.copy_(flat_source)
+
+    separate = {k: v.clone() for k, v in tensors.items()}  # tensors in their own allocations
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -128,6 +133,9 @@ def measure_transports(tensors: dict[str, torch.Tensor], repeats: int, bucket_by
 
         try:
             memcpy_s = best_of(memcpy, repeats)
+            per_tensor_s = best_of(lambda: writer.write(separate), repeats)
+            if not writer.share_layout(tensors):  # as the recipe does with the trainer's Parameters
+                raise RuntimeError("could not lay the sender's tensors out like the receiver's block")
             shm_s = best_of(lambda: writer.write(tensors), repeats)
             commit_s = best_of(lambda: request({"op": "commit"})(), repeats)
             buckets_s = best_of(lambda: sender.send(tensors, deliver), repeats)
@@ -141,6 +149,7 @@ def measure_transports(tensors: dict[str, torch.Tensor], repeats: int, bucket_by
             "buckets_s": buckets_s, "disk_s": disk_s,
             "memcpy_gb_s": nbytes / memcpy_s / 1e9, "shm_gb_s": nbytes / shm_s / 1e9,
             "transport_over_memcpy": memcpy_s / shm_s, "speedup_vs_disk": disk_s / shm_s,
+            "per_tensor_s": per_tensor_s, "per_tensor_over_memcpy": memcpy_s / per_tensor_s,
             "with_commit_over_memcpy": memcpy_s / (shm_s + commit_s),
             "with_commit_speedup_vs_disk": disk_s / (shm_s + commit_s),
             "buckets_over_memcpy": memcpy_s / buckets_s, "buckets_speedup_vs_disk": disk_s / buckets_s}
@@ -165,10 +174,12 @@ def measure_engine_sync(repeats: int, batch: int) -> dict[str, float]:
             handle.resume()
 
         pause_s = best_of(pause_cycle, repeats)
-        controller = WeightSyncController(handle, transport=SharedMemoryTransport(), verify=False)
+        transport = SharedMemoryTransport()
+        controller = WeightSyncController(handle, transport=transport, verify=False)
         try:
-            sync = min((controller.sync({k: v + 0.0 for k, v in tensors.items()}) for _ in range(repeats)),
-                       key=lambda m: m["sync/total_s"])
+            controller.sync(tensors)  # maps the engine's weights
+            transport.share_layout(handle, tensors)  # as the recipe does with the trainer's Parameters
+            sync = min((controller.sync(tensors) for _ in range(repeats)), key=lambda m: m["sync/total_s"])
         finally:
             controller.close()
     return {"rollout_step_s": step_s, "pause_s": pause_s, "pause_over_rollout_step": pause_s / step_s,
@@ -195,15 +206,17 @@ def main() -> None:
     result.update({f"toy_{k}": v for k, v in measure_engine_sync(repeats, args.batch).items()})
 
     print(f"{'model':<7}{'MB':>7}{'memcpy GB/s':>12}{'shm GB/s':>9}{'shm/memcpy':>11}{'+commit':>8}"
-          f"{'buckets':>8}{'disk s':>8}{'vs disk':>8}{'+commit':>8}{'buckets':>8}")
+          f"{'per-tensor':>11}{'buckets':>8}{'disk s':>8}{'vs disk':>8}{'+commit':>8}{'buckets':>8}")
     for name in ("toy", "large"):
         r = {k.removeprefix(name + "_"): v for k, v in result.items() if k.startswith(name + "_")}
         print(f"{name:<7}{r['mb']:>7.1f}{r['memcpy_gb_s']:>12.2f}{r['shm_gb_s']:>9.2f}"
-              f"{r['transport_over_memcpy']:>11.2f}{r['with_commit_over_memcpy']:>8.2f}{r['buckets_over_memcpy']:>8.2f}"
+              f"{r['transport_over_memcpy']:>11.2f}{r['with_commit_over_memcpy']:>8.2f}"
+              f"{r['per_tensor_over_memcpy']:>11.2f}{r['buckets_over_memcpy']:>8.2f}"
               f"{r['disk_s']:>8.4f}{r['speedup_vs_disk']:>8.1f}{r['with_commit_speedup_vs_disk']:>8.1f}"
               f"{r['buckets_speedup_vs_disk']:>8.1f}")
-    print("(shm/memcpy and vs disk: mapped shared-memory transfer; +commit: with the version-bump round trip; "
-          "buckets: the staged path for accelerator engines)")
+    print("(memcpy: one copy of a contiguous buffer of the same bytes; shm: the sender laid out like the engine's "
+          "mapped block, one copy; +commit: with the version-bump round trip; per-tensor: a sender whose tensors "
+          "live apart; buckets: the staged path for accelerator engines)")
     print(f"toy engine: sync {result['toy_sync_total_s'] * 1e3:.1f} ms (transfer "
           f"{result['toy_sync_transfer_s'] * 1e3:.2f} ms, commit {result['toy_sync_commit_s'] * 1e3:.2f} ms), pause cycle {result['toy_pause_s'] * 1e3:.2f} ms, "
           f"rollout step {result['toy_rollout_step_s'] * 1e3:.2f} ms -> pause_over_rollout_step "

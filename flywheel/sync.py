@@ -124,6 +124,12 @@ class SharedMemoryTransport:
             return writer.write(tensors)
         return self.sender.send(tensors, lambda shm, slots: engine.receive_bucket(shm, slots, component))
 
+    def share_layout(self, engine, tensors: dict[str, torch.Tensor], component: str = "transformer") -> bool:
+        """Lay the trainer's own tensors (the Parameters) out like the engine's mapped block, so that
+        each later sync of them is a single memcpy (`SharedWeightsWriter.share_layout`)."""
+        writer = self._writer(engine, component, list(tensors)) if self.mapped else None
+        return writer is not None and writer.share_layout(tensors)
+
     def commit(self, engine, version: int, component: str) -> None:
         engine.commit_weights(version, component=component)
 

@@ -187,3 +187,30 @@ def test_shared_weights_map_tensors_that_share_a_storage_without_overlapping():
         assert block.slots["a"].nbytes == 16 and block.slots["b"].nbytes == 24
     finally:
         block.close()
+
+
+def test_a_sender_laid_out_like_the_block_writes_it_in_one_copy_with_the_same_result():
+    torch.manual_seed(0)
+    engine_side = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    trainer = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    block = SharedWeights(engine_side.state_dict(keep_vars=True))
+    writer = SharedWeightsWriter(block.name, block.manifest())
+    try:
+        params = dict(trainer.named_parameters())
+        weight_object, before = params["0.weight"], {k: v.detach().clone() for k, v in params.items()}
+        assert writer.share_layout(params)
+        assert trainer[0].weight is weight_object  # the same Parameters, now in one flat buffer
+        assert all(torch.equal(params[k], v) for k, v in before.items())
+        optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+        trainer(torch.randn(4, 5)).sum().backward()
+        optimizer.step()  # updates the flat buffer in place
+        sent = {k: v.detach() for k, v in trainer.named_parameters()}
+        assert writer._laid_out_like_the_block(sent)  # the one-copy path
+        assert writer.write(sent) == sum(t.numel() * 4 for t in sent.values())
+        for k, v in sent.items():
+            assert torch.equal(engine_side.state_dict()[k], v)
+        assert not writer._laid_out_like_the_block({k: v.clone() for k, v in sent.items()})  # copies: per tensor
+        assert not writer.share_layout({"0.weight": params["0.weight"]})  # must cover every slot
+    finally:
+        writer.close()
+        block.close()

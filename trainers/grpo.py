@@ -370,6 +370,8 @@ def start_engine_process(cfg: Config, accelerator, named_params, version: int):
     controller.verify = True
     sync()
     controller.verify = False
+    # The trained Parameters move into one buffer laid out like the engine's: each sync is one memcpy.
+    controller.transport.share_layout(engine, dict(named_params))
     return engine, controller, sync
 
 
