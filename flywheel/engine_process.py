@@ -28,8 +28,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from engine import Engine, GenerationRequest, Trajectory
-from flywheel.lora import add_lora
 from engine.engine import PROMPT_ENCODER_COMPONENTS
+from flywheel.lora import add_lora
 from flywheel.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
 
 # Trajectory fields that travel as tensors (the optional ones only when present).

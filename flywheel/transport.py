@@ -240,13 +240,7 @@ class SharedWeights:
         buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         self.header = buffer[:_ALIGN]
         self.header.zero_()
-        views = unpack_bucket(buffer, list(dict.fromkeys(slots.values())), copy=False)
-        with torch.no_grad():
-            for name, t in tensors.items():
-                view = views[slots[name].name]
-                if view.data_ptr() != t.data_ptr():
-                    view.copy_(t)
-                    t.data = view  # same tensor object, storage now in the block
+        _rebind_into(buffer, slots, tensors)
 
     @property
     def name(self) -> str:
@@ -270,6 +264,18 @@ class SharedWeights:
             self.shm.close()
         except BufferError:  # tensors still view the block; the mapping goes with the process
             pass
+
+
+def _rebind_into(buffer: torch.Tensor, slots: dict[str, TensorSlot], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy each tensor into its slot of `buffer` and rebind its storage there (`tensor.data = view`):
+    the same tensor objects (Parameters stay Parameters), their bytes now in the buffer."""
+    views = unpack_bucket(buffer, list(dict.fromkeys(slots.values())), copy=False)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            view = views[slots[name].name]
+            if view.data_ptr() != t.data_ptr():  # a second name for an already rebound tensor
+                view.copy_(t)
+                t.data = view
 
 
 def _refuse_overlapping_views(tensors: dict[str, torch.Tensor]) -> None:
@@ -329,13 +335,7 @@ class SharedWeightsWriter:
                 for n, t in tensors.items()):
             return False
         flat = torch.empty(self._end, dtype=torch.uint8)
-        with torch.no_grad():
-            for name, t in tensors.items():
-                slot = self.slots[name]
-                view = flat[slot.offset:slot.offset + slot.nbytes].view(_DTYPES[slot.dtype]).reshape(slot.shape)
-                if view.data_ptr() != t.data_ptr():
-                    view.copy_(t)
-                    t.data = view
+        _rebind_into(flat, self.slots, tensors)
         self._flat_body = flat[_ALIGN:]
         self._flat_body_np, self._block_body_np = self._flat_body.numpy(), self._block_body.numpy()
         # What a later write must pass, in this order, for the one-copy path (tuples compare in C). Names
