@@ -8,17 +8,20 @@ Both run the same random SD3 (default: 4 layers, width 128, 32x32 latents;
 decode included, prompt embeddings precomputed for both (the engine's from its
 cache, the pipeline's passed as prompt_embeds). The engine additionally records
 the whole trajectory and per-step log-probs, which the pipeline does not.
-Three sides: the engine eager, the engine with `compile=True` (not in
---quick), and the pipeline; `speedup_vs_diffusers` is the eager engine's,
-`compiled_speedup_vs_diffusers` the compiled one's.
 
-Each side runs in its own subprocess (same seed, same weights), so peak memory
-is its own: on CPU the peak RSS during the timed calls (sampled every 0.5 ms
-by a thread) over the RSS before them; on CUDA torch.cuda.max_memory_allocated
-over the memory allocated before them. A warm-up call comes first on both
-sides (it compiles the compiled engine) and counts for neither time nor
-memory. Sides alternate and the best run of each counts, so load from other
-processes hits them alike.
+Three sides: the engine as the family configs run it (`model.compile: true`,
+engine/compiling.py), the engine eager, and the stock pipeline.
+`speedup_vs_diffusers` is the compiled engine's, `eager_speedup_vs_diffusers`
+the eager one's.
+
+Speed: all sides in one process, called in turn, round after round (the order
+rotates), after a warm-up call each (it compiles). A side's ratio is the median
+over rounds of pipeline time / side time within the same round, so load from
+other processes, which drifts over seconds, hits both terms of each ratio alike.
+Memory (not in --quick): each side in its own process, so its peak is its own: on CPU the peak
+RSS during one call after the warm-up (sampled every 0.5 ms by a thread) over
+the RSS before it; on CUDA torch.cuda.max_memory_allocated over the memory
+allocated before it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -36,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(num_layers=4, heads=4, head_dim=32, sample_size=32)
 LARGE = dict(num_layers=12, heads=24, head_dim=64, sample_size=64)
 PROMPT = "a photo of a red fox in the snow"
-SIDES = ("engine", "engine_compiled", "pipeline")
+SIDES = ("engine", "engine_eager", "pipeline")
+LABELS = {"engine": "engine, compiled", "engine_eager": "engine, eager", "pipeline": "diffusers pipeline"}
 
 
 def current_rss_bytes() -> int:
@@ -67,8 +72,8 @@ class PeakRSS:
         self.peak = max(self.peak, current_rss_bytes())
 
 
-def child(args) -> dict:
-    """One side's measurement, printed as JSON (runs in its own process)."""
+def build_sides(args, sides) -> tuple[dict, int]:
+    """Callables running one batch on each named side, sharing one set of random weights."""
     import torch
 
     from engine import Engine, GenerationRequest
@@ -81,113 +86,142 @@ def child(args) -> dict:
     sizes = LARGE if args.large else SMALL
     pipe = prepare_pipeline(tiny_sd3_pipeline(seed=0, **sizes), device, dtype)
     model = SD3Model(pipe, dtype, dict(pipe.scheduler.config))
-    engine = Engine(model, device=device, compile=args.child == "engine_compiled")
+    engines = {side: Engine(model, device=device, compile=side == "engine") for side in sides if side != "pipeline"}
     pixels = sizes["sample_size"] * pipe.vae_scale_factor
     batch, steps, guidance = args.batch, args.steps, 4.5
-    cond = engine.encode_prompts([PROMPT] * batch)
-    uncond = engine.encode_prompts([""] * batch)
+    encoder = next(iter(engines.values()), None) or Engine(model, device=device)
+    cond, uncond = encoder.encode_prompts([PROMPT] * batch), encoder.encode_prompts([""] * batch)
     latent_shape = model.latent_shape(pixels, pixels, None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def run_engine(seed):
+    def run_engine(engine, seed):
         requests = [GenerationRequest(prompt=PROMPT, seed=seed * 1000 + i, card="sd3", steps=steps, sampler="sde",
                                       noise_level=0.7, guidance_scale=guidance, height=pixels, width=pixels)
                     for i in range(batch)]
-        return engine.generate(requests).images
+        images = engine.generate(requests).images
+        sync()
+        return images
 
     def run_pipeline(seed):
         g = torch.Generator(device).manual_seed(seed)
         latents = torch.randn((batch, *latent_shape), generator=g, device=device, dtype=dtype)
         with torch.no_grad():
-            return pipe(prompt_embeds=cond.embeds.to(dtype), pooled_prompt_embeds=cond.pooled.to(dtype),
-                        negative_prompt_embeds=uncond.embeds.to(dtype),
-                        negative_pooled_prompt_embeds=uncond.pooled.to(dtype), latents=latents,
-                        num_inference_steps=steps, guidance_scale=guidance, height=pixels, width=pixels,
-                        output_type="pt").images
+            images = pipe(prompt_embeds=cond.embeds.to(dtype), pooled_prompt_embeds=cond.pooled.to(dtype),
+                          negative_prompt_embeds=uncond.embeds.to(dtype),
+                          negative_pooled_prompt_embeds=uncond.pooled.to(dtype), latents=latents,
+                          num_inference_steps=steps, guidance_scale=guidance, height=pixels, width=pixels,
+                          output_type="pt").images
+        sync()
+        return images
 
-    run = run_pipeline if args.child == "pipeline" else run_engine
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    run(0)  # warm-up (allocator, kernels, compiling): counts for neither time nor memory
-    sync()
-    if device.type == "cuda":
+    runs = {side: (run_pipeline if side == "pipeline" else (lambda seed, e=engines[side]: run_engine(e, seed)))
+            for side in sides}
+    return runs, sum(p.numel() for p in pipe.transformer.parameters())
+
+
+def time_child(args) -> dict:
+    """Every side in this process, called in turn for `rounds` rounds after a warm-up (compiling) call each."""
+    runs, params = build_sides(args, SIDES)
+    for side, run in runs.items():
+        images = run(0)
+        assert tuple(images.shape) == (args.batch, 3, images.shape[-1], images.shape[-1]), (side, images.shape)
+    times = {side: [] for side in runs}
+    for r in range(args.rounds):
+        order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
+        for side in order:
+            t0 = time.perf_counter()
+            runs[side](r + 1)
+            times[side].append(time.perf_counter() - t0)
+    return {"times": times, "transformer_params": params}
+
+
+def memory_child(args) -> dict:
+    """One side's peak memory during one call after a warm-up call (this process holds only that side)."""
+    import torch
+
+    run = build_sides(args, (args.child,))[0][args.child]
+    run(0)
+    cuda = args.device.startswith("cuda")
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        base_mem = torch.cuda.memory_allocated()
+        base = torch.cuda.memory_allocated()
     else:
-        base_mem = current_rss_bytes()
-    times = []
+        base = current_rss_bytes()
     with PeakRSS() as rss:
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            out = run(r + 1)
-            sync()
-            times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else rss.peak) - base_mem
-    assert tuple(out.shape) == (batch, 3, pixels, pixels)
-    params = sum(p.numel() for p in pipe.transformer.parameters())
-    return {"images_per_s": batch / min(times), "peak_mem_bytes": int(peak), "transformer_params": params}
+        run(1)
+    peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
+    return {"peak_mem_bytes": int(peak - base)}
 
 
-def measure(side: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--device", args.device, "--dtype", args.dtype,
-           "--repeats", str(args.repeats), "--batch", str(args.batch), "--steps", str(args.steps),
+def start_child(args, child: str) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--child", child, "--device", args.device, "--dtype", args.dtype,
+           "--rounds", str(args.rounds), "--batch", str(args.batch), "--steps", str(args.steps),
            "--threads", str(args.threads)] + (["--large"] if args.large else [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if out.returncode != 0:
-        raise RuntimeError(f"{side} measurement failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def child_result(child: str, process: subprocess.Popen) -> dict:
+    stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{child} measurement failed:\n{stderr[-4000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the flat result object here")
     parser.add_argument("--quick", action="store_true",
-                        help="one round, one timed run per side, no compiled engine (under a minute)")
+                        help="one timing round and no memory processes (under a minute once compiled)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--large", action="store_true", help="12 layers, width 1536, 64x64 latents (for a GPU)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per side on CPU")
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled engine")
-    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 6, --quick 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    parser.add_argument("--child", choices=("time",) + SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 6
     if args.child:
-        print(json.dumps(child(args)))
+        print(json.dumps(time_child(args) if args.child == "time" else memory_child(args)))
         return
 
-    sides = [s for s in SIDES if s != "engine_compiled" or not (args.quick or args.no_compile)]
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
-    for _ in range(1 if args.quick else 2):  # alternate sides so background load hits them alike
-        for side in sides:
-            runs[side].append(measure(side, args))
-    best = {side: max(r["images_per_s"] for r in rs) for side, rs in runs.items()}
-    memory = {side: min(r["peak_mem_bytes"] for r in rs) for side, rs in runs.items()}
+    timing = child_result("time", start_child(args, "time"))
+    times = timing["times"]
+    if args.quick:
+        memory = None
+    else:  # nothing is timed here, so the sides' processes run side by side
+        processes = {side: start_child(args, side) for side in SIDES}
+        memory = {side: child_result(side, process)["peak_mem_bytes"] for side, process in processes.items()}
+    speedup = {side: statistics.median(p / t for p, t in zip(times["pipeline"], times[side])) for side in SIDES}
+    images_per_s = {side: args.batch / statistics.median(times[side]) for side in SIDES}
+    mib = {side: memory[side] / 2**20 if memory else None for side in SIDES}
+    memory_ratio = {side: memory[side] / max(memory["pipeline"], 1) if memory else None for side in SIDES}
     result = {
         "device": args.device, "dtype": args.dtype, "model": "large" if args.large else "small",
-        "transformer_params": runs["engine"][0]["transformer_params"], "batch": args.batch, "steps": args.steps,
-        "cfg": 4.5, "diffusers_images_per_s": best["pipeline"], "diffusers_peak_mem_mb": memory["pipeline"] / 2**20,
-        "memory_measure": "cuda max_memory_allocated growth" if args.device.startswith("cuda")
-        else "peak RSS during the timed calls over RSS before them (sampled), separate processes",
+        "transformer_params": timing["transformer_params"], "batch": args.batch, "steps": args.steps,
+        "cfg": 4.5, "rounds": args.rounds, "threads": args.threads,
+        "diffusers_images_per_s": images_per_s["pipeline"], "diffusers_peak_mem_mb": mib["pipeline"],
+        "memory_measure": "skipped (--quick)" if not memory else "cuda max_memory_allocated growth"
+        if args.device.startswith("cuda") else "peak RSS during one call over RSS before it (sampled), "
+        "one process per side",
     }
-    for side, prefix in (("engine", ""), ("engine_compiled", "compiled_")):
-        if side in best:
-            result[f"{prefix}engine_images_per_s"] = best[side]
-            result[f"{prefix}engine_peak_mem_mb"] = memory[side] / 2**20
-            result[f"{prefix}speedup_vs_diffusers"] = best[side] / best["pipeline"]
-            result[f"{prefix}memory_over_diffusers"] = memory[side] / max(memory["pipeline"], 1)
+    for side, prefix in (("engine", ""), ("engine_eager", "eager_")):
+        result[f"{prefix}engine_images_per_s"] = images_per_s[side]
+        result[f"{prefix}engine_peak_mem_mb"] = mib[side]
+        result[f"{prefix}speedup_vs_diffusers"] = speedup[side]
+        result[f"{prefix}memory_over_diffusers"] = memory_ratio[side]
 
     print(f"{'':20}{'images/s':>10}{'speedup':>9}{'peak MiB':>10}{'memory ratio':>14}")
-    for side, label in (("engine", "engine (SDE+logp)"), ("engine_compiled", "engine, compiled"),
-                        ("pipeline", "diffusers pipeline")):
-        if side in best:
-            print(f"{label:<20}{best[side]:>10.2f}{best[side] / best['pipeline']:>9.2f}"
-                  f"{memory[side] / 2**20:>10.1f}{memory[side] / max(memory['pipeline'], 1):>14.2f}")
+    for side in SIDES:
+        memory_cells = f"{mib[side]:>10.1f}{memory_ratio[side]:>14.2f}" if memory else f"{'-':>10}{'-':>14}"
+        print(f"{LABELS[side]:<20}{images_per_s[side]:>10.2f}{speedup[side]:>9.2f}{memory_cells}")
     print(f"({result['model']} SD3, {result['transformer_params'] / 1e6:.1f}M params, {args.device} {args.dtype}, "
-          f"batch {args.batch}, {args.steps} steps, CFG 4.5; memory: {result['memory_measure']})")
+          f"batch {args.batch}, {args.steps} steps, CFG 4.5; speedup: median of {args.rounds} paired rounds; "
+          f"memory: {result['memory_measure']})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -27,6 +27,7 @@ from torch import nn
 from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
 from engine.loop import concat_embeds, denoise
+from engine.compiling import compile_for_rollouts
 from engine.sampling import flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
 
@@ -42,9 +43,9 @@ class Engine:
                  weight_version: int = 0, time_shift: float = 1.0, prompt_cache_size: int = 4096,
                  compile: bool = False):
         self.model = model
-        # torch.compile of the serving forward. Parameters stay inputs of the compiled graph (no
-        # freezing), so weights copied in place by a sync are used by the next call, and the
-        # trainer's own forward and backward stay eager.
+        # torch.compile of the serving forward (engine.compiling). Parameters stay inputs of the
+        # compiled graph (no freezing), so weights copied in place by a sync are used by the next
+        # call, and the trainer's own forward and backward stay eager.
         self.compile = compile
         self._compiled: tuple[nn.Module, nn.Module] | None = None  # (module, its compiled wrapper)
         self.device = torch.device(device) if device is not None else next(model.transformer.parameters()).device
@@ -159,7 +160,7 @@ class Engine:
         if not self.compile:
             return transformer
         if self._compiled is None or self._compiled[0] is not transformer:
-            self._compiled = (transformer, torch.compile(transformer))
+            self._compiled = (transformer, compile_for_rollouts(transformer))
         return self._compiled[1]
 
     def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
