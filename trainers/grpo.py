@@ -63,7 +63,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """transformer weight dtype; latents and log-probs stay fp32"""
     compile: bool = False
-    """torch.compile the rollout forward (the first rollout pays for compiling; training stays eager)"""
+    """torch.compile the rollout forward (engine/compiling.py): the first rollout pays for compiling, training
+    stays eager, and the on-policy ratio is 1 up to float rounding (about 1e-7) instead of exactly"""
 
 
 @dataclass
