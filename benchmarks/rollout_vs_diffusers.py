@@ -9,19 +9,21 @@ decode included, prompt embeddings precomputed for both (the engine's from its
 cache, the pipeline's passed as prompt_embeds). The engine additionally records
 the whole trajectory and per-step log-probs, which the pipeline does not.
 
-Three sides: the engine as the family configs run it (`model.compile: true`,
-engine/compiling.py), the engine eager, and the stock pipeline.
+Three sides: the engine with `compile=True` (engine/compiling.py; `model.compile=true`
+in a recipe), the engine eager (the default), and the stock pipeline.
 `speedup_vs_diffusers` is the compiled engine's, `eager_speedup_vs_diffusers`
 the eager one's.
 
-Speed: all sides in one process, called in turn, round after round (the order
-rotates), after a warm-up call each (it compiles). A side's ratio is the median
-over rounds of pipeline time / side time within the same round, so load from
-other processes, which drifts over seconds, hits both terms of each ratio alike.
-Memory (not in --quick): each side in its own process, so its peak is its own: on CPU the peak
-RSS during one call after the warm-up (sampled every 0.5 ms by a thread) over
-the RSS before it; on CUDA torch.cuda.max_memory_allocated over the memory
-allocated before it.
+Speed: the sides share one process and one set of weights, and are called in
+turn, round after round (the order rotates), after a warm-up call each (it
+compiles). A side's ratio is the median over rounds of pipeline time / side
+time within the same round, so load from other processes, which drifts over
+seconds, hits both terms of each ratio alike.
+
+Memory: the peak of tensor memory allocated during one call over what was
+allocated before it: on CUDA torch.cuda.max_memory_allocated; on CPU the
+allocator's own allocation and free events, recorded by the profiler, summed in
+time order (RSS would also count pages the allocator keeps after a free).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: never ask the hub
 SMALL = dict(num_layers=4, heads=4, head_dim=32, sample_size=32)
 LARGE = dict(num_layers=12, heads=24, head_dim=64, sample_size=64)
 PROMPT = "a photo of a red fox in the snow"
@@ -44,32 +47,27 @@ SIDES = ("engine", "engine_eager", "pipeline")
 LABELS = {"engine": "engine, compiled", "engine_eager": "engine, eager", "pipeline": "diffusers pipeline"}
 
 
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def peak_allocated_bytes(run, device) -> int:
+    """Peak tensor memory allocated while `run()` runs, over what was allocated when it started."""
+    import torch
 
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
 
-class PeakRSS:
-    """The highest RSS of this process while the block runs, sampled on a thread."""
-
-    def __init__(self, interval_s: float = 0.0005):
-        self.interval_s, self.peak, self._stop = interval_s, 0, threading.Event()
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, current_rss_bytes())
-            time.sleep(self.interval_s)
-
-    def __enter__(self):
-        self.peak = current_rss_bytes()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, current_rss_bytes())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    allocated = peak = 0
+    for _, nbytes in events:  # allocations count positive, frees negative
+        allocated += nbytes
+        peak = max(peak, allocated)
+    return peak
 
 
 def build_sides(args, sides) -> tuple[dict, int]:
@@ -119,61 +117,30 @@ def build_sides(args, sides) -> tuple[dict, int]:
     return runs, sum(p.numel() for p in pipe.transformer.parameters())
 
 
-def time_child(args) -> dict:
-    """Every side in this process, called in turn for `rounds` rounds after a warm-up (compiling) call each."""
+def measure(args) -> dict:
+    """Every side's times over `rounds` rounds (after a warm-up call each), then each side's peak memory."""
+    import torch
+
     runs, params = build_sides(args, SIDES)
     for side, run in runs.items():
         images = run(0)
         assert tuple(images.shape) == (args.batch, 3, images.shape[-1], images.shape[-1]), (side, images.shape)
     times = {side: [] for side in runs}
-    for r in range(args.rounds):
+    for r in tqdm(range(args.rounds), desc="rounds", disable=args.rounds < 2):
         order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
         for side in order:
             t0 = time.perf_counter()
             runs[side](r + 1)
             times[side].append(time.perf_counter() - t0)
-    return {"times": times, "transformer_params": params}
-
-
-def memory_child(args) -> dict:
-    """One side's peak memory during one call after a warm-up call (this process holds only that side)."""
-    import torch
-
-    run = build_sides(args, (args.child,))[0][args.child]
-    run(0)
-    cuda = args.device.startswith("cuda")
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = current_rss_bytes()
-    with PeakRSS() as rss:
-        run(1)
-    peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
-    return {"peak_mem_bytes": int(peak - base)}
-
-
-def start_child(args, child: str) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--child", child, "--device", args.device, "--dtype", args.dtype,
-           "--rounds", str(args.rounds), "--batch", str(args.batch), "--steps", str(args.steps),
-           "--threads", str(args.threads)] + (["--large"] if args.large else [])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-
-
-def child_result(child: str, process: subprocess.Popen) -> dict:
-    stdout, stderr = process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"{child} measurement failed:\n{stderr[-4000:]}")
-    return json.loads(stdout.strip().splitlines()[-1])
+    memory = {side: peak_allocated_bytes(lambda: run(args.rounds + 1), torch.device(args.device))
+              for side, run in runs.items()}
+    return {"times": times, "memory": memory, "transformer_params": params}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the flat result object here")
-    parser.add_argument("--quick", action="store_true",
-                        help="one timing round and no memory processes (under a minute once compiled)")
+    parser.add_argument("--quick", action="store_true", help="one timing round (under a minute)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--large", action="store_true", help="12 layers, width 1536, 64x64 latents (for a GPU)")
@@ -181,33 +148,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 6, --quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
-    parser.add_argument("--child", choices=("time",) + SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds is None:
         args.rounds = 1 if args.quick else 6
-    if args.child:
-        print(json.dumps(time_child(args) if args.child == "time" else memory_child(args)))
-        return
 
-    timing = child_result("time", start_child(args, "time"))
-    times = timing["times"]
-    if args.quick:
-        memory = None
-    else:  # nothing is timed here, so the sides' processes run side by side
-        processes = {side: start_child(args, side) for side in SIDES}
-        memory = {side: child_result(side, process)["peak_mem_bytes"] for side, process in processes.items()}
+    measured = measure(args)
+    times, memory = measured["times"], measured["memory"]
     speedup = {side: statistics.median(p / t for p, t in zip(times["pipeline"], times[side])) for side in SIDES}
     images_per_s = {side: args.batch / statistics.median(times[side]) for side in SIDES}
-    mib = {side: memory[side] / 2**20 if memory else None for side in SIDES}
-    memory_ratio = {side: memory[side] / max(memory["pipeline"], 1) if memory else None for side in SIDES}
+    mib = {side: memory[side] / 2**20 for side in SIDES}
+    memory_ratio = {side: memory[side] / max(memory["pipeline"], 1) for side in SIDES}
     result = {
         "device": args.device, "dtype": args.dtype, "model": "large" if args.large else "small",
-        "transformer_params": timing["transformer_params"], "batch": args.batch, "steps": args.steps,
+        "transformer_params": measured["transformer_params"], "batch": args.batch, "steps": args.steps,
         "cfg": 4.5, "rounds": args.rounds, "threads": args.threads,
         "diffusers_images_per_s": images_per_s["pipeline"], "diffusers_peak_mem_mb": mib["pipeline"],
-        "memory_measure": "skipped (--quick)" if not memory else "cuda max_memory_allocated growth"
-        if args.device.startswith("cuda") else "peak RSS during one call over RSS before it (sampled), "
-        "one process per side",
+        "memory_measure": "peak tensor memory allocated during one call over the memory allocated before it",
     }
     for side, prefix in (("engine", ""), ("engine_eager", "eager_")):
         result[f"{prefix}engine_images_per_s"] = images_per_s[side]
@@ -217,8 +173,8 @@ def main() -> None:
 
     print(f"{'':20}{'images/s':>10}{'speedup':>9}{'peak MiB':>10}{'memory ratio':>14}")
     for side in SIDES:
-        memory_cells = f"{mib[side]:>10.1f}{memory_ratio[side]:>14.2f}" if memory else f"{'-':>10}{'-':>14}"
-        print(f"{LABELS[side]:<20}{images_per_s[side]:>10.2f}{speedup[side]:>9.2f}{memory_cells}")
+        print(f"{LABELS[side]:<20}{images_per_s[side]:>10.2f}{speedup[side]:>9.2f}{mib[side]:>10.1f}"
+              f"{memory_ratio[side]:>14.2f}")
     print(f"({result['model']} SD3, {result['transformer_params'] / 1e6:.1f}M params, {args.device} {args.dtype}, "
           f"batch {args.batch}, {args.steps} steps, CFG 4.5; speedup: median of {args.rounds} paired rounds; "
           f"memory: {result['memory_measure']})")
