@@ -39,16 +39,28 @@ def _call_args(node: fx.Node, names: tuple[str, ...]) -> list:
     return values
 
 
+def _dtype(value) -> torch.dtype | None:
+    """The dtype of a captured tensor argument (Dynamo records an example value on each node)."""
+    example = value.meta.get("example_value") if isinstance(value, fx.Node) else None
+    return example.dtype if isinstance(example, torch.Tensor) else None
+
+
 def _rewrite_gelu(graph: fx.Graph, node: fx.Node) -> bool:
     x, approximate = _call_args(node, ("input", "approximate"))
-    if approximate != "tanh":
+    dtype = _dtype(x)
+    if approximate != "tanh" or dtype is None:
         return False
     with graph.inserting_before(node):
-        cube = graph.call_function(operator.mul, (graph.call_function(operator.mul, (x, x)), x))
-        inner = graph.call_function(operator.add, (x, graph.call_function(operator.mul, (cube, 0.044715))))
+        # Eager computes a low-precision GELU in fp32 and rounds once: so does the rewrite, so that
+        # emulate_precision_casts rounds it where eager does and nowhere else.
+        wide = x if dtype == torch.float32 else graph.call_method("float", (x,))
+        cube = graph.call_function(operator.mul, (graph.call_function(operator.mul, (wide, wide)), wide))
+        inner = graph.call_function(operator.add, (wide, graph.call_function(operator.mul, (cube, 0.044715))))
         gate = graph.call_function(torch.sigmoid,
                                    (graph.call_function(operator.mul, (inner, GELU_TANH_SIGMOID_SCALE)),))
-        replacement = graph.call_function(operator.mul, (x, gate))
+        replacement = graph.call_function(operator.mul, (wide, gate))
+        if dtype != torch.float32:
+            replacement = graph.call_method("to", (replacement, dtype))
     replacement.meta.update(node.meta)
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
@@ -57,7 +69,9 @@ def _rewrite_gelu(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _rewrite_linear(graph: fx.Graph, node: fx.Node) -> bool:
     x, weight, bias = _call_args(node, ("input", "weight", "bias"))
-    if bias is None:
+    # In bf16/fp16 a separate add would round the product before adding the bias, where eager's
+    # addmm rounds once: only fp32 linears are rewritten.
+    if bias is None or _dtype(x) != torch.float32:
         return False
     with graph.inserting_before(node):
         product = graph.call_function(torch._C._nn.linear, (x, weight))
@@ -84,11 +98,13 @@ def rewrite_for_rollouts(graph_module: fx.GraphModule) -> dict[str, int]:
 
 
 def rollout_backend(graph_module: fx.GraphModule, example_inputs):
-    """A torch.compile backend: `rewrite_for_rollouts`, then Inductor."""
+    """A torch.compile backend: `rewrite_for_rollouts`, then Inductor rounding bf16/fp16 where eager does."""
     from torch._inductor.compile_fx import compile_fx
 
     rewrite_for_rollouts(graph_module)
-    return compile_fx(graph_module, example_inputs)
+    # Fused bf16 kernels would otherwise keep fp32 between ops that eager rounds after, and training's
+    # eager recomputation of the log-probs would then see a different policy (|ratio - 1| ~ 1e-3).
+    return compile_fx(graph_module, example_inputs, config_patches={"emulate_precision_casts": True})
 
 
 def compile_for_rollouts(module: nn.Module) -> nn.Module:

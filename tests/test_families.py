@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from engine import Engine, GenerationRequest, get_card, list_cards, load_model
 from flywheel.checkpoint import latest_checkpoint
+from flywheel.rundir import read_metrics
 from flywheel.lora import adapters_disabled, add_lora
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,3 +269,16 @@ def test_compiled_family_rollout_with_lora_matches_eager_and_follows_synced_adap
     tolerance = 1e-5 * max(1.0, reference.latents.abs().max().item())
     assert (after.latents - first.latents).abs().max() > 1e-3
     assert (after.latents - reference.latents).abs().max() <= tolerance
+
+
+def test_compiled_bf16_rollouts_stay_on_policy_within_flow_grpos_clip_range(tiny_folders, prompts_file, tmp_path):
+    """bf16 weights: the compiled forward rounds between ops where eager does (emulate_precision_casts), so
+    training's eager recomputation sees the rollout's policy. Without it |ratio - 1| reached 1e-3 here,
+    ten times the clip range of configs/sd3_pickscore.yaml (1e-4), and every sample would be clipped."""
+    from trainers.grpo import main
+
+    run_dir = tmp_path / "bf16"
+    main(grpo_args("sd3", tiny_folders["sd3"], prompts_file, run_dir, "model.dtype=bfloat16", "model.compile=true"))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert max(r["ratio/max_dev"] for r in rows[1:]) < 1e-4
