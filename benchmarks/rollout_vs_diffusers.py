@@ -154,7 +154,8 @@ def main() -> None:
 
     measured = measure(args)
     times, memory = measured["times"], measured["memory"]
-    speedup = {side: statistics.median(p / t for p, t in zip(times["pipeline"], times[side])) for side in SIDES}
+    ratios = {side: [p / t for p, t in zip(times["pipeline"], times[side])] for side in SIDES}
+    speedup = {side: statistics.median(ratios[side]) for side in SIDES}
     images_per_s = {side: args.batch / statistics.median(times[side]) for side in SIDES}
     mib = {side: memory[side] / 2**20 for side in SIDES}
     memory_ratio = {side: memory[side] / max(memory["pipeline"], 1) for side in SIDES}
@@ -169,6 +170,8 @@ def main() -> None:
         result[f"{prefix}engine_images_per_s"] = images_per_s[side]
         result[f"{prefix}engine_peak_mem_mb"] = mib[side]
         result[f"{prefix}speedup_vs_diffusers"] = speedup[side]
+        result[f"{prefix}speedup_round_min"] = min(ratios[side])
+        result[f"{prefix}speedup_round_max"] = max(ratios[side])
         result[f"{prefix}memory_over_diffusers"] = memory_ratio[side]
 
     print(f"{'':20}{'images/s':>10}{'speedup':>9}{'peak MiB':>10}{'memory ratio':>14}")
