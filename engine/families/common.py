@@ -137,3 +137,22 @@ def image_latent_shape(card_id: str, height: int | None, width: int | None, fram
     if height % multiple or width % multiple:
         raise ValueError(f"{card_id}: height and width must be multiples of {multiple}; got {height}x{width}")
     return (channels, height // vae_scale, width // vae_scale)
+
+
+class DiffusersFlowModel:
+    """What every family's FlowModel holds: the stock pipeline, its transformer and VAE, the weight
+    dtype, the scheduler's config and the text tokens per prompt."""
+
+    def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, tokenizer, max_sequence_length: int):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.dtype = dtype
+        self.scheduler_config = scheduler_config
+        # Text tokens per prompt (SD3: 256, FLUX and Wan: 512, as their pipelines use), capped by the tokenizer.
+        self.max_sequence_length = sequence_length(tokenizer, max_sequence_length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+

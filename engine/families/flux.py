@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (check_diffusers_folder, decode_image_latents, flow_time_to_batch,
-                                    image_latent_shape, load_pipeline, read_json,
-                                    scheduler_flow_times, sequence_length)
+from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, decode_image_latents,
+                                    flow_time_to_batch, image_latent_shape, load_pipeline, read_json,
+                                    scheduler_flow_times)
 
 CARD_ID = "flux"
 PIPELINE = "FluxPipeline"
@@ -35,27 +35,18 @@ def unpack_latents(tokens: torch.Tensor, channels: int, height: int, width: int)
     return x.reshape(b, channels, height, width)
 
 
-class FluxModel:
+class FluxModel(DiffusersFlowModel):
     """FlowModel of FLUX.1: guidance embedded, latents unpacked [B, C, H/8, W/8]."""
 
     card_id = CARD_ID
     embedded_guidance = True
 
     def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = 512):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.dtype = dtype
-        self.scheduler_config = scheduler_config
-        self.max_sequence_length = sequence_length(pipe.tokenizer_2, max_sequence_length)
+        super().__init__(pipe, dtype, scheduler_config, pipe.tokenizer_2, max_sequence_length)
         self.vae_scale = pipe.vae_scale_factor
         self.default_size = pipe.default_sample_size * self.vae_scale
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self._image_ids: dict[tuple, torch.Tensor] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """The pipeline's T5 sequence and CLIP pooled embedding (fp32); no mask."""

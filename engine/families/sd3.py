@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (check_diffusers_folder, decode_image_latents, flow_time_to_batch,
-                                    image_latent_shape, load_pipeline, read_json,
-                                    scheduler_flow_times, sequence_length)
+from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, decode_image_latents,
+                                    flow_time_to_batch, image_latent_shape, load_pipeline, read_json,
+                                    scheduler_flow_times)
 
 CARD_ID = "sd3"
 PIPELINE = "StableDiffusion3Pipeline"
@@ -21,26 +21,16 @@ COMPONENTS = {"transformer": "model", "vae": "model", "scheduler": "scheduler",
               "tokenizer_2": "tokenizer", "text_encoder_3": "model", "tokenizer_3": "tokenizer"}
 
 
-class SD3Model:
+class SD3Model(DiffusersFlowModel):
     """FlowModel of SD3: latents [B, C, H/8, W/8] after the VAE's scaling and shift."""
 
     card_id = CARD_ID
 
     def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = 256):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.dtype = dtype
-        self.scheduler_config = scheduler_config
-        # Text tokens per prompt (SD3: 256, FLUX and Wan: 512, as their pipelines use), capped by the tokenizer.
-        self.max_sequence_length = sequence_length(pipe.tokenizer_3, max_sequence_length)
+        super().__init__(pipe, dtype, scheduler_config, pipe.tokenizer_3, max_sequence_length)
         self.vae_scale = pipe.vae_scale_factor
         self.patch = self.transformer.config.patch_size
         self.default_size = self.transformer.config.sample_size * self.vae_scale
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """The pipeline's joint CLIP + T5 embeddings (fp32); no mask (SD3 attends to padding)."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (check_diffusers_folder, flow_time_to_batch, load_pipeline, read_json,
-                                    scheduler_flow_times, sequence_length)
+from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, flow_time_to_batch,
+                                    load_pipeline, read_json, scheduler_flow_times)
 
 CARD_ID = "wan2.1-t2v"
 PIPELINE = "WanPipeline"
@@ -21,27 +21,18 @@ COMPONENTS = {"transformer": "model", "vae": "model", "scheduler": "scheduler", 
               "tokenizer": "tokenizer"}
 
 
-class WanModel:
+class WanModel(DiffusersFlowModel):
     """FlowModel of Wan2.1 T2V: video latents [B, C, F', H', W']."""
 
     card_id = CARD_ID
 
     def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = 512):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.dtype = dtype
-        self.scheduler_config = scheduler_config
-        self.max_sequence_length = sequence_length(pipe.tokenizer, max_sequence_length)
+        super().__init__(pipe, dtype, scheduler_config, pipe.tokenizer, max_sequence_length)
         self.spatial_scale = pipe.vae_scale_factor_spatial
         self.temporal_scale = pipe.vae_scale_factor_temporal
         z = self.vae.config.z_dim
         self._mean = torch.tensor(self.vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
         self._std = torch.tensor(self.vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """UMT5 embeddings zero-padded past each prompt (fp32); Wan has no pooled embedding (pooled is [B, 0])."""
