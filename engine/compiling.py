@@ -7,13 +7,19 @@ two rewrites of the graph Dynamo captures:
   x·σ(2z) instead of 0.5·x·(1 + tanh z), with z = √(2/π)·(x + 0.044715x³).
   The two are the same function (1 + tanh z = 2σ(2z)), and on CPUs the
   vectorised exp behind σ costs much less than tanh.
-- `linear(x, w, b)` becomes `linear(x, w) + b`. ATen's CPU addmm first copies
+- fp32 `linear(x, w, b)` becomes `linear(x, w) + b`. ATen's CPU addmm first copies
   the broadcast bias into the output and then accumulates the GEMM onto it.
   As a plain add, the bias joins the pointwise kernel that already reads the
   GEMM's output (a GELU, a gated residual, the q/k/v concatenation).
 
+Inductor then compiles with `emulate_precision_casts`, so bf16/fp16 kernels
+round between ops where eager rounds: the trainer recomputes log-probs eagerly,
+and the rollout's policy must be the one it recomputes (the bf16 |ratio - 1| of
+the first update drops from ~1e-3 to ~1e-5, tests/test_families.py).
+
 The rewrites change the captured graph itself, so Inductor's caches key on the
-rewritten graph. Parameters stay graph inputs (no freezing), so weights written
+rewritten graph (a `decompositions=` table would not: AOTAutograd's cache key
+leaves it out). Parameters stay graph inputs (no freezing), so weights written
 in place by a weight sync are used by the next call. Results match eager within
 float rounding (tests/test_compile.py).
 """
