@@ -70,8 +70,8 @@ def peak_allocated_bytes(run, device) -> int:
     return peak
 
 
-def build_sides(args, sides) -> tuple[dict, int]:
-    """Callables running one batch on each named side, sharing one set of random weights."""
+def build_sides(args) -> tuple[dict, int]:
+    """Callables running one batch on each side, sharing one set of random weights."""
     import torch
 
     from engine import Engine, GenerationRequest
@@ -84,10 +84,10 @@ def build_sides(args, sides) -> tuple[dict, int]:
     sizes = LARGE if args.large else SMALL
     pipe = prepare_pipeline(tiny_sd3_pipeline(seed=0, **sizes), device, dtype)
     model = SD3Model(pipe, dtype, dict(pipe.scheduler.config))
-    engines = {side: Engine(model, device=device, compile=side == "engine") for side in sides if side != "pipeline"}
+    engines = {"engine": Engine(model, device=device, compile=True), "engine_eager": Engine(model, device=device)}
     pixels = sizes["sample_size"] * pipe.vae_scale_factor
     batch, steps, guidance = args.batch, args.steps, 4.5
-    encoder = next(iter(engines.values()), None) or Engine(model, device=device)
+    encoder = engines["engine_eager"]
     cond, uncond = encoder.encode_prompts([PROMPT] * batch), encoder.encode_prompts([""] * batch)
     latent_shape = model.latent_shape(pixels, pixels, None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -113,7 +113,7 @@ def build_sides(args, sides) -> tuple[dict, int]:
         return images
 
     runs = {side: (run_pipeline if side == "pipeline" else (lambda seed, e=engines[side]: run_engine(e, seed)))
-            for side in sides}
+            for side in SIDES}
     return runs, sum(p.numel() for p in pipe.transformer.parameters())
 
 
@@ -121,7 +121,7 @@ def measure(args) -> dict:
     """Every side's times over `rounds` rounds (after a warm-up call each), then each side's peak memory."""
     import torch
 
-    runs, params = build_sides(args, SIDES)
+    runs, params = build_sides(args)
     for side, run in runs.items():
         images = run(0)
         assert tuple(images.shape) == (args.batch, 3, images.shape[-1], images.shape[-1]), (side, images.shape)
