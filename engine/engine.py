@@ -26,8 +26,8 @@ from torch import nn
 
 from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
-from engine.loop import concat_embeds, denoise
 from engine.compiling import compile_for_rollouts
+from engine.loop import concat_embeds, denoise
 from engine.sampling import flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
 

@@ -155,4 +155,3 @@ class DiffusersFlowModel:
     @property
     def device(self) -> torch.device:
         return self.vae.device
-
