@@ -13,10 +13,15 @@ Routes
     GET  /health        liveness (no token needed)
 
 Binds 127.0.0.1 by default; `--token` (or FLYWHEEL_SERVE_TOKEN) requires
-`Authorization: Bearer <token>` on /v1 routes. Bad input is a 4xx naming
-what was wrong: malformed JSON or a bad field 400, a body over the limit or a
-request that can never fit the memory budget 413, an unknown card 404
-listing the known ones. A 500 means a bug in the server, never bad input.
+`Authorization: Bearer <token>` on /v1 routes, and binding another address
+without one logs a warning. Bad input is a 4xx naming what was wrong:
+malformed JSON, a bad field or a number out of its range 400, a weights file
+that cannot be read or holds non-finite or wrongly typed tensors 400 naming
+the file or tensor, a body over the limit or a request that can never fit the
+memory budget 413, an unknown card 404 listing the known ones, a body not
+received within `body_timeout_s` 408. A connection that has not sent its
+request headers within `header_timeout_s` is closed. A 500 means a bug in the
+server, never bad input.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from __future__ import annotations
 import argparse
 import base64
 import hmac
+import asyncio
 import io
+import ipaddress
 import json
+import logging
 import math
 import os
 
@@ -34,7 +42,7 @@ from aiohttp import web
 
 from engine.admission import AdmissionController, AdmissionError
 from engine.async_engine import AsyncEngine, UnknownCardError
-from engine.types import SAMPLERS, GenerationRequest
+from engine.types import MAX_STEPS, SAMPLERS, GenerationRequest
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 TOKEN_KEY = web.AppKey("token", str)
@@ -42,8 +50,11 @@ CARD_KEY = web.AppKey("default_card", str)
 LIMITS_KEY = web.AppKey("limits", dict)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_MAX_IMAGES = 16
-MAX_STEPS = 1000
+DEFAULT_HEADER_TIMEOUT_S = 20.0
+DEFAULT_BODY_TIMEOUT_S = 20.0  # bodies are small JSON (64 KiB by default)
 MAX_SEED = 2**63 - 1
+MAX_VERSION = 2**63 - 1  # weight versions travel as int64 in checkpoints and tensors
+logger = logging.getLogger(__name__)
 
 # JSON field -> (accepted Python types, description for the error message).
 _FIELDS = {
@@ -116,7 +127,7 @@ def parse_generate(body: object, default_card: str, max_images: int) -> tuple[li
     kwargs["keep_trajectory"] = bool(body.get("return_latents", False))
     try:
         requests = [GenerationRequest(seed=seed + i, **kwargs) for i in range(n)]
-    except ValueError as exc:  # GenerationRequest names the field and the valid values
+    except (TypeError, ValueError) as exc:  # GenerationRequest names the field and the valid range
         raise BadRequest(str(exc)) from None
     options = {"latents": bool(body.get("return_latents", False)),
                "log_probs": bool(body.get("return_log_probs", False))}
@@ -145,10 +156,14 @@ def _encode_images(images: torch.Tensor) -> list:
 
 
 async def _read_json(request: web.Request) -> object:
+    limits = request.app[LIMITS_KEY]
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), limits["body_timeout_s"])
     except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"body exceeds {request.app[LIMITS_KEY]['max_body_bytes']} bytes", status=413) from None
+        raise BadRequest(f"body exceeds {limits['max_body_bytes']} bytes", status=413) from None
+    except asyncio.TimeoutError:
+        raise BadRequest(f"body not received within body_timeout_s={limits['body_timeout_s']:g} s",
+                         status=408) from None
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -197,7 +212,9 @@ async def load_weights(request: web.Request) -> web.Response:
     """Disk weight sync: load a safetensors file the trainer wrote (atomically) into a hosted card.
 
     Body: {"path": "/abs/file.safetensors", "version": int, "component": "transformer", "card": optional}.
-    Running requests finish on their version; requests that arrive meanwhile wait for the new one.
+    The file is read and checked here, before the engine pauses: readable, every tensor finite,
+    floating point exactly where the weight it replaces is. Running requests finish on their
+    version; requests that arrive meanwhile wait for the new one.
     """
     body = await _read_json(request)
     if not isinstance(body, dict):
@@ -205,20 +222,51 @@ async def load_weights(request: web.Request) -> web.Response:
     path, version = body.get("path"), body.get("version")
     if not isinstance(path, str) or not path.endswith(".safetensors"):
         raise BadRequest("'path' must name a .safetensors file on the server's disk")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise BadRequest("'version' must be an integer above the current weight version")
-    component = body.get("component", "transformer")
-    if not isinstance(component, str):
-        raise BadRequest("'component' must be a string such as 'transformer'")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        raise BadRequest(f"'version' must be an integer in 0..{MAX_VERSION} above the current weight version, "
+                         f"got {json.dumps(version)[:40]}")
+    component, card = body.get("component", "transformer"), body.get("card") or request.app[CARD_KEY]
+    if not isinstance(component, str) or not isinstance(card, str):
+        raise BadRequest("'component' must be a string such as 'transformer' and 'card' a card id string")
+    engine = request.app[ENGINE_KEY]
+    module = engine.engine(card).component(component)  # unknown card: 404; unknown component: 400
+    tensors = await asyncio.to_thread(read_weights, path, module.state_dict(), component)
     try:
-        result = await request.app[ENGINE_KEY].load_weights(path, version, component=component,
-                                                            card=body.get("card") or request.app[CARD_KEY])
-    except FileNotFoundError as exc:
-        raise BadRequest(str(exc), status=404) from None
+        result = await engine.load_weights(tensors, version, component=component, card=card)
     except KeyError as exc:  # tensor names that are not in the component
         raise BadRequest(str(exc.args[0] if exc.args else exc)) from None
     return web.json_response({"weight_version": result["version"], "component": result["component"],
                               "tensors": result["tensors"]})
+
+
+def read_weights(path: str, state: dict[str, torch.Tensor], component: str) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at `path`, checked against `state` (the component's state dict).
+
+    BadRequest naming the file when it is missing (404) or unreadable (truncated, not safetensors),
+    and naming the tensor when it holds NaN/inf or is an integer tensor for a float weight (or
+    the reverse): copying it would silently corrupt the served model.
+    """
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise BadRequest(f"no safetensors file at {path}", status=404)
+    try:
+        tensors = load_file(path)
+    except Exception as exc:  # the file is bad, not the server: any reader error is the client's to fix
+        raise BadRequest(f"cannot read safetensors file {path}: {type(exc).__name__}: {exc}") from None
+    for name, tensor in tensors.items():
+        # A file may prefix its names with "<component>." (the engine strips it when loading).
+        target = state.get(name)
+        if target is None:
+            target = state.get(name.partition(".")[2])
+        if target is not None and target.is_floating_point() != tensor.is_floating_point():
+            raise BadRequest(f"tensor {name!r} in {path} has dtype {tensor.dtype}, but the {component} weight it "
+                             f"replaces is {target.dtype}; send {'floating-point' if target.is_floating_point() else 'integer'} values")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            count = int((~torch.isfinite(tensor)).sum())
+            raise BadRequest(f"tensor {name!r} in {path} has {count} non-finite value(s) (NaN or inf); "
+                             "refusing to load it")
+    return tensors
 
 
 async def health(request: web.Request) -> web.Response:
@@ -246,12 +294,25 @@ async def errors(request: web.Request, handler):
 
 
 def build_app(engine: AsyncEngine, default_card: str | None = None, token: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_images: int = DEFAULT_MAX_IMAGES) -> web.Application:
-    """The aiohttp application serving `engine`."""
-    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
+              header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
+    """The aiohttp application serving `engine`.
+
+    `header_timeout_s`: a connection that has not sent complete request headers by then is closed
+    (aiohttp's keepalive timer also runs from the moment a connection opens, so it is the header
+    bound); `body_timeout_s`: a body not received by then is answered 408.
+    """
+    for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    # lingering_time: after a 408/413 the unread rest of a body is drained this long (so the client
+    # can read the answer instead of a reset), not aiohttp's default 10 s.
+    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes,
+                          handler_args={"keepalive_timeout": header_timeout_s, "lingering_time": 2.0})
     app[ENGINE_KEY] = engine
     app[TOKEN_KEY] = token or ""
-    app[LIMITS_KEY] = {"max_body_bytes": max_body_bytes, "max_images": max_images}
+    app[LIMITS_KEY] = {"max_body_bytes": max_body_bytes, "max_images": max_images, "body_timeout_s": body_timeout_s}
     generators = [m["id"] for m in engine.models() if m["kind"] == "generator"]
     app[CARD_KEY] = default_card or (generators[0] if generators else "")
     app.router.add_post("/v1/generate", generate)
@@ -267,6 +328,29 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     return app
 
 
+def warn_if_exposed(host: str | list[str] | None, token: str | None, what: str, how: str) -> bool:
+    """Log a warning (and return True) when a server without a token binds an address other machines reach."""
+    if token:
+        return False
+    hosts = [host] if host is None or isinstance(host, str) else list(host)
+    exposed = [str(h) for h in hosts if not _is_loopback(h)]
+    if exposed:
+        logger.warning("%s binds %s without a token: anyone who can reach that address can use it; set %s",
+                       what, ", ".join(exposed), how)
+    return bool(exposed)
+
+
+def _is_loopback(host: str | None) -> bool:
+    """Whether `host` is this machine only; None and "" mean every interface, a name other than localhost
+    may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "0.0.0.0").is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a model card over HTTP.")
     parser.add_argument("--card", default="toy-digits", help="model card id (see engine.list_cards())")
@@ -280,14 +364,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--max-concurrency", type=int, default=2)
     parser.add_argument("--budget-bytes", type=int, default=8 * 1024**3, help="admission memory budget")
+    parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="time a connection has to send its request headers (closed after)")
+    parser.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="time a request has to send its body (408 after)")
     args = parser.parse_args(argv)
+    warn_if_exposed(args.host, args.token, "engine server", "--token or $FLYWHEEL_SERVE_TOKEN")
 
     from engine.engine import Engine
 
     engine = AsyncEngine(Engine.from_card(args.card, path=args.path, device=args.device),
                          max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                          max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes))
-    web.run_app(build_app(engine, default_card=args.card, token=args.token), host=args.host, port=args.port)
+    app = build_app(engine, default_card=args.card, token=args.token, header_timeout_s=args.header_timeout_s,
+                    body_timeout_s=args.body_timeout_s)
+    web.run_app(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

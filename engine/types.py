@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
+from numbers import Integral, Real
 
 import torch
 
 SAMPLERS = ("ode", "sde", "cps")
+# Sane ranges: wide enough for any real use, narrow enough that a typo (or 1e308 from a
+# client) is refused before it becomes NaN images or an overflow deep in the loop.
+MAX_STEPS = 1000
+MAX_GUIDANCE = 100.0  # CFG scales in use are ~1-20
+MAX_NOISE_LEVEL = 10.0  # Flow-SDE `a` in use is ~0.3-1.5; sigma_t grows linearly in it
+MAX_SIZE = 16384  # pixels per side
+MAX_FRAMES = 4096
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def _integer(name: str, value: object, low: int, high: int, nullable: bool = False) -> None:
+    """TypeError unless `value` is an integer (not a bool), ValueError unless low <= value <= high."""
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an integer{' or None' if nullable else ''}, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={str(value)[:30]} is out of range; valid: {low} <= {name} <= {high}")
+
+
+def _number(name: str, value: object, low: float, high: float) -> None:
+    """TypeError unless `value` is a real number (not a bool), ValueError unless finite and in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    # Compared before any float(): an int like 10**400 has no float.
+    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name}={str(value)[:30]} is out of range; valid: {low:g} <= {name} <= {high:g}")
 
 
 @dataclass(frozen=True)
@@ -32,16 +61,26 @@ class GenerationRequest:
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
+        for name in ("prompt", "negative_prompt", "card"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler={self.sampler!r} is not known; valid samplers: {', '.join(SAMPLERS)}")
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        _integer("seed", self.seed, *SEED_RANGE)
+        _integer("steps", self.steps, 1, MAX_STEPS)
+        _number("guidance_scale", self.guidance_scale, 0.0, MAX_GUIDANCE)
+        _number("noise_level", self.noise_level, 0.0, MAX_NOISE_LEVEL)
+        _integer("height", self.height, 1, MAX_SIZE, nullable=True)
+        _integer("width", self.width, 1, MAX_SIZE, nullable=True)
+        _integer("frames", self.frames, 1, MAX_FRAMES, nullable=True)
         if self.sampler == "cps" and not self.noise_level < 1:
             raise ValueError(f"noise_level is CPS's eta and must be in [0, 1) for sampler='cps', "
                              f"got {self.noise_level}")
         if self.sde_window is not None:
+            window = self.sde_window
+            if not (isinstance(window, (tuple, list)) and len(window) == 2
+                    and all(isinstance(x, Integral) and not isinstance(x, bool) for x in window)):
+                raise TypeError(f"sde_window must be a (start, end) pair of integers or None, got {window!r}")
             start, end = self.sde_window
             if not 0 <= start < end <= self.steps:
                 raise ValueError(f"sde_window={self.sde_window} must satisfy 0 <= start < end <= steps={self.steps}")

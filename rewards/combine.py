@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from rewards.registry import get, parse_spec
+from rewards.registry import REMOTE, get, parse_spec
+from rewards.remote import check_seconds
 from rewards.types import RewardBatch, Scorer
 
 logger = logging.getLogger(__name__)
@@ -22,13 +23,21 @@ class RewardSet:
     """The scorers of a reward spec with their weights; `score` turns images into a `RewardBatch`."""
 
     def __init__(self, spec: str | dict | list, scorer_kwargs: dict[str, dict[str, Any]] | None = None,
-                 mode: str = "weighted_sum"):
+                 mode: str = "weighted_sum", remote_timeout_s: float | None = None,
+                 remote_budget_s: float | None = None):
         """Build (once) every scorer named in `spec`; `scorer_kwargs[name]` goes to that scorer's factory.
 
         `mode` says how the trainer turns the scores into advantages (see MODES).
+        `remote_timeout_s` / `remote_budget_s` (None: the client's defaults) go to every
+        `remote:<url>` scorer as `timeout_s` (wall clock of one HTTP call) and `budget_s`
+        (wall clock of one batch, retries included); its own `scorer_kwargs` entry wins.
         """
         if mode not in MODES:
             raise ValueError(f"reward combination mode {mode!r} is not known; valid modes: {', '.join(MODES)}")
+        # Checked even without a remote entry: a bad config value is an error wherever it is unused today.
+        remote_defaults = {key: check_seconds(setting, value) for key, setting, value in
+                           (("timeout_s", "remote_timeout_s", remote_timeout_s),
+                            ("budget_s", "remote_budget_s", remote_budget_s)) if value is not None}
         self.mode = mode
         pairs = parse_spec(spec)
         scorer_kwargs = dict(scorer_kwargs or {})
@@ -40,7 +49,9 @@ class RewardSet:
         self.weights: dict[str, float] = dict(pairs)
         self.scorer_ids: list[str] = names
         # Built here and kept: a scorer that loads weights loads them once per RewardSet.
-        self.scorers: dict[str, Scorer] = {n: get(n, **scorer_kwargs.get(n, {})) for n in names}
+        self.scorers: dict[str, Scorer] = {
+            n: get(n, **{**(remote_defaults if n.startswith(REMOTE) else {}), **scorer_kwargs.get(n, {})})
+            for n in names}
 
     def __repr__(self) -> str:
         body = ", ".join(f"{n}:{w:g}" for n, w in self.weights.items())

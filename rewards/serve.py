@@ -1,10 +1,17 @@
-"""Serve one reward over HTTP: `python -m rewards.serve --reward ocr [--port 8100] [--token T]`.
+"""Serve one reward over HTTP: `python -m rewards.serve --reward ocr [--port 8100]`.
 
 Endpoints: GET /health -> {"status": "ok", "reward": name}; POST /score with a
 safetensors or JSON/PNG body (see rewards.wire) -> {"scores": [...]}. Binds
-127.0.0.1 unless --host says otherwise; with a token every request must carry
-`Authorization: Bearer <token>`. Scoring runs on a worker thread, one batch at
-a time, so the event loop keeps answering health checks.
+127.0.0.1 unless --host says otherwise; with a token ($FLYWHEEL_REWARD_TOKEN or
+--token) every request must carry `Authorization: Bearer <token>`, and binding
+another address without one logs a warning. Scoring runs on a worker thread,
+one batch at a time, so the event loop keeps answering health checks.
+
+Limits, so that slow or many clients cannot exhaust the server: one body is at
+most `max_body_bytes` (413); the bodies of all requests being read, decoded or
+waiting for the scorer together at most `max_inflight_bytes` (503 while full:
+the client retries later); a connection must deliver its request headers within
+`header_timeout_s` (closed otherwise) and its body within `body_timeout_s` (408).
 """
 
 from __future__ import annotations
@@ -14,21 +21,36 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import threading
 
 from aiohttp import web
 
+from engine.serve import warn_if_exposed
 from rewards.registry import get
+from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer
 from rewards.wire import decode_request, encode_scores
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 1024**3  # 1 GiB: a large batch of float32 images fits
+MAX_INFLIGHT = 2 * MAX_BODY  # one big batch being scored and the next one arriving
+HEADER_TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 120.0  # 1 GiB at ~70 Mbit/s
 
 
-def make_app(scorer: Scorer, name: str, token: str | None = None) -> web.Application:
+def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes: int = MAX_BODY,
+             max_inflight_bytes: int = MAX_INFLIGHT, header_timeout_s: float = HEADER_TIMEOUT_S,
+             body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
     """The aiohttp application serving `scorer` under the reward name `name`."""
+    if not 0 < max_body_bytes <= max_inflight_bytes:
+        raise ValueError(f"need 0 < max_body_bytes <= max_inflight_bytes, got {max_body_bytes} and "
+                         f"{max_inflight_bytes}")
+    if not (0 < header_timeout_s < float("inf") and 0 < body_timeout_s < float("inf")):
+        raise ValueError(f"header_timeout_s and body_timeout_s must be finite and > 0, got {header_timeout_s} "
+                         f"and {body_timeout_s}")
     lock = asyncio.Lock()
+    inflight = [0]  # bytes reserved by requests between reading their body and answering (one event loop: no race)
 
     @web.middleware
     async def auth(request: web.Request, handler):
@@ -42,11 +64,31 @@ def make_app(scorer: Scorer, name: str, token: str | None = None) -> web.Applica
         return web.json_response({"status": "ok", "reward": name})
 
     async def score(request: web.Request) -> web.Response:
-        body = await request.read()
+        # A body without a length (chunked) may grow to the per-body limit: reserve that.
+        size = request.content_length if request.content_length is not None else max_body_bytes
+        if size > max_body_bytes:
+            return web.json_response({"error": f"body of {size} bytes exceeds max_body_bytes={max_body_bytes}"},
+                                     status=413)
+        if inflight[0] + size > max_inflight_bytes:
+            return web.json_response({"error": f"server busy: {inflight[0]} bytes of requests in flight, "
+                                               f"max_inflight_bytes={max_inflight_bytes}; retry later"}, status=503)
+        inflight[0] += size
+        try:
+            return await _score(request)
+        finally:
+            inflight[0] -= size
+
+    async def _score(request: web.Request) -> web.Response:
+        try:
+            body = await asyncio.wait_for(request.read(), body_timeout_s)
+        except asyncio.TimeoutError:
+            return web.json_response({"error": f"request body not received within body_timeout_s="
+                                               f"{body_timeout_s:g} s"}, status=408)
         try:
             images, prompts, metadata = decode_request(body, request.content_type)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        del body  # the decoded images are what the rest of the request holds
         async with lock:  # one batch at a time: scorers need not be thread-safe
             try:
                 scores = await asyncio.to_thread(scorer, images, prompts, metadata)
@@ -55,7 +97,12 @@ def make_app(scorer: Scorer, name: str, token: str | None = None) -> web.Applica
                 return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
         return web.Response(body=encode_scores(scores), content_type="application/json")
 
-    app = web.Application(middlewares=[auth], client_max_size=MAX_BODY)
+    # keepalive_timeout also closes a connection that has not finished its request headers
+    # in that time (aiohttp starts the timer when the connection opens): the header timeout.
+    # lingering_time: after a 408/413 the unread rest of a body is drained this long, so a client
+    # can read the answer instead of a reset, but a slow client is not kept for aiohttp's default 10 s.
+    app = web.Application(middlewares=[auth], client_max_size=max_body_bytes,
+                          handler_args={"keepalive_timeout": header_timeout_s, "lingering_time": 2.0})
     app.router.add_get("/health", health)
     app.router.add_post("/score", score)
     return app
@@ -64,9 +111,13 @@ def make_app(scorer: Scorer, name: str, token: str | None = None) -> web.Applica
 class ServerThread:
     """A reward server on a background thread (tests, benchmarks, notebooks); `stop()` ends it."""
 
-    def __init__(self, scorer: Scorer, name: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+    def __init__(self, scorer: Scorer, name: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 **limits):
+        """`limits`: max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s (see make_app)."""
+        app = make_app(scorer, name, token, **limits)
+        warn_if_exposed(host, token, f"reward server for {name!r}", f"--token or ${TOKEN_ENV}")
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(make_app(scorer, name, token), access_log=None)
+        self._runner = web.AppRunner(app, access_log=None)
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -115,12 +166,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reward", required=True, help="registered scorer name, e.g. ocr")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8100, help="port (0: any free port, printed at start)")
-    parser.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on every request")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                        help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${TOKEN_ENV}, "
+                             "which keeps the token out of the process list)")
     parser.add_argument("--kwargs", default="{}", help='JSON kwargs for the scorer, e.g. \'{"path": "/models/clip"}\'')
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY, help="largest request body (413 above)")
+    parser.add_argument("--max-inflight-bytes", type=int, default=MAX_INFLIGHT,
+                        help="request bodies held at once across clients (503 above)")
+    parser.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+                        help="time a connection has to send its request headers")
+    parser.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                        help="time a request has to send its body (408 after)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     scorer = get(args.reward, **json.loads(args.kwargs))
-    server = ServerThread(scorer, args.reward, args.host, args.port, args.token)
+    server = ServerThread(scorer, args.reward, args.host, args.port, args.token,
+                          max_body_bytes=args.max_body_bytes, max_inflight_bytes=args.max_inflight_bytes,
+                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
     print(f"serving reward {args.reward!r} at {server.url}", flush=True)
     try:
         server._thread.join()

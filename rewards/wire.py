@@ -97,8 +97,38 @@ def encode_scores(scores: torch.Tensor) -> bytes:
 
 
 def decode_scores(body: bytes, batch: int) -> torch.Tensor:
-    """float32 [batch] from a JSON response; null -> NaN."""
-    values = json.loads(body)["scores"]
+    """float32 [batch] from a JSON response {"scores": [number | null]}; null and ±inf -> NaN (a masked row).
+
+    ValueError naming what came back for anything else: not JSON, no "scores" list, the wrong
+    length, or an entry that is not a number (a string, a bool, a list, a number too big for a float).
+    """
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"reply is not JSON ({exc}); starts with {_preview(body)}") from None
+    values = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(values, list):
+        raise ValueError(f'reply has no "scores" list; expected {{"scores": [number | null, ...]}}, '
+                         f"got {_preview(body)}")
     if len(values) != batch:
         raise ValueError(f"server returned {len(values)} scores for a batch of {batch}")
-    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+    return torch.tensor([_score(v, i) for i, v in enumerate(values)], dtype=torch.float32)
+
+
+def _score(value: object, index: int) -> float:
+    """One score as a float: null and non-finite numbers are NaN; anything that is not a number is an error."""
+    if value is None:
+        return float("nan")
+    # bool is an int in Python, but true/false is not a score.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"score {index} is {json.dumps(value)[:80]}, not a number or null")
+    try:
+        score = float(value)
+    except OverflowError:
+        raise ValueError(f"score {index} ({str(value)[:20]}...) is too large for a float") from None
+    return score if math.isfinite(score) else float("nan")
+
+
+def _preview(body: bytes, limit: int = 120) -> str:
+    """The first bytes of a reply, for an error message."""
+    return repr(body[:limit]) + ("..." if len(body) > limit else "")
