@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors for tensors, JSON for everything else, written atomically.
+"""Checkpoints: safetensors for tensors, JSON for everything else, written atomically, verified on load.
 
 A checkpoint is a directory `<checkpoints_dir>/step_000123/` holding
 
@@ -8,20 +8,34 @@ A checkpoint is a directory `<checkpoints_dir>/step_000123/` holding
     rng.safetensors        torch CPU RNG state (and the current CUDA device's, if any)
     rng.json               Python `random` and numpy global RNG states
     trainer_state.json     the trainer's dict, plus "step"
+    manifest.json          the step, every other file's size and sha256, model.safetensors' tensor names
 
 No pickle anywhere: a checkpoint can be loaded without executing code from it.
 Optimizer state is keyed by parameter *name*, not position, so it restores
 into a fresh optimizer whatever order the parameters were registered in, and
 a mismatch is reported by name.
 
-Atomicity: everything is written into `.step_000123.tmp/`, fsynced, then
-renamed to `step_000123/` with os.replace. A killed save leaves only a hidden
-temp dir, which `latest_checkpoint` ignores and the next save removes. One
-process (rank 0) writes a checkpoints dir; concurrent writers are not supported.
+Trust: a save refuses NaN or inf in the model or optimizer state (so a
+diverged run never writes a checkpoint, and never prunes a good one for it).
+A load verifies the manifest first (sizes, checksums, tensor names, and that
+the step in the dir name, the manifest and trainer_state.json agree) and
+refuses non-finite weights; every error names the file. `resolve_resume`
+picks the newest checkpoint of a run that verifies, with a warning naming
+each newer one it skipped and why. Checkpoints without a manifest (written
+before flywheel verified its checkpoints) are refused, not guessed at.
+
+Atomicity: everything is written into `.step_000123.tmp/`, fsynced, the
+manifest last, checked, then renamed to `step_000123/` with os.replace. A
+killed save leaves only a hidden temp dir, which the resolvers ignore and the
+next save removes. Old checkpoints are pruned only after the new one is in
+place, and only ones that pass the structural check count towards
+`keep_last`. One process (rank 0) writes a checkpoints dir; concurrent
+writers are not supported.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -34,10 +48,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from flywheel.rundir import fsync_dir
+from flywheel.rundir import CONFIG_FILENAME, fsync_dir
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
@@ -45,9 +60,29 @@ OPTIMIZER_FILE = "optimizer.json"
 RNG_TENSORS_FILE = "rng.safetensors"
 RNG_FILE = "rng.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "flywheel-checkpoint/1"
+# Files every checkpoint has; the optimizer's two come together or not at all.
+REQUIRED_FILES = (MODEL_FILE, RNG_TENSORS_FILE, RNG_FILE, TRAINER_STATE_FILE)
 
 _STEP_DIR = re.compile(r"step_(\d+)")
+# A same-step checkpoint moved aside by a save that was killed before it put the new one in place.
+_ORPHAN_OLD = re.compile(r"\.step_(\d+)\.old")
+_LEFTOVER_SUFFIXES = (".tmp", ".old", ".pruned")
 _TENSOR_MARK = "__tensor__"  # marks a JSON value that lives in a .safetensors file
+_LISTED = 10  # names shown in an error before "... and N more"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or does not fit what loads it; the message names the file."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (resume fell back to an older one) or left alone by pruning."""
+
+
+class NonFiniteError(FloatingPointError):
+    """NaN or inf where a run needs finite numbers (weights, optimizer state, loss, gradient norm)."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -55,8 +90,37 @@ def checkpoint_name(step: int) -> str:
 
 
 def _step_of(path: Path) -> int | None:
-    m = _STEP_DIR.fullmatch(path.name)
+    m = _STEP_DIR.fullmatch(path.name) or _ORPHAN_OLD.fullmatch(path.name)
     return int(m.group(1)) if m else None
+
+
+def _listed(names: Iterable[str]) -> str:
+    names = list(names)
+    if not names:
+        return "none"
+    shown = ", ".join(repr(n) for n in names[:_LISTED])
+    return shown + (f" ... and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+# ---------------------------------------------------------------------------
+# Non-finite numbers
+# ---------------------------------------------------------------------------
+
+
+def first_non_finite(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf, or None if all are finite."""
+    for name, t in named_tensors:
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def check_finite(step: int, what: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise NonFiniteError naming `step` and the first non-finite tensor of `what` (e.g. "weights")."""
+    bad = first_non_finite(named_tensors)
+    if bad is not None:
+        raise NonFiniteError(f"step {step}: {what} {bad!r} holds NaN or inf; the run has diverged "
+                             "(lower the learning rate or check the rewards)")
 
 
 # ---------------------------------------------------------------------------
@@ -74,7 +138,7 @@ def _fsync_file(path: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f, indent=1, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
 
@@ -92,7 +156,29 @@ def _require(ckpt_dir: Path, filename: str, hint: str = "") -> Path:
 
 
 def _read_json(ckpt_dir: Path, filename: str, hint: str = "") -> Any:
-    return json.loads(_require(ckpt_dir, filename, hint).read_text(encoding="utf-8"))
+    path = _require(ckpt_dir, filename, hint)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+
+
+def _load_tensors(ckpt_dir: Path, filename: str, hint: str = "") -> dict[str, torch.Tensor]:
+    path = _require(ckpt_dir, filename, hint)
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); the checkpoint is corrupt") from e
+    bad = first_non_finite(tensors.items())
+    if bad is not None:
+        raise CheckpointError(f"{path}: tensor {bad!r} holds NaN or inf; a checkpoint of diverged weights "
+                              "is not loaded (resume from an earlier checkpoint)")
+    return tensors
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:  # file_digest streams: big checkpoints are never read whole into memory
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
@@ -103,9 +189,10 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 def _json_checked(value: Any, what: str) -> Any:
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be JSON-serializable (dict/list/str/int/float/bool/None): {e}") from e
+        raise ValueError(f"{what} must be JSON-serializable (dict/list/str/int/float/bool/None, "
+                         f"finite numbers only): {e}") from e
     return value
 
 
@@ -147,6 +234,16 @@ def _group_param_names(optimizer: torch.optim.Optimizer,
         groups.append([f"param_{j}" for j in range(i, i + len(group["params"]))])
         i += len(group["params"])
     return groups
+
+
+def _optimizer_named_tensors(optimizer: torch.optim.Optimizer,
+                             names: list[list[str]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of the optimizer's state, named as in optimizer.safetensors (not copied)."""
+    for group, group_names in zip(optimizer.param_groups, names):
+        for p, name in zip(group["params"], group_names):
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    yield f"{name}.{key}", value
 
 
 def _optimizer_files(optimizer: torch.optim.Optimizer,
@@ -204,7 +301,7 @@ def _restore_optimizer(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
                        named_params: Iterable[tuple[str, nn.Parameter]] | None) -> None:
     hint = " (was it saved without an optimizer?)"
     meta = _read_json(ckpt_dir, OPTIMIZER_FILE, hint)
-    tensors = load_file(str(_require(ckpt_dir, OPTIMIZER_TENSORS_FILE, hint)))
+    tensors = _load_tensors(ckpt_dir, OPTIMIZER_TENSORS_FILE, hint)
     current = _group_param_names(optimizer, named_params)
     saved = [g["params"] for g in meta["param_groups"]]
 
@@ -269,7 +366,7 @@ def _rng_files() -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _restore_rng(ckpt_dir: Path) -> None:
-    tensors = load_file(str(_require(ckpt_dir, RNG_TENSORS_FILE)))
+    tensors = _load_tensors(ckpt_dir, RNG_TENSORS_FILE)
     meta = _read_json(ckpt_dir, RNG_FILE)
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors:
@@ -285,47 +382,204 @@ def _restore_rng(ckpt_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Public API
+# Manifest and verification
 # ---------------------------------------------------------------------------
 
 
-def list_checkpoints(path: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint dirs under a run dir or checkpoints dir, by increasing step."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if not path.is_dir():
+def _write_manifest(ckpt_dir: Path, step: int, model_names: list[str]) -> None:
+    """Write manifest.json last: its presence marks every other file as complete."""
+    files = {}
+    for path in sorted(ckpt_dir.iterdir()):
+        if path.name != MANIFEST_FILE:
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    _write_json(ckpt_dir / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "step": step, "files": files,
+                                           "model_tensors": model_names})
+
+
+def _read_manifest(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint was written before flywheel verified its checkpoints, or its "
+            "save did not finish; it is not loaded unverified")
+    manifest = _read_json(ckpt_dir, MANIFEST_FILE)
+    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
+            or isinstance(manifest.get("step"), bool) or not isinstance(manifest.get("step"), int)
+            or not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("model_tensors"), list)):
+        raise CheckpointError(f"{path} is not a {MANIFEST_FORMAT} manifest (format, step, files, model_tensors)")
+    return manifest
+
+
+def _check_files(ckpt_dir: Path, manifest: dict, checksums: bool) -> None:
+    files = manifest["files"]
+    missing = [f for f in REQUIRED_FILES if f not in files]
+    if (OPTIMIZER_FILE in files) != (OPTIMIZER_TENSORS_FILE in files):
+        missing += [f for f in (OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE) if f not in files]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir / MANIFEST_FILE} does not list {', '.join(missing)}")
+    for name, entry in files.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (listed in {MANIFEST_FILE})")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry.get('bytes')} "
+                                  "(truncated or overwritten)")
+        if checksums and _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path} does not match its sha256 in {MANIFEST_FILE} (the file is corrupt)")
+
+
+def _check_step(ckpt_dir: Path, manifest: dict) -> None:
+    step = manifest["step"]
+    state_path = ckpt_dir / TRAINER_STATE_FILE
+    trainer_state = _read_json(ckpt_dir, TRAINER_STATE_FILE)
+    if not isinstance(trainer_state, dict) or trainer_state.get("step") != step:
+        saved = trainer_state.get("step") if isinstance(trainer_state, dict) else trainer_state
+        raise CheckpointError(f"{state_path} says step {saved!r} but {MANIFEST_FILE} says {step}: "
+                              "the step was edited or the files come from different checkpoints")
+
+
+def _check_tensor_names(ckpt_dir: Path, manifest: dict) -> None:
+    path = ckpt_dir / MODEL_FILE
+    try:
+        with safe_open(str(path), framework="pt") as f:  # reads the header only
+            names = set(f.keys())
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from e
+    listed = set(manifest["model_tensors"])
+    if names != listed:
+        raise CheckpointError(f"{path} does not hold the tensors its manifest lists: missing "
+                              f"{_listed(sorted(listed - names))}; not listed {_listed(sorted(names - listed))}")
+
+
+def _verify(ckpt_dir: Path, expected_step: int | None, checksums: bool) -> dict:
+    manifest = _read_manifest(ckpt_dir)
+    if expected_step is not None and manifest["step"] != expected_step:
+        raise CheckpointError(f"{ckpt_dir / MANIFEST_FILE} says step {manifest['step']} but the directory is "
+                              f"{ckpt_dir.name} (step {expected_step})")
+    _check_files(ckpt_dir, manifest, checksums)
+    _check_step(ckpt_dir, manifest)
+    _check_tensor_names(ckpt_dir, manifest)
+    return manifest
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike, checksums: bool = True) -> dict:
+    """Check a checkpoint dir against its manifest; return the manifest or raise CheckpointError.
+
+    Checks that the manifest exists and parses, that its step equals the dir
+    name's and trainer_state.json's, that every listed file exists with its
+    size (and, with `checksums`, its sha256: this reads every byte), and that
+    model.safetensors holds exactly the listed tensor names. Does not load
+    tensors: `load_checkpoint` also refuses NaN or inf weights.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint dir not found: {ckpt_dir}")
+    return _verify(ckpt_dir, _step_of(ckpt_dir), checksums)
+
+
+# ---------------------------------------------------------------------------
+# Finding checkpoints
+# ---------------------------------------------------------------------------
+
+
+def _checkpoints_dir(path: Path) -> Path:
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def _candidates(checkpoints_dir: Path) -> list[Path]:
+    """Every checkpoint dir, complete or not, by increasing step; plus a same-step checkpoint a killed
+    save moved aside (`.step_N.old` with no `step_N`), which is the last good copy of that step."""
+    if not checkpoints_dir.is_dir():
         return []
-    found = [d for d in path.iterdir()
-             if _step_of(d) is not None and d.is_dir() and (d / TRAINER_STATE_FILE).is_file()]
+    found = []
+    for d in checkpoints_dir.iterdir():
+        if not d.is_dir():
+            continue
+        if _STEP_DIR.fullmatch(d.name):
+            found.append(d)
+        elif _ORPHAN_OLD.fullmatch(d.name) and not (checkpoints_dir / checkpoint_name(_step_of(d))).exists():
+            found.append(d)
     return sorted(found, key=_step_of)
 
 
+def list_checkpoints(path: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint dirs (with a manifest) under a run dir or checkpoints dir, by increasing step.
+
+    Complete is not verified: use `resolve_resume` or `verify_checkpoint` before trusting one.
+    """
+    path = _checkpoints_dir(Path(path))
+    return [d for d in _candidates(path) if _STEP_DIR.fullmatch(d.name) and (d / MANIFEST_FILE).is_file()]
+
+
 def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The highest-step checkpoint: `path` is a run dir, a checkpoints dir or a checkpoint dir.
+    """The highest-step complete checkpoint: `path` is a run dir, a checkpoints dir or a checkpoint dir.
 
     Temp dirs of interrupted saves (`.step_*.tmp`) are ignored. None if there is none.
+    Not verified: to resume, use `resolve_resume`, which falls back past corrupt ones.
     """
     path = Path(path)
-    if _step_of(path) is not None and (path / TRAINER_STATE_FILE).is_file():
+    if _STEP_DIR.fullmatch(path.name) and (path / MANIFEST_FILE).is_file():
         return path
     found = list_checkpoints(path)
     return found[-1] if found else None
 
 
-def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
-                    optimizer: torch.optim.Optimizer | None = None,
-                    named_params: Iterable[tuple[str, nn.Parameter]] | None = None,
-                    trainer_state: dict | None = None, keep_last: int | None = 3) -> Path:
-    """Write `checkpoints_dir/step_{step:06d}/` atomically and prune old checkpoints.
+def resolve_resume(path: str | os.PathLike) -> tuple[Path, Path]:
+    """What `resume=path` means: (run dir, the checkpoint dir to load).
 
-    `named_params` (e.g. `list(model.named_parameters())`) names the optimizer's
-    parameters; without it, names come from the optimizer's `param_names` (torch
-    >= 2.6, when built from named parameters) or from positions. `trainer_state`
-    must be JSON-serializable; "step" is added. A checkpoint of the same step is
-    replaced. Afterwards only the `keep_last` highest-step checkpoints are kept
-    (the new one always; None keeps all). Returns the checkpoint dir.
+    `path` is a run dir (or its checkpoints dir): the newest checkpoint that
+    verifies (sizes, checksums, names, steps) is chosen; each newer one that
+    does not is skipped with a CheckpointWarning naming it and why. `path` may
+    also be one checkpoint dir (`<run>/checkpoints/step_N`): then that one must
+    verify, no fallback. The run dir must hold its config.yaml: resuming with
+    default settings instead of the run's is refused. Raises FileNotFoundError
+    for a missing path, config or checkpoints, and CheckpointError listing
+    every checkpoint and why when none verifies.
     """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"resume={str(path)!r}: no such directory; give a run directory "
+                                "(or one of its checkpoints/step_N directories)")
+    explicit = _step_of(path) is not None
+    run_dir = path.parent.parent if explicit else (path.parent if path.name == "checkpoints" else path)
+    config = run_dir / CONFIG_FILENAME
+    if not config.is_file():
+        raise FileNotFoundError(f"resume={str(path)!r}: {config} is missing; a run directory without its "
+                                "config cannot be resumed (the defaults may differ from the settings it ran with)")
+    if explicit:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"resume={str(path)!r}: {e} (give the run directory {run_dir} to resume from "
+                                  "its newest checkpoint that verifies)") from e
+        return run_dir, path
+    candidates = _candidates(run_dir / "checkpoints")
+    if not candidates:
+        raise FileNotFoundError(f"resume={str(path)!r}: no checkpoint in {run_dir / 'checkpoints'}")
+    skipped: list[tuple[Path, CheckpointError]] = []
+    for ckpt in reversed(candidates):
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            skipped.append((ckpt, e))
+            continue
+        if skipped:
+            why = "; ".join(f"{d.name}: {e}" for d, e in skipped)
+            warnings.warn(f"resume: skipped {len(skipped)} newer checkpoint(s) that do not verify ({why}); "
+                          f"resuming from {ckpt}", CheckpointWarning, stacklevel=2)
+        return run_dir, ckpt
+    why = "\n".join(f"  {d}: {e}" for d, e in skipped)
+    raise CheckpointError(f"resume={str(path)!r}: no checkpoint in {run_dir / 'checkpoints'} verifies:\n{why}")
+
+
+# ---------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------
+
+
+def _check_save_arguments(step: int, model_state: dict, trainer_state: dict | None,
+                          keep_last: int | None) -> dict:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
@@ -338,9 +592,55 @@ def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: 
     for key, value in model_state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"model_state[{key!r}] is a {type(value).__name__}; only tensors can be saved")
+    return trainer_state
 
+
+def _refuse_non_finite(step: int, what: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       checkpoints_dir: Path) -> None:
+    bad = first_non_finite(named_tensors)
+    if bad is not None:
+        raise NonFiniteError(f"step {step}: {what} {bad!r} holds NaN or inf; not saving a checkpoint of a diverged "
+                             f"run (the checkpoints in {checkpoints_dir} are kept as they are)")
+
+
+def _recover_orphans(checkpoints_dir: Path) -> None:
+    # A save of an existing step killed between its two renames left the previous copy
+    # at .step_N.old and no step_N: put it back, or the leftover cleanup would delete it.
+    for d in _candidates(checkpoints_dir):
+        if _ORPHAN_OLD.fullmatch(d.name):
+            final = checkpoints_dir / checkpoint_name(_step_of(d))
+            os.replace(d, final)
+            warnings.warn(f"restored {final} from {d.name}, left by a save that was killed", CheckpointWarning,
+                          stacklevel=3)
+
+
+def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer | None = None,
+                    named_params: Iterable[tuple[str, nn.Parameter]] | None = None,
+                    trainer_state: dict | None = None, keep_last: int | None = 3) -> Path:
+    """Write `checkpoints_dir/step_{step:06d}/` atomically and prune old checkpoints.
+
+    `named_params` (e.g. `list(model.named_parameters())`) names the optimizer's
+    parameters; without it, names come from the optimizer's `param_names` (torch
+    >= 2.6, when built from named parameters) or from positions. `trainer_state`
+    must be JSON-serializable; "step" is added. A checkpoint of the same step is
+    replaced. Afterwards only the `keep_last` highest-step checkpoints that pass
+    the structural check are kept (the new one always; None keeps all); ones
+    that fail it are left alone with a CheckpointWarning. Raises NonFiniteError,
+    writing nothing, when the model or optimizer state holds NaN or inf.
+    Returns the checkpoint dir.
+    """
+    trainer_state = _check_save_arguments(step, model_state, trainer_state, keep_last)
     checkpoints_dir = Path(checkpoints_dir)
+    # Before anything touches the disk: a diverged run must not write, or prune for, a checkpoint.
+    _refuse_non_finite(step, "model_state", model_state.items(), checkpoints_dir)
+    if optimizer is not None:
+        named_params = list(named_params) if named_params is not None else None
+        names = _group_param_names(optimizer, named_params)
+        _refuse_non_finite(step, "optimizer state", _optimizer_named_tensors(optimizer, names), checkpoints_dir)
+
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    _recover_orphans(checkpoints_dir)
     name = checkpoint_name(step)
     final = checkpoints_dir / name
     tmp = checkpoints_dir / f".{name}.tmp"
@@ -359,9 +659,12 @@ def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: 
         _write_tensors(tmp / RNG_TENSORS_FILE, rng_tensors)
         _write_json(tmp / RNG_FILE, rng_meta)
         _write_json(tmp / TRAINER_STATE_FILE, trainer_state)
+        _write_manifest(tmp, step, sorted(model_state))
+        # Read back what a resume will check (checksums were just computed from these files).
+        _verify(tmp, step, checksums=False)
         fsync_dir(tmp)
         # os.replace cannot overwrite a non-empty dir: move the old one aside first.
-        # A crash between the two renames loses only this step; older ones stay.
+        # A crash between the two renames leaves it at .old, which the next save puts back.
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)
@@ -376,38 +679,93 @@ def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: 
     return final
 
 
+def _remove(d: Path) -> None:
+    # Out of sight first: a kill during rmtree then leaves a hidden leftover, never a half-deleted step_N.
+    hidden = d.with_name(f".{d.name}.pruned")
+    os.replace(d, hidden)
+    shutil.rmtree(hidden)
+
+
 def _prune(checkpoints_dir: Path, keep_last: int | None, newest: Path) -> None:
-    # Leftovers of saves killed mid-write: never complete, only taking disk space.
+    # Leftovers of saves and prunes killed mid-way: never complete, only taking disk space.
+    # (Orphaned .old dirs were put back before this save started.)
     for d in checkpoints_dir.iterdir():
-        if d.name.startswith(".step_") and d.name.endswith((".tmp", ".old")) and d.is_dir():
+        if d.name.startswith(".step_") and d.name.endswith(_LEFTOVER_SUFFIXES) and d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
     if keep_last is None:
         return
-    others = [d for d in list_checkpoints(checkpoints_dir) if d != newest]
-    others.sort(key=_step_of, reverse=True)
-    for d in others[keep_last - 1:]:
-        shutil.rmtree(d)
+    good, bad = [], []
+    for d in reversed(_candidates(checkpoints_dir)):
+        if d == newest:
+            continue
+        try:
+            _verify(d, _step_of(d), checksums=False)
+            good.append(d)
+        except CheckpointError as e:
+            bad.append(f"{d.name}: {e}")
+    if bad:
+        warnings.warn(f"pruning left alone checkpoints that do not verify (not counted in keep_last={keep_last}): "
+                      + "; ".join(bad), CheckpointWarning, stacklevel=3)
+    for d in good[keep_last - 1:]:
+        _remove(d)
+
+
+# ---------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                     named_params: Iterable[tuple[str, nn.Parameter]] | None = None,
                     restore_rng: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load a checkpoint dir: returns (model_state on CPU, trainer_state).
+    """Verify and load a checkpoint dir: returns (model_state on CPU, trainer_state).
 
-    If `optimizer` is given its state and param_group hyperparameters are
-    restored by parameter name (pass the same kind of `named_params` as when
-    saving). With `restore_rng`, the torch / CUDA / numpy / Python global RNG
-    states are restored. The model state is returned, not loaded: call
-    `model.load_state_dict(model_state)`.
+    The checkpoint is verified first (`verify_checkpoint`, with checksums) and
+    its tensors must be finite: a CheckpointError names the file otherwise,
+    before anything is restored. If `optimizer` is given its state and
+    param_group hyperparameters are restored by parameter name (pass the same
+    kind of `named_params` as when saving). With `restore_rng`, the torch /
+    CUDA / numpy / Python global RNG states are restored. The model state is
+    returned, not loaded: `load_trainable(named_params, model_state, ckpt_dir)`
+    loads it strictly by name.
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(
-            f"checkpoint dir not found: {ckpt_dir} (use latest_checkpoint(run_dir) to find one)")
-    model_state = load_file(str(_require(ckpt_dir, MODEL_FILE)))
+            f"checkpoint dir not found: {ckpt_dir} (use resolve_resume(run_dir) to find one)")
+    verify_checkpoint(ckpt_dir)
+    model_state = _load_tensors(ckpt_dir, MODEL_FILE)
     trainer_state = _read_json(ckpt_dir, TRAINER_STATE_FILE)
     if optimizer is not None:
-        _restore_optimizer(ckpt_dir, optimizer, named_params)
+        _restore_optimizer(ckpt_dir, optimizer, list(named_params) if named_params is not None else None)
     if restore_rng:
         _restore_rng(ckpt_dir)
     return model_state, trainer_state
+
+
+def load_trainable(named_params: Iterable[tuple[str, nn.Parameter]], model_state: dict[str, torch.Tensor],
+                   source: str | os.PathLike = "checkpoint") -> None:
+    """Copy `model_state` into the parameters of `named_params`, strictly by name.
+
+    The names must be equal both ways and the shapes must match, else a
+    CheckpointError names `source` and lists the missing and unexpected names
+    (nothing is copied then). Checkpoints hold what the recipe trains (for LoRA,
+    only the adapter), so pass the same trainable `(name, param)` pairs that
+    were saved. Values are cast to each parameter's dtype and device.
+    """
+    params = dict(named_params)
+    missing = sorted(set(params) - set(model_state))
+    unexpected = sorted(set(model_state) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{Path(source) / MODEL_FILE}: its tensors are not the trainable parameters: missing from the "
+            f"checkpoint: {_listed(missing)}; in the checkpoint but not trainable here: {_listed(unexpected)} "
+            "(resume with the same model and finetune settings, e.g. the same LoRA rank and targets)")
+    shapes = [f"{n!r} {tuple(model_state[n].shape)} vs {tuple(p.shape)}" for n, p in params.items()
+              if model_state[n].shape != p.shape]
+    if shapes:
+        raise CheckpointError(f"{Path(source) / MODEL_FILE}: tensor shapes differ from the parameters "
+                              f"(checkpoint vs model): {', '.join(shapes[:_LISTED])}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(model_state[n])
