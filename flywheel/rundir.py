@@ -6,6 +6,10 @@ Layout of a run directory:
     <run>/metrics.jsonl      one JSON object per line, one line a step
     <run>/samples/           PNG grids of samples
     <run>/checkpoints/       step_000123/ dirs (see `flywheel.checkpoint`)
+    <run>/lora/, wandb/, ...  what the recipe and its trackers write
+
+A run directory belongs to one run: `RunDir` refuses to start a fresh run in
+a used one unless told to resume it or to overwrite it (see `RunDir`).
 
 Everything that a crash could leave half-written (config, grids, the metrics
 file when it is rewritten) goes through `atomic_write_*`: a reader sees either
@@ -19,7 +23,9 @@ import io
 import json
 import math
 import os
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -278,18 +284,112 @@ def save_image_grid(images: torch.Tensor | np.ndarray, path: str | os.PathLike, 
 # ---------------------------------------------------------------------------
 
 
-class RunDir:
-    """A run directory (created if missing) and the paths inside it."""
+class RunDirInUseError(FileExistsError):
+    """A fresh run was pointed at a directory another run already used."""
 
-    def __init__(self, path: str | os.PathLike):
+
+# What a run writes into its directory, and so what overwrite=true may delete. Anything
+# else found there is not ours and is left alone. config.yaml is deleted last: an
+# overwrite killed half-way still leaves the directory recognisable as a run's.
+RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "wandb", CONFIG_FILENAME)
+RUN_DIR_MODES = ("new", "resume", "overwrite")
+_CREATED_EMPTY = ("checkpoints", "samples")  # made by RunDir itself before a run writes anything
+
+
+def _used_entries(path: Path) -> list[str]:
+    """What is in `path`, leaving out the empty dirs RunDir creates (a run that stopped before writing)."""
+    if not path.is_dir():
+        return []
+    return sorted(e.name for e in path.iterdir()
+                  if not (e.name in _CREATED_EMPTY and e.is_dir() and not e.is_symlink() and not any(e.iterdir())))
+
+
+def _delete(entry: Path) -> None:
+    # A symlink is removed, never followed: nothing outside the run directory is deleted.
+    if entry.is_symlink() or entry.is_file():
+        entry.unlink()
+    elif entry.is_dir():
+        shutil.rmtree(entry)
+
+
+def _check_tracker_dirs(tracker_dirs: tuple[str, ...]) -> None:
+    for name in tracker_dirs:
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise ValueError(f"tracker_dirs must be plain directory names inside the run directory, got {name!r}")
+
+
+class RunDir:
+    """A run directory (created if missing) and the paths inside it; it belongs to one run.
+
+    `mode` says how the run uses it:
+
+    - "new" (default): a fresh run. A directory that holds anything (besides
+      the empty checkpoints/ and samples/ this class creates) is refused with
+      RunDirInUseError: metrics, config and checkpoints of two runs would mix.
+    - "resume": continue the run that wrote it; its config.yaml must be there.
+    - "overwrite": a fresh run that first deletes the previous run's files:
+      `RUN_ARTIFACTS` (metrics.jsonl, checkpoints/, samples/, lora/, wandb/,
+      config.yaml) and `tracker_dirs` (e.g. the TensorBoard dir accelerate
+      names after the project). Anything else is kept, with a warning. A
+      non-empty directory without config.yaml is refused: it is not a run's.
+
+    `tracker_dirs`: names of further dirs the run's trackers write (TensorBoard:
+    `<run>/<project>/`). With several processes pass `is_main_process`: only the
+    main one checks, deletes and creates; the others only get the paths.
+    """
+
+    def __init__(self, path: str | os.PathLike, mode: str = "new", tracker_dirs: tuple[str, ...] = (),
+                 is_main_process: bool = True):
+        if mode not in RUN_DIR_MODES:
+            raise ValueError(f"RunDir mode must be one of {', '.join(RUN_DIR_MODES)}, got {mode!r}")
+        tracker_dirs = tuple(tracker_dirs)
+        _check_tracker_dirs(tracker_dirs)
         self.path = Path(path)
+        self.mode = mode
         self.checkpoints_dir = self.path / "checkpoints"
         self.samples_dir = self.path / "samples"
         self.config_path = self.path / CONFIG_FILENAME
         self.metrics_path = self.path / METRICS_FILENAME
-        for d in (self.path, self.checkpoints_dir, self.samples_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        if mode == "resume" and not self.config_path.is_file():
+            raise FileNotFoundError(f"resume: {self.config_path} is missing; a run directory without its config "
+                                    "cannot be resumed")
+        if is_main_process:
+            if mode == "new":
+                self._refuse_used()
+            elif mode == "overwrite":
+                self._clear(tracker_dirs)
+            for d in (self.path, self.checkpoints_dir, self.samples_dir):
+                d.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(self.metrics_path)
+
+    def _refuse_used(self) -> None:
+        used = _used_entries(self.path)
+        if used:
+            raise RunDirInUseError(
+                f"run_dir {self.path} is already used (it holds {', '.join(used)}); a fresh run there would mix "
+                f"with the previous one. Pass resume={self.path} to continue that run, or overwrite=true to "
+                f"delete its run files ({', '.join(RUN_ARTIFACTS)} and tracker logs) and start over, or choose "
+                "another run_dir.")
+
+    def _clear(self, tracker_dirs: tuple[str, ...]) -> None:
+        used = _used_entries(self.path)
+        if not used:
+            return
+        if not self.config_path.is_file():
+            raise RunDirInUseError(
+                f"overwrite=true: {self.path} holds {', '.join(used)} but no {CONFIG_FILENAME}, so it is not a "
+                "flywheel run directory; nothing was deleted. Choose a new or empty run_dir.")
+        owned = (*tracker_dirs, *RUN_ARTIFACTS)  # config.yaml stays last
+        for entry in sorted(self.path.iterdir()):
+            # Temp files of atomic writes killed mid-way (".config.yaml.<random>.tmp").
+            if entry.name.endswith(".tmp") and any(entry.name.startswith(f".{n}.") for n in owned):
+                _delete(entry)
+        for name in owned:
+            _delete(self.path / name)
+        kept = _used_entries(self.path)
+        if kept:
+            warnings.warn(f"overwrite=true: kept {', '.join(kept)} in {self.path} (not files a run writes)",
+                          stacklevel=3)
 
     def write_config(self, cfg: Any) -> Path:
         """Write config.yaml atomically from a dict or a config dataclass."""
@@ -309,4 +409,4 @@ class RunDir:
         return self.samples_dir / f"{name}_{step:06d}.png"
 
     def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
+        return f"RunDir({str(self.path)!r}, mode={self.mode!r})"

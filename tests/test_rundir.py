@@ -1,4 +1,4 @@
-"""flywheel.rundir: run dir layout, metrics.jsonl, image grids, atomic writes."""
+"""flywheel.rundir: run dir layout, one run per directory, metrics.jsonl, image grids, atomic writes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from PIL import Image
 from flywheel.rundir import (
     MetricsLog,
     RunDir,
+    RunDirInUseError,
     atomic_write_bytes,
     atomic_write_text,
     make_image_grid,
@@ -30,6 +31,96 @@ def test_run_dir_layout(tmp_path):
     assert path == run.path / "config.yaml"
     assert yaml.safe_load(path.read_text()) == {"seed": 1, "optim": {"lr": 0.001}, "size": [8, 8]}
     assert run.sample_path(12).name == "samples_000012.png"
+
+
+def used_run(path):
+    """A directory a finished run left: config, metrics, a checkpoint, a sample, tracker logs, a LoRA export."""
+    run = RunDir(path)
+    run.write_config({"seed": 1})
+    run.metrics.append({"step": 1, "loss": 0.5})
+    (run.checkpoints_dir / "step_000001").mkdir()
+    (run.checkpoints_dir / "step_000001" / "model.safetensors").write_bytes(b"x")
+    (run.samples_dir / "samples_000001.png").write_bytes(b"png")
+    for d in ("wandb/offline-run-1", "flywheel", "lora"):
+        (run.path / d).mkdir(parents=True)
+    (run.path / "flywheel" / "events.out.tfevents.1").write_bytes(b"tb")
+    return run
+
+
+def test_a_fresh_run_refuses_a_used_run_dir(tmp_path):
+    used_run(tmp_path / "run")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(RunDirInUseError) as info:
+        RunDir(tmp_path / "run")
+    message = str(info.value)
+    assert str(tmp_path / "run") in message and "config.yaml" in message and "metrics.jsonl" in message
+    assert f"resume={tmp_path / 'run'}" in message and "overwrite=true" in message
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before  # nothing touched
+    # Each artifact alone makes a directory used.
+    for name, make in [("config.yaml", lambda p: p.write_text("a: 1")), ("metrics.jsonl", lambda p: p.write_text("")),
+                       ("checkpoints/step_000002", lambda p: p.mkdir(parents=True)),
+                       ("samples/s.png", lambda p: (p.parent.mkdir(), p.write_bytes(b"")))]:
+        d = tmp_path / name.replace("/", "_")
+        d.mkdir()
+        make(d / name)
+        with pytest.raises(RunDirInUseError, match=name.split("/")[0]):
+            RunDir(d)
+
+
+def test_a_fresh_run_accepts_a_new_or_empty_dir(tmp_path):
+    RunDir(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    RunDir(tmp_path / "empty")
+    RunDir(tmp_path / "new")  # only the empty dirs RunDir made: a run that stopped before writing anything
+
+
+def test_overwrite_deletes_only_the_previous_runs_files(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.bin").write_bytes(b"k")
+    run = used_run(tmp_path / "run")
+    (run.path / "notes.txt").write_text("mine")
+    (run.path / "wandb" / "link").symlink_to(target)  # never followed
+    (run.path / ".config.yaml.abc123.tmp").write_text("torn")  # an atomic write that was killed
+    with pytest.warns(UserWarning, match=r"kept notes\.txt"):
+        fresh = RunDir(run.path, mode="overwrite", tracker_dirs=("flywheel",))
+    assert sorted(p.name for p in fresh.path.iterdir()) == ["checkpoints", "notes.txt", "samples"]
+    assert not any(fresh.checkpoints_dir.iterdir()) and not any(fresh.samples_dir.iterdir())
+    assert fresh.metrics.read() == [] and (target / "keep.bin").read_bytes() == b"k"
+    RunDir(tmp_path / "never-used", mode="overwrite")  # nothing to delete is fine
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
+    (tmp_path / "home" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "home" / "checkpoints" / "precious.bin").write_bytes(b"p")
+    with pytest.raises(RunDirInUseError, match=r"no config\.yaml.*nothing was deleted"):
+        RunDir(tmp_path / "home", mode="overwrite")
+    assert (tmp_path / "home" / "checkpoints" / "precious.bin").read_bytes() == b"p"
+
+
+def test_resume_mode_keeps_the_run_and_needs_its_config(tmp_path):
+    run = used_run(tmp_path / "run")
+    resumed = RunDir(run.path, mode="resume")
+    assert resumed.metrics.read() == [{"step": 1, "loss": 0.5}]
+    assert (run.checkpoints_dir / "step_000001" / "model.safetensors").exists()
+    run.config_path.unlink()
+    with pytest.raises(FileNotFoundError, match=r"config\.yaml is missing"):
+        RunDir(run.path, mode="resume")
+
+
+def test_run_dir_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="new, resume, overwrite"):
+        RunDir(tmp_path, mode="append")
+    for bad in ("", "..", "a/b"):
+        with pytest.raises(ValueError, match="tracker_dirs"):
+            RunDir(tmp_path, tracker_dirs=(bad,))
+
+
+def test_only_the_main_process_checks_and_clears(tmp_path):
+    run = used_run(tmp_path / "run")
+    other = RunDir(run.path, mode="overwrite", is_main_process=False)
+    assert other.checkpoints_dir == run.checkpoints_dir and run.config_path.exists()
+    RunDir(tmp_path / "run", is_main_process=False)  # the main process is the one that refuses
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
