@@ -156,6 +156,23 @@ def step_log_prob(sampler: str, x: torch.Tensor, x_next: torch.Tensor, v: torch.
     raise ValueError(f"sampler={sampler!r} is not known; valid samplers: ode, sde, cps")
 
 
+def transition_std(sampler: str, timesteps: torch.Tensor, noise_levels: torch.Tensor) -> torch.Tensor:
+    """The std of every step's transition [T] under the sampler that took it: 0 where the step is deterministic.
+
+    A step is stochastic only where its std is positive: noise level 0 (ODE steps,
+    outside the SDE window) gives 0, and so does CPS's last step, whose std
+    t_next·sin(eta·pi/2) vanishes at t_next = 0. Deterministic steps have no
+    log-probability (it is 0 by convention), so they never enter a loss or a KL.
+    """
+    t, t_next = timesteps[:-1], timesteps[1:]
+    levels = noise_levels.to(device=t.device, dtype=torch.float32)
+    if sampler == "cps":
+        return t_next * torch.sin(levels * (math.pi / 2))
+    if sampler in ("sde", "ode"):
+        return sde_sigma(t, levels, sde_t_cap(timesteps)) * torch.sqrt((t - t_next).clamp(min=0))
+    raise ValueError(f"sampler={sampler!r} is not known; valid samplers: ode, sde, cps")
+
+
 def step_noise_levels(steps: int, sampler: str, noise_level: float,
                       sde_window: tuple[int, int] | None = None) -> list[float]:
     """The noise level of every step: 0 for ODE steps, `noise_level` inside the SDE window.

@@ -14,13 +14,21 @@ from flywheel.distributed import all_gather_cat, rank_and_world
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None,
-                     eps: float = 1e-4, clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float = 1e-4, clip: float | None = None,
+                     global_std: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [N], usable [N]) for rewards [N] grouped by group_ids [N].
 
+    A sample's advantage is (r - mean of its group) / (std + eps): the std of its
+    group, or with `global_std` the std of every valid reward of the batch
+    (Flow-GRPO's `sample.global_std`). Both are population stds (ddof 0).
+
     Invalid samples (masked rewards) are left out of the group statistics and
-    get no advantage; a group with no valid sample is dropped entirely. Groups
-    with one valid sample have zero advantage (nothing to compare against).
-    `usable` marks the samples that carry a training signal.
+    get no advantage; a group with no valid sample is dropped entirely. A group
+    whose valid rewards are all equal (one valid sample, or a saturated reward)
+    has nothing to compare: its advantages are exactly 0, not the float residue
+    of (r - mean) / (0 + eps), and its samples are not usable, so they stay out
+    of the loss's denominator (Flow-GRPO drops zero-advantage samples the same
+    way). `usable` marks the samples that carry a training signal.
     """
     rewards = rewards.float()
     if valid is None:
@@ -33,18 +41,42 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torc
     count = torch.zeros(n_groups, device=r.device).index_add_(0, group, w)
     total = torch.zeros(n_groups, device=r.device).index_add_(0, group, r)
     mean = total / count.clamp(min=1)
-    sq = torch.zeros(n_groups, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
-    std = torch.sqrt(sq / count.clamp(min=1))
+    if global_std:
+        n_valid = w.sum().clamp(min=1)
+        std = torch.sqrt((w * (r - (w * r).sum() / n_valid) ** 2).sum() / n_valid).expand(n_groups)
+    else:
+        sq = torch.zeros(n_groups, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
+        std = torch.sqrt(sq / count.clamp(min=1))
     adv = (r - mean[group]) / (std[group] + eps)
     if clip is not None:
         adv = adv.clamp(-clip, clip)
-    adv = torch.where(valid, adv, torch.zeros_like(adv))
-    return adv, valid
+    usable = valid & group_has_spread(r, group, valid, n_groups)
+    adv = torch.where(usable, adv, torch.zeros_like(adv))
+    return adv, usable
+
+
+def group_has_spread(rewards: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Per sample [N]: whether the valid rewards of its group (dense ids in [0, n_groups)) are not all equal."""
+    inf = torch.full((n_groups,), float("inf"), device=rewards.device)
+    low = inf.scatter_reduce(0, group, torch.where(valid, rewards, inf[group]), "amin")
+    high = (-inf).scatter_reduce(0, group, torch.where(valid, rewards, -inf[group]), "amax")
+    return (high > low)[group]
+
+
+def flat_group_count(group_ids: torch.Tensor, valid: torch.Tensor, usable: torch.Tensor) -> int:
+    """Groups with at least one valid sample but no usable one: every valid reward equal (zero std)."""
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    has_valid = torch.zeros(n_groups, dtype=torch.bool, device=group.device).index_put_((group,), valid.bool(),
+                                                                                       accumulate=True)
+    has_usable = torch.zeros(n_groups, dtype=torch.bool, device=group.device).index_put_((group,), usable.bool(),
+                                                                                        accumulate=True)
+    return int((has_valid & ~has_usable).sum())
 
 
 def distributed_group_advantages(local_rewards: torch.Tensor, local_group_ids: torch.Tensor,
-                                 local_valid: torch.Tensor, eps: float = 1e-4,
-                                 clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 local_valid: torch.Tensor, eps: float = 1e-4, clip: float | None = None,
+                                 global_std: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`group_advantages` over the samples of every rank; returns this rank's slice.
 
     Every rank must hold the same number of samples, laid out so that rank r
@@ -55,45 +87,53 @@ def distributed_group_advantages(local_rewards: torch.Tensor, local_group_ids: t
     rewards = all_gather_cat(local_rewards.float())
     group_ids = all_gather_cat(local_group_ids.long())
     valid = all_gather_cat(local_valid.to(torch.uint8)).bool()
-    adv, usable = group_advantages(rewards, group_ids, valid, eps=eps, clip=clip)
+    adv, usable = group_advantages(rewards, group_ids, valid, eps=eps, clip=clip, global_std=global_std)
     return adv[rank * n:(rank + 1) * n], usable[rank * n:(rank + 1) * n]
 
 
 def reward_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], total: torch.Tensor,
                       valid: torch.Tensor, group_ids: torch.Tensor, mode: str = "weighted_sum",
-                      eps: float = 1e-4, clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float = 1e-4, clip: float | None = None,
+                      global_std: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [N], usable [N]) of a multi-reward batch under a combination mode.
 
     "weighted_sum": group-normalise the weighted total. "sum_of_advantages":
     group-normalise each scorer's raw scores on its own, then sum with the
-    weights (clipping applies to the sum). Either way a sample any scorer
-    masked is left out of every group statistic and gets no advantage, and a
-    group with no valid sample is dropped.
+    weights (clipping applies to the sum); a sample is usable when any scorer's
+    rewards vary within its group. Either way a sample any scorer masked is left
+    out of every group statistic and gets no advantage, and a group with no
+    valid sample is dropped.
     """
     if mode == "weighted_sum":
-        return group_advantages(total, group_ids, valid, eps=eps, clip=clip)
+        return group_advantages(total, group_ids, valid, eps=eps, clip=clip, global_std=global_std)
     if mode != "sum_of_advantages":
         raise ValueError(f"reward combination mode {mode!r} is not known; valid modes: weighted_sum, "
                          "sum_of_advantages")
     adv = torch.zeros(total.shape[0], dtype=torch.float32, device=total.device)
+    usable = torch.zeros_like(valid, dtype=torch.bool)
     for name, weight in weights.items():
-        per, _ = group_advantages(scores[name], group_ids, valid, eps=eps)
+        per, per_usable = group_advantages(scores[name], group_ids, valid, eps=eps, global_std=global_std)
         adv = adv + weight * per
+        usable |= per_usable
     if clip is not None:
         adv = adv.clamp(-clip, clip)
-    return torch.where(valid, adv, torch.zeros_like(adv)), valid.clone()
+    usable &= valid
+    return torch.where(usable, adv, torch.zeros_like(adv)), usable
 
 
 def distributed_reward_advantages(batch, local_group_ids: torch.Tensor, eps: float = 1e-4,
-                                  clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  clip: float | None = None,
+                                  global_std: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`reward_advantages` of a `RewardBatch` over every rank's samples; returns this rank's slice."""
     if batch.mode == "weighted_sum":  # one gathered tensor is enough
-        return distributed_group_advantages(batch.total, local_group_ids, batch.valid, eps=eps, clip=clip)
+        return distributed_group_advantages(batch.total, local_group_ids, batch.valid, eps=eps, clip=clip,
+                                            global_std=global_std)
     rank, _ = rank_and_world()
     n = len(batch)
     gather = lambda t: all_gather_cat(t.float())  # noqa: E731
     valid = all_gather_cat(batch.valid.to(torch.uint8)).bool()
     scores = {name: gather(batch.scores[name]) for name in batch.scorer_ids}
     adv, usable = reward_advantages(scores, batch.weights, gather(batch.total), valid,
-                                    all_gather_cat(local_group_ids.long()), mode=batch.mode, eps=eps, clip=clip)
+                                    all_gather_cat(local_group_ids.long()), mode=batch.mode, eps=eps, clip=clip,
+                                    global_std=global_std)
     return adv[rank * n:(rank + 1) * n], usable[rank * n:(rank + 1) * n]

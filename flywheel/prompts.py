@@ -50,10 +50,15 @@ def load_prompts(source: str) -> list[PromptItem]:
             if path.suffix == ".jsonl":
                 try:
                     row = json.loads(line)
-                    prompt = row.pop("prompt")
-                except (json.JSONDecodeError, KeyError, AttributeError) as e:
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a \"prompt\" key ({e})") from None
-                items.append(PromptItem(str(prompt), row))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); each line must be a JSON object "
+                                     f"with a \"prompt\" string") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                    got = type(row).__name__ if not isinstance(row, dict) else f"prompt={row.get('prompt')!r}"
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a non-empty \"prompt\" string, "
+                                     f"got {got}")
+                prompt = row.pop("prompt")
+                items.append(PromptItem(prompt, row))
             else:
                 items.append(PromptItem(line))
     if not items:

@@ -26,11 +26,14 @@ import torch
 
 from engine import Engine, PromptEmbeds, Trajectory, get_card, load_model
 from engine.loop import concat_embeds, guided_velocity
-from engine.sampling import sde_t_cap, step_log_prob
+from engine.sampling import sde_t_cap, step_log_prob, transition_std
 from flywheel.async_rollouts import AsyncCollector
 from flywheel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from flywheel.config import apply_overrides, config_to_dict, load_config, parse_config, save_config
+from flywheel.config import (ConfigChecks, ConfigError, apply_overrides, config_to_dict, config_value, load_config,
+                             parse_config, save_config)
+from flywheel.cli import run_main
 from flywheel.distributed import all_reduce_mean
+from flywheel.guards import check_finite, check_finite_weights
 from flywheel.lora import adapters_disabled, add_lora, save_lora_for_diffusers
 from flywheel.loop import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
@@ -121,20 +124,31 @@ class TrainConfig:
     """PPO clip range on the per-step probability ratio"""
     kl_beta: float = 0.0
     """weight of the KL penalty to the reference policy (0 = off)"""
+    kl_form: Literal["exact", "flow_grpo"] = "exact"
+    """KL per step: "exact" Gaussian KL |mu - mu_ref|^2 / (2 std^2), or Flow-GRPO's, which leaves |dt| out of the
+    variance (the exact KL times |dt|: the same kl_beta is 1/|dt| times weaker); flow_grpo needs sampler=sde"""
     log_kl: bool = True
     """measure the KL to the reference even when kl_beta = 0 (one extra no-grad forward per step)"""
     importance_cap: float = 2.0
     """async rollouts: truncation of the importance weight pi_current / pi_rollout"""
     adv_clip_max: float = 5.0
     """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
+    global_std: bool = False
+    """normalise advantages by the std of all the step's rewards (Flow-GRPO's sample.global_std), not each group's"""
     timestep_fraction: float = 1.0
     """fraction of the stochastic steps trained each step"""
+    timestep_selection: Literal["random", "first"] = "random"
+    """which steps `timestep_fraction` keeps: round(f·n) random ones each step, or the first int(f·n) as Flow-GRPO"""
     cfg_in_train: bool = True
     """apply guidance in the training forward too (when rollouts used it)"""
     minibatch_size: int = 128
     """samples per training forward"""
     gradient_accumulation_steps: int = 1
     """minibatches accumulated into one optimizer step"""
+    updates_per_rollout: int | None = None
+    """optimizer steps per rollout batch (the minibatches split evenly); None = set by gradient_accumulation_steps"""
+    max_masked_steps: int = 3
+    """stop with an error after this many consecutive steps whose every sample the rewards masked"""
     gradient_checkpointing: bool = False
     """recompute the transformer's activations in backward (less memory, ~30% slower; diffusers models)"""
 
@@ -167,6 +181,8 @@ class Config:
     """checkpoints kept on disk"""
     resume: str | None = None
     """run dir or checkpoint dir to continue from"""
+    overwrite: bool = False
+    """start a fresh run in a run dir that holds an earlier run, deleting that run's files"""
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
     """experiment tracker (wandb runs offline when no account is configured)"""
     project: str = "flywheel"
@@ -190,53 +206,70 @@ def step_conditioning(traj: Trajectory, use_cfg: bool) -> tuple[PromptEmbeds, Pr
     return cond, concat_embeds(uncond, cond)
 
 
-def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
-                   usable: torch.Tensor, cfg: TrainConfig,
-                   decoupled: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip loss (+ beta·KL) of step j of a trajectory batch under the current weights.
-
-    `decoupled` is for rollouts that lag the trainer (async): the ratio is taken
-    against the current policy (1, with its gradient intact) and a truncated
-    importance weight pi_current / pi_rollout corrects for the lag.
-    """
+def step_policy(model, transformer, traj: Trajectory, j: int, use_cfg: bool):
+    """Step j of a trajectory batch under `transformer`: (log_prob [B], mean, std, cond, uncond_cond)."""
     x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
     t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
-    noise_level = traj.noise_levels[j]
-    cond, uncond_cond = step_conditioning(traj, cfg.cfg_in_train)
+    cond, uncond_cond = step_conditioning(traj, use_cfg)
     v = guided_velocity(model, transformer, x, t, cond, uncond_cond, traj.guidance_scale)
-    t_cap = sde_t_cap(traj.timesteps)
-    log_prob, mean, std = step_log_prob(traj.sampler, x, x_next, v, t, t_next, noise_level, t_cap)
+    log_prob, mean, std = step_log_prob(traj.sampler, x, x_next, v, t, t_next, traj.noise_levels[j],
+                                        sde_t_cap(traj.timesteps))
+    return log_prob, mean, std, cond, uncond_cond
 
+
+def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
+                   usable: torch.Tensor, cfg: TrainConfig,
+                   proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip loss (+ beta·KL) of stochastic step j of a trajectory batch under the current weights.
+
+    Flow-GRPO (arXiv 2505.05470, Eq. 8): per sample and step, with r = pi_theta / pi_old,
+        loss = max(-A·r, -A·clip(r, 1 - eps, 1 + eps)) + beta·KL(pi_theta || pi_ref),
+    averaged over the usable samples (those whose group has a spread of rewards).
+
+    `proximal` is for rollouts that lag the trainer (async): decoupled PPO as in
+    AReaL (arXiv 2505.24298). The log-probs of step j under the weights at the
+    start of this update (computed once, before any optimizer step) are the
+    proximal policy: r = pi_theta / pi_prox is clipped, and the truncated
+    importance weight min(pi_prox / pi_behaviour, cap) corrects for the lag.
+
+    KL of two Gaussians with the same std: |mu - mu_ref|^2 / (2 std^2) per element
+    ("exact"), or Flow-GRPO's form, which divides by 2 sigma_t^2 where the
+    transition's variance is sigma_t^2·|dt| (its issue #78): the exact KL times |dt|.
+    """
+    log_prob, mean, std, cond, uncond_cond = step_policy(model, transformer, traj, j, cfg.cfg_in_train)
     behaviour = traj.log_probs[:, j]
-    if decoupled:
-        proximal = log_prob.detach()
-        ratio = torch.exp(log_prob - proximal)
-        is_weight = torch.exp(proximal - behaviour).clamp(max=cfg.importance_cap)
-    else:
+    if proximal is None:
         ratio = torch.exp(log_prob - behaviour)
         is_weight = torch.ones_like(ratio)
+    else:
+        ratio = torch.exp(log_prob - proximal)
+        is_weight = torch.exp(proximal - behaviour).clamp(max=cfg.importance_cap)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
     weight = usable.float() / usable.float().sum().clamp(min=1.0)
     loss = (is_weight * torch.maximum(unclipped, clipped) * weight).sum()
 
-    kl = torch.zeros((), device=x.device)
+    kl = torch.zeros((), device=log_prob.device)
     if ref_velocity is not None:
+        x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
+        t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
         with torch.no_grad():
             v_ref = ref_velocity(x, t, cond, uncond_cond, traj.guidance_scale)
-            _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, noise_level, t_cap)
-        # KL of two Gaussians with the same std: |mu - mu_ref|^2 / (2 std^2), per element.
-        kl_per_sample = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std**2)
+            _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, traj.noise_levels[j],
+                                           sde_t_cap(traj.timesteps))
+        variance = std**2 if cfg.kl_form == "exact" else std**2 / (t - t_next)
+        kl_per_sample = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * variance)
         kl = (kl_per_sample * weight).sum()
         loss = loss + cfg.kl_beta * kl
 
+    deviation = (ratio.detach() - 1).abs()
     stats = {
         "loss": loss.detach(),
         "kl": kl.detach(),
         "ratio/mean": (ratio.detach() * weight).sum(),
-        "clipfrac": (((ratio.detach() - 1).abs() > cfg.clip_range).float() * weight).sum(),
-        # Exactly 0 on the first minibatch of a step: the rollout's own weights, recomputed.
-        "ratio/max_dev": ((ratio.detach() - 1).abs() * usable).max(),
+        "clipfrac": ((deviation > cfg.clip_range).float() * weight).sum(),
+        # Exactly 0 on the first minibatch of a step: the rollout's (or proximal) weights, recomputed.
+        "ratio/max_dev": (deviation * usable).max(),
         # Trainer-vs-rollout log-prob gap: 0 on-policy, the policy's drift when rollouts lag.
         "logprob_gap/max": ((log_prob.detach() - behaviour).abs() * usable).max(),
         "is_weight/mean": (is_weight * weight).sum(),
@@ -244,62 +277,114 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     return loss, stats
 
 
-def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator) -> list[int]:
-    """Which denoising steps to train: a random `fraction` of the stochastic ones."""
-    stochastic = [k for k, a in enumerate(traj.noise_levels.tolist()) if a > 0]
+def stochastic_steps(traj: Trajectory) -> list[int]:
+    """The steps whose transition has a positive std: the only ones with a log-probability to train."""
+    std = transition_std(traj.sampler, traj.timesteps, traj.noise_levels)
+    return (std > 0).nonzero().flatten().tolist()
+
+
+def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator,
+                 selection: str = "random") -> list[int]:
+    """Which denoising steps to train: a `fraction` of the stochastic ones.
+
+    "random": round(fraction·n) of the n stochastic steps, drawn anew every step.
+    "first": the first int(fraction·n) of them in schedule order, as Flow-GRPO
+    trains (9 of 10 steps at 0.99). Deterministic steps (noise level 0, CPS's
+    last step) are never chosen.
+    """
+    stochastic = stochastic_steps(traj)
     if not stochastic:
-        raise ValueError("the rollouts have no stochastic step to train: use sampler=sde with noise_level > 0")
+        raise ValueError("the rollouts have no stochastic step to train: use sampling.sampler=sde or cps with "
+                         "sampling.noise_level > 0 (and an sde_window that holds a step before the last one for cps)")
+    if selection == "first":
+        return stochastic[:max(1, int(fraction * len(stochastic)))]
     keep = max(1, round(fraction * len(stochastic)))
     order = torch.randperm(len(stochastic), generator=generator).tolist()
     return sorted(stochastic[i] for i in order[:keep])
 
 
+@torch.no_grad()
+def proximal_log_probs(model, transformer, traj: Trajectory, minibatches: list[list[int]], steps: list[int],
+                       use_cfg: bool) -> torch.Tensor:
+    """Log-probs [N, T] of the chosen steps under the weights now, before any optimizer step of the update.
+
+    Computed with the minibatches and forwards the loss will use, so the first
+    minibatch's ratio against them is exactly 1.
+    """
+    out = torch.zeros_like(traj.log_probs)
+    for rows in minibatches:
+        sub = traj.select(rows)
+        for j in steps:
+            out[rows, j] = step_policy(model, transformer, sub, j, use_cfg)[0]
+    return out
+
+
 def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
-                params: list[torch.nn.Parameter], cfg: Config, step: int,
+                named_params: list[tuple[str, torch.nn.Parameter]], cfg: Config, step: int,
                 before_each_step=lambda: None) -> dict[str, float]:
     """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + `sync()`.
 
+    Stops with NonFiniteError before an optimizer step whose gradient norm is
+    not finite, and right after one that leaves a non-finite weight.
     `before_each_step()` runs before every denoising step's forward (async rollouts adjust threads there).
     """
     tc = cfg.train
     traj = batch.trajectory
-    steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step))
+    params = [p for _, p in named_params]
+    steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step),
+                         tc.timestep_selection)
     n = len(traj)
     minibatches = [list(range(i, min(i + tc.minibatch_size, n))) for i in range(0, n, tc.minibatch_size)]
-    if len(minibatches) % tc.gradient_accumulation_steps:
-        raise ValueError(f"{len(minibatches)} minibatches per step is not a multiple of "
-                         f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps}")
+    accumulation = accumulation_steps(len(minibatches), tc)
+    proximal = (proximal_log_probs(model, transformer, traj, minibatches, steps, tc.cfg_in_train)
+                if cfg.async_rollouts else None)
     totals: dict[str, torch.Tensor] = {}
     sync_metrics: dict[str, float] = {}
-    backwards_per_update = len(steps) * tc.gradient_accumulation_steps
+    backwards_per_update = len(steps) * accumulation
     for m, rows in enumerate(minibatches):
         sub = traj.select(rows)
         adv, usable = batch.advantages[rows], batch.usable[rows]
         for i, j in enumerate(steps):
-            last_backward = (m + 1) % tc.gradient_accumulation_steps == 0 and i == len(steps) - 1
+            last_backward = (m + 1) % accumulation == 0 and i == len(steps) - 1
             # Gradients are all-reduced once per optimizer step, not once per backward.
             context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
             before_each_step()
             with context:
                 loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc,
-                                             decoupled=cfg.async_rollouts)
+                                             proximal=None if proximal is None else proximal[rows, j])
                 accelerator.backward(loss / backwards_per_update)
             for k, v in stats.items():
                 if k.endswith(("max_dev", "/max")):
                     totals[k] = torch.maximum(totals.get(k, v), v)
                 else:
                     totals[k] = totals.get(k, 0.0) + v / (len(steps) * len(minibatches))
-        if (m + 1) % tc.gradient_accumulation_steps == 0:
+        if (m + 1) % accumulation == 0:
             grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
+            # Gradients are all-reduced: every rank sees the same norm and stops together.
+            check_finite(grad_norm, "the gradient norm", step + 1, "the loss or the rollouts went NaN/inf")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / (
-                len(minibatches) // tc.gradient_accumulation_steps)
+            check_finite_weights(named_params, step + 1, "lower train.learning_rate or train.max_grad_norm")
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / (len(minibatches) // accumulation)
             sync_metrics = sync()
     metrics = {k: float(v) for k, v in totals.items()}
     metrics.update({k: v for k, v in sync_metrics.items() if k != "weight_version"})
     metrics["weight_version_after"] = sync_metrics["weight_version"]
     return metrics
+
+
+def accumulation_steps(n_minibatches: int, tc: TrainConfig) -> int:
+    """Minibatches per optimizer step: train.gradient_accumulation_steps, or n / train.updates_per_rollout."""
+    if tc.updates_per_rollout is not None:
+        if n_minibatches % tc.updates_per_rollout:
+            raise ValueError(f"train.updates_per_rollout={tc.updates_per_rollout} does not divide the "
+                             f"{n_minibatches} minibatches of a step on this rank: choose a divisor of {n_minibatches}"
+                             f" or change train.minibatch_size")
+        return n_minibatches // tc.updates_per_rollout
+    if n_minibatches % tc.gradient_accumulation_steps:
+        raise ValueError(f"{n_minibatches} minibatches per step is not a multiple of "
+                         f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps}")
+    return tc.gradient_accumulation_steps
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,6 +406,60 @@ def resolve_config(argv: list[str]) -> Config:
             cfg = apply_overrides(load_config(Config, saved), overrides)
         cfg.run_dir, cfg.resume = str(run_dir), str(ckpt)
     return cfg
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
+    checks = ConfigChecks(cfg)
+    positive = "must be an integer >= 1"
+    for key in ("steps", "eval_every", "sample_every", "save_every", "keep_checkpoints", "data.prompts_per_step",
+                "sampling.steps", "sampling.eval_seeds", "train.minibatch_size", "train.gradient_accumulation_steps",
+                "train.max_masked_steps", "model.lora_rank"):
+        checks.require(key, lambda v: v >= 1, positive)
+    for key in ("sampling.eval_steps", "sampling.height", "sampling.width", "sampling.frames",
+                "train.updates_per_rollout"):
+        checks.require(key, lambda v: v >= 1, positive + " or null", allow_none=True)
+    checks.require("seed", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("max_staleness", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("data.group_size", lambda v: v >= 2, "must be >= 2: GRPO compares the samples of a group")
+    sampler = cfg.sampling.sampler
+    if sampler == "cps":
+        checks.require("sampling.noise_level", lambda v: 0 < v < 1, "is CPS's eta for sampler=cps: in (0, 1)")
+    else:
+        checks.require("sampling.noise_level", lambda v: 0 < v <= 10, "is Flow-SDE's a: in (0, 10] (0 trains nothing)")
+    for key in ("sampling.guidance_scale", "sampling.eval_guidance_scale"):
+        checks.require(key, lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
+    checks.require("sampling.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
+    checks.require("sampling.sde_window", lambda w: 0 <= w[0] < w[1] <= cfg.sampling.steps,
+                   f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
+                   allow_none=True)
+    checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    checks.require("train.weight_decay", lambda v: v >= 0, "must be >= 0")
+    checks.require("train.adam_betas", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
+                   "must be two numbers in [0, 1)")
+    for key in ("train.max_grad_norm", "train.clip_range", "train.adv_clip_max", "model.lora_alpha"):
+        checks.require(key, lambda v: v > 0, "must be > 0")
+    checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = no KL penalty)")
+    checks.require("train.importance_cap", lambda v: v >= 1, "must be >= 1 (the truncation of pi / pi_rollout)")
+    checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    if cfg.train.kl_form == "flow_grpo" and sampler != "sde":
+        checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
+                    "train.kl_form=exact")
+    if not cfg.train.cfg_in_train and cfg.sampling.guidance_scale != 1.0:
+        # The rollouts sampled the guided policy; training the unguided one is off-policy from the first step.
+        checks.fail(f"train.cfg_in_train=false with sampling.guidance_scale={cfg.sampling.guidance_scale}: the "
+                    "training forward would score a policy other than the one that sampled (every ratio far "
+                    "from 1). Set train.cfg_in_train=true, or sampling.guidance_scale=1")
+    try:
+        get_card(cfg.model.card)
+    except (KeyError, ValueError) as e:
+        checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    for key in ("data.prompts", "data.eval_prompts"):
+        try:
+            load_prompts(config_value(cfg, key))
+        except (OSError, ValueError) as e:
+            checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
+    checks.raise_if_any()
 
 
 def build_judges(cfg: Config) -> dict:
@@ -422,6 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import Accelerator
 
     cfg = resolve_config(sys.argv[1:] if argv is None else argv)
+    validate_config(cfg)
     run = RunDir(cfg.run_dir)
     init_kwargs = prepare_tracker(cfg.tracker, run.path)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
@@ -435,6 +575,10 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(cfg.model.card, path=cfg.model.path, device=accelerator.device, dtype=dtype)
     transformer = model.transformer
     card_defaults = get_card(cfg.model.card).defaults
+    if cfg.sampling.time_shift != 1.0 and hasattr(model, "schedule"):
+        raise ConfigError(f"sampling.time_shift={cfg.sampling.time_shift}: the {cfg.model.card} card takes its "
+                          "schedule (and its shift) from the folder's scheduler config, so this key would be "
+                          "ignored; leave it at 1.0 and edit scheduler/scheduler_config.json to change the shift")
     if cfg.train.gradient_checkpointing:
         if not hasattr(transformer, "enable_gradient_checkpointing"):
             raise ValueError(f"train.gradient_checkpointing=true: the {cfg.model.card} card's transformer does not "
@@ -462,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   weight_decay=cfg.train.weight_decay)
 
     # --- resume -------------------------------------------------------------------------------
-    start_step, version = 0, 0
+    start_step, version, trainer_state = 0, 0, {}
     metrics_log = MetricsLog(run.path / "metrics.jsonl")
     if cfg.resume:
         state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=named_params)
@@ -497,7 +641,8 @@ def main(argv: list[str] | None = None) -> dict:
         request_kwargs=dict(steps=cfg.sampling.steps, sampler=cfg.sampling.sampler, noise_level=cfg.sampling.noise_level,
                             guidance_scale=cfg.sampling.guidance_scale, sde_window=cfg.sampling.sde_window,
                             height=cfg.sampling.height, width=cfg.sampling.width, frames=cfg.sampling.frames),
-        seed=cfg.seed, adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring)
+        seed=cfg.seed, adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring,
+        global_std=cfg.train.global_std)
     judges = build_judges(cfg) if accelerator.is_main_process else {}
     if cfg.tracker != "none":
         accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)), init_kwargs=init_kwargs)
@@ -516,6 +661,7 @@ def main(argv: list[str] | None = None) -> dict:
     progress = _progress(accelerator, start_step, cfg.steps)
     row: dict = {}
     current_version = engine.weight_version
+    skipped_steps, masked_run = trainer_state.get("skipped_steps", 0), trainer_state.get("masked_run", 0)
     collector = AsyncCollector(flywheel.collect, cfg.max_staleness) if cfg.async_rollouts else None
     share_cores = cpu_core_sharing(collector, accelerator)
     for step in range(start_step, cfg.steps):
@@ -528,14 +674,31 @@ def main(argv: list[str] | None = None) -> dict:
                 if step + 1 < cfg.steps:
                     collector.prefetch(step + 1)
         t0 = time.perf_counter()
-        train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
-                                    sync, params, cfg, step, before_each_step=share_cores)
+        signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum())})
+        if signal["usable"] > 0:
+            masked_run = 0
+            train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
+                                        sync, named_params, cfg, step, before_each_step=share_cores)
+        else:
+            # No sample carries a signal (all masked, or every group's rewards equal): an optimizer step
+            # would still move the weights through AdamW's momentum and weight decay. Skip it.
+            skipped_steps += 1
+            masked_run = masked_run + 1 if signal["valid"] == 0 else 0
+            if masked_run >= cfg.train.max_masked_steps:
+                raise RuntimeError(f"step {step + 1}: the rewards masked every sample of the last {masked_run} "
+                                   f"steps (train.max_masked_steps={cfg.train.max_masked_steps}); see the "
+                                   f"reward/*/invalid metrics in {run.metrics_path} and the scorer's errors")
+            train_metrics = {"weight_version_after": current_version}
+        train_metrics["train/skipped_steps"] = skipped_steps
         train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
         train_metrics["time/wait_s"] = t0 - step_start
         current_version = train_metrics["weight_version_after"]
         row = {"step": step + 1, **all_reduce_mean({**batch.metrics, **train_metrics})}
         row["weight_version"] = batch.trajectory.weight_version
         row["time/step_s"] = time.perf_counter() - step_start
+        for key in ("loss", "kl"):
+            if key in row:
+                check_finite(row[key], f"the mean {key}", step + 1)
         if collector is not None:
             row.update(collector.metrics())
         done = step + 1
@@ -549,7 +712,8 @@ def main(argv: list[str] | None = None) -> dict:
                     save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params},
                                     raw_optimizer, named_params,
                                     {"step": done, "weight_version": current_version,
-                                     "data_position": flywheel.sampler.position(done)},
+                                     "data_position": flywheel.sampler.position(done),
+                                     "skipped_steps": skipped_steps, "masked_run": masked_run},
                                     keep_last=cfg.keep_checkpoints)
             accelerator.wait_for_everyone()
         progress.update(1)
@@ -575,6 +739,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"final {final_eval.get('eval/reward/mean', float('nan')):.3f} "
               f"(run dir {run.path})", flush=True)
     accelerator.end_training()
+    if accelerator.is_main_process and "eval/reward/mean" in final_eval:
+        # Everything is saved; a NaN final evaluation still makes the run fail rather than exit 0.
+        check_finite(final_eval["eval/reward/mean"], "the final evaluation reward", cfg.steps,
+                     "every evaluation sample was masked: see the eval/reward/*/invalid metrics")
     return {"base": base_eval, "final": final_eval, "run_dir": str(run.path)}
 
 
@@ -601,9 +769,4 @@ def _progress(accelerator, start: int, total: int):
 
 
 if __name__ == "__main__":
-    main()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # gloo ranks sometimes abort at interpreter exit; leave cleanly once all is flushed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_main(main)

@@ -1,0 +1,72 @@
+"""Running a recipe's main from the command line: config errors as one clear message, clean exits.
+
+A bad config raises ConfigError before any work starts. Printed as a plain
+message (no traceback) it is the last thing the user sees with `python
+trainers/<recipe>.py`; under `accelerate launch`, the launcher answers a
+child's non-zero exit with a traceback of its own (CalledProcessError, or
+torchrun's ChildFailedError table) printed after the child's output. So there
+the message is printed again once the launcher has exited, by a small forked
+process that waits for it: the launcher's traceback cannot be suppressed from
+the child, and repeating the message after it is what keeps it last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from flywheel.config import ConfigError
+
+CONFIG_ERROR_EXIT = 2  # as argparse: the command line was wrong
+_LAUNCHER_WAIT_S = 60.0
+
+
+def _under_accelerate_launch() -> bool:
+    return "ACCELERATE_DYNAMO_BACKEND" in os.environ  # set by `accelerate launch` for every launcher kind
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def _repeat_after_launcher(message: str) -> None:
+    """Fork a process that prints `message` to stderr once our parent (the launcher) has exited."""
+    launcher = os.getppid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() != 0:
+        return
+    try:
+        deadline = time.monotonic() + _LAUNCHER_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        os.write(2, message.encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Call a recipe's `main()`; exit 2 with the message alone on a ConfigError; leave gloo ranks cleanly."""
+    try:
+        main()
+    except ConfigError as e:
+        message = f"error: {e}"
+        if _is_rank_zero():
+            print(message, file=sys.stderr, flush=True)
+            if _under_accelerate_launch():
+                _repeat_after_launcher(message)
+        sys.stdout.flush()
+        os._exit(CONFIG_ERROR_EXIT)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # gloo ranks sometimes abort at interpreter exit; leave cleanly once all is flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
