@@ -168,14 +168,86 @@ def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_
 
     The same prompts, seeds and sampler every time, so evaluations at different
     steps (and of the base model by the pretraining script) are comparable.
+
+    When the task has classes (a judge defines `classes(prompts, metadata)`,
+    see rewards/judges.py), the metrics also hold, for each class c,
+    `eval/judge/<name>/<c>` (the mean judge score of c's samples) and
+    `eval/reward/<c>` (the mean total reward of c's valid samples), and
+    `eval/judge/<name>/min_class` (the worst class): reward hacking usually
+    starts in one class, where the overall mean hides it.
     """
     requests = [GenerationRequest(prompt=item.prompt, seed=EVAL_SEED_OFFSET + s, card=engine.card_id,
                                   metadata=item.metadata, **request_kwargs)
                 for item in items for s in range(seeds_per_prompt)]
+    # Classes come from the prompts alone: a bad class is reported before anything is generated.
+    classes = eval_classes(judges or {}, [r.prompt for r in requests], [r.metadata for r in requests])
     trajectory = engine.generate(requests)
     scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version)
     metrics = scored.metrics(prefix="eval/reward")
+    if classes is not None:
+        rewards_by_class = class_means(scored.total, classes, valid=scored.valid)
+        metrics.update({f"eval/reward/{c}": v for c, v in rewards_by_class.items()})
     for name, judge in (judges or {}).items():
-        scores = judge(trajectory.images, trajectory.prompts, trajectory.metadata)
-        metrics[f"eval/judge/{name}/mean"] = float(torch.nanmean(scores.float()))
+        scores = judge(trajectory.images, trajectory.prompts, trajectory.metadata).float()
+        metrics[f"eval/judge/{name}/mean"] = float(torch.nanmean(scores))
+        if classes is not None:
+            classed = torch.tensor([c is not None for c in classes])
+            bad = int((classed & ~torch.isfinite(scores.cpu())).sum())
+            if bad:
+                # A sample that belongs to a class must be judged: a NaN would drop out of the class
+                # mean unseen, and the class could look fine because its worst samples were not scored.
+                raise ValueError(f"judge {name!r} gave a non-finite score to {bad} sample(s) that belong to a "
+                                 f"class; it must score every sample of a class (NaN only where there is none)")
+            judged = class_means(scores, classes)
+            metrics.update({f"eval/judge/{name}/{c}": v for c, v in judged.items()})
+            metrics[f"eval/judge/{name}/min_class"] = min(judged.values())
     return metrics, trajectory
+
+
+# Per-class metric keys sit beside these summary keys; a class may not take one of their names.
+_RESERVED_CLASS_NAMES = ("mean", "std", "invalid", "min_class")
+
+
+def eval_classes(judges: dict, prompts: list[str], metadata: list[dict]) -> list | None:
+    """The class of each evaluation sample, from the judges that define `classes`; None if none does.
+
+    Every judge that defines classes must put the samples in the same ones
+    (one partition, so the per-class reward and judges line up). A class is an
+    int or a str; it becomes part of a metric key, so it may not contain "/" or
+    be one of the summary names (mean, std, invalid, min_class).
+    """
+    found: list | None = None
+    source = None
+    for name, judge in judges.items():
+        if not callable(getattr(judge, "classes", None)):
+            continue
+        classes = list(judge.classes(prompts, metadata))
+        if len(classes) != len(prompts):
+            raise ValueError(f"judge {name!r}: classes() returned {len(classes)} classes for {len(prompts)} samples")
+        if found is not None and classes != found:
+            raise ValueError(f"judges {source!r} and {name!r} put the evaluation samples in different classes; "
+                             f"per-class metrics need one partition")
+        found, source = classes, name
+    for c in found or []:
+        if c is None:
+            continue
+        if isinstance(c, bool) or not isinstance(c, (int, str)):
+            raise ValueError(f"judge {source!r}: class {c!r} is a {type(c).__name__}; a class is an int or a str")
+        if "/" in str(c) or str(c) in _RESERVED_CLASS_NAMES or not str(c):
+            raise ValueError(f"judge {source!r}: class {str(c)!r} cannot name a metric; a class may not be empty, "
+                             f"contain '/' or be one of {', '.join(_RESERVED_CLASS_NAMES)}")
+    return found
+
+
+def class_means(values: torch.Tensor, classes: list, valid: torch.Tensor | None = None) -> dict[str, float]:
+    """Mean of `values` [B] per class (rows whose class is None, or not `valid`, left out), keyed by str(class).
+
+    A class none of whose rows is valid gets NaN, as `RewardBatch.metrics` does for an empty mean.
+    """
+    values = values.detach().float().cpu()
+    keep = torch.ones(len(classes), dtype=torch.bool) if valid is None else valid.detach().cpu().bool()
+    out: dict[str, float] = {}
+    for c in dict.fromkeys(c for c in classes if c is not None):  # first-seen order: digit-major for the toy task
+        rows = torch.tensor([k == c for k in classes]) & keep
+        out[str(c)] = float(values[rows].mean()) if rows.any() else math.nan
+    return out
