@@ -8,7 +8,18 @@ Messages are JSON (plus safetensors bytes for tensors), sent with
 `multiprocessing.connection`'s `send_bytes`/`recv_bytes`: nothing is pickled.
 Each client connection is served by its own thread, so a control connection
 can pause, drain and load weights while a generation connection is busy.
-Every call has a timeout that ends in an error naming the operation.
+Every call has a timeout that ends in an error naming the operation, and a
+call to an engine process that has died ends in an error saying how it ended.
+
+The engine process never outlives the process that started it, whatever ended
+that one (SIGKILL included): a watchdog thread polls `os.getppid()` and, once
+the parent is gone, unlinks the engine's shared-memory blocks and exits. Why
+polling and not Linux's `prctl(PR_SET_PDEATHSIG)`: that signal fires when the
+*thread* that spawned the child ends, so an engine started from a worker
+thread would be killed while its trainer lives on; it is also Linux-only, and
+as SIGKILL it leaves no chance to unlink. The poll costs nothing measurable
+and notices within `PARENT_POLL_S`. SIGTERM or SIGINT sent to the engine
+process itself shuts it down cleanly (its blocks unlinked).
 """
 
 from __future__ import annotations
@@ -17,9 +28,11 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
 
@@ -36,6 +49,8 @@ from flywheel.transport import SharedWeights, receive_shared_memory_bucket, tens
 TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
                       "prompt_mask", "negative_prompt_embeds", "negative_pooled_prompt_embeds",
                       "negative_prompt_mask", "images")
+PARENT_POLL_S = 0.2  # how often the engine process checks that its trainer is alive
+EXIT_ORPHANED = 3  # exit status of an engine process whose trainer died
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
@@ -53,6 +68,19 @@ class _Server:
         self.shared: dict[str, SharedWeights] = {}  # component -> its tensors mapped for a sender
         self.partial: str | None = None  # a component that buckets began to overwrite, not yet committed
         self.stop = threading.Event()
+        self.shared_lock = threading.Lock()  # the parent-death watchdog must see every block map_shared made
+
+    def unlink_shared(self) -> None:
+        """Remove this engine's shared blocks from /dev/shm (the mappings stay valid until exit)."""
+        # Bounded: a map_shared copying a huge model must not keep an orphan alive; a block it makes
+        # after this is unlinked by the resource tracker when the process exits.
+        locked = self.shared_lock.acquire(timeout=10)
+        try:
+            for block in self.shared.values():
+                block.unlink()
+        finally:
+            if locked:
+                self.shared_lock.release()
 
     def check_weights_complete(self) -> None:
         """Refuse to serve weights that a sync left half-written (its sender died or failed mid-transfer)."""
@@ -69,12 +97,13 @@ class _Server:
         unknown = [n for n in names if n not in state]
         if unknown:
             raise KeyError(f"{len(unknown)} tensor name(s) are not in {component}: {unknown[:5]}")
-        old = self.shared.get(component)
-        wanted = list(dict.fromkeys([*(old.slots if old else []), *names]))
-        block = SharedWeights({n: state[n] for n in wanted})
-        self.shared[component] = block
-        if old is not None:
-            old.close()
+        with self.shared_lock:
+            old = self.shared.get(component)
+            wanted = list(dict.fromkeys([*(old.slots if old else []), *names]))
+            block = SharedWeights({n: state[n] for n in wanted})
+            self.shared[component] = block
+            if old is not None:
+                old.close()
         return {"mapped": True, "shm": block.name, "manifest": block.manifest()}
 
     def commit(self, version: int, component: str) -> dict:
@@ -141,7 +170,40 @@ class _Server:
                     conn.send_bytes(payload)
 
 
+def exit_when_parent_dies(parent_pid: int, on_exit, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Start a daemon thread that calls `on_exit()` once `parent_pid` is no longer this process's parent.
+
+    An orphan is re-parented (to init or a subreaper), so its parent pid
+    changes; checking against the pid the parent passed also catches a parent
+    that died before this process got here.
+    """
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        on_exit()
+
+    thread = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve(args: argparse.Namespace) -> None:
+    server: _Server | None = None
+    received: list[int] = []  # the signal that asked this process to stop, if one did
+
+    def exit_orphaned() -> None:
+        try:
+            if server is not None:
+                server.unlink_shared()
+            print(f"flywheel engine process {os.getpid()}: the process that started it (pid {args.parent_pid}) "
+                  "is gone; unlinked its shared memory, exiting", file=sys.stderr, flush=True)
+        except OSError:  # stderr may have been a pipe the dead parent read; the exit must still happen
+            pass
+        finally:
+            os._exit(EXIT_ORPHANED)  # at once: a rollout in flight has nobody to return to
+
+    if args.parent_pid is not None:  # started before the engine loads: an orphan must not load a model first
+        exit_when_parent_dies(args.parent_pid, exit_orphaned)
     torch.set_num_threads(args.threads)
     engine = Engine.from_card(args.card, path=args.path, device=args.device, weight_version=args.weight_version,
                               compile=args.compile)
@@ -150,9 +212,19 @@ def serve(args: argparse.Namespace) -> None:
         # The same adapter layout as the trainer's, so LoRA-only syncs carry just the adapter.
         add_lora(engine.model.transformer, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     server = _Server(engine)
+
+    def stop_on_signal(signum, frame) -> None:
+        received.append(signum)
+        server.stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a clean shutdown: the blocks are unlinked below
+        signal.signal(signum, stop_on_signal)
     authkey = bytes.fromhex(os.environ["FLYWHEEL_ENGINE_AUTHKEY"])
     listener = Listener((args.host, args.port), authkey=authkey)
     print(json.dumps({"port": listener.address[1]}), flush=True)
+    # Nobody reads the pipe after the port line; a later print (a library's warning, a progress bar)
+    # filling it would block this process. Send stdout where stderr goes.
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
     def accept_forever():
         while True:
@@ -164,11 +236,21 @@ def serve(args: argparse.Namespace) -> None:
 
     threading.Thread(target=accept_forever, daemon=True).start()
     server.stop.wait()
-    for block in server.shared.values():
-        block.close()
+    with server.shared_lock:
+        for block in server.shared.values():
+            block.close()
+    if received:
+        sys.exit(128 + received[0])  # the shell's convention for "ended by signal N"
 
 
 # ---- client (the trainer side) ----------------------------------------------------------------
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # a real-time signal, or not a signal number at all
+        return f"signal {signum}"
 
 
 class EngineProcess:
@@ -188,8 +270,8 @@ class EngineProcess:
         `compile` compiles its rollout forward (`Engine(compile=True)`)."""
         authkey = secrets.token_bytes(32)
         cmd = [sys.executable, "-m", "flywheel.engine_process", "--card", card, "--device", device,
-               "--threads", str(threads), "--weight-version", str(weight_version)] + (["--path", path] if path else []) \
-            + (["--compile"] if compile else [])
+               "--threads", str(threads), "--weight-version", str(weight_version), "--parent-pid", str(os.getpid())] \
+            + (["--path", path] if path else []) + (["--compile"] if compile else [])
         if lora:
             cmd += ["--lora-rank", str(lora["rank"]), "--lora-alpha", str(lora["alpha"]),
                     "--lora-targets", ",".join(lora["targets"])]
@@ -214,20 +296,44 @@ class EngineProcess:
         return self._answer(conn, op, timeout_s)
 
     def _send(self, op: str, msg: dict):
-        conn = self._conn()
-        conn.send_bytes(json.dumps({"op": op, **msg}).encode())
+        try:
+            conn = self._conn()
+            conn.send_bytes(json.dumps({"op": op, **msg}).encode())
+        except (EOFError, ConnectionError) as exc:
+            raise self._gone(op) from exc
         return conn
 
     def _answer(self, conn, op: str, timeout_s: float | None = None) -> tuple[dict, bytes | None]:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not conn.poll(timeout):
-            raise TimeoutError(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
-                               f"{op!r} within {timeout:.0f}s")
-        reply = json.loads(conn.recv_bytes())
-        payload = conn.recv_bytes() if reply.get("has_payload") else None
+        try:
+            if not conn.poll(timeout):
+                raise TimeoutError(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
+                                   f"{op!r} within {timeout:.0f}s")
+            reply = json.loads(conn.recv_bytes())
+            payload = conn.recv_bytes() if reply.get("has_payload") else None
+        except (EOFError, ConnectionError) as exc:
+            raise self._gone(op) from exc
         if not reply["ok"]:
             raise RuntimeError(f"engine process {op!r} failed: {reply['error']}")
         return reply, payload
+
+    def _gone(self, op: str) -> RuntimeError:
+        """The error for a call whose connection broke: the engine process died or was stopped."""
+        self._connections.conn = None  # a later call from this thread reconnects (and fails the same way)
+        try:
+            code = self.proc.wait(timeout=5)  # the socket closes a moment before the exit is reported
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            how = "closed its connection but is still running"
+        elif code < 0:
+            how = f"was killed by {_signal_name(-code)}"
+        elif code > 128:
+            how = f"exited with code {code} (stopped by {_signal_name(code - 128)})"
+        else:
+            how = f"exited with code {code}"
+        return RuntimeError(f"engine process (pid {self.proc.pid}, card {self.card!r}) {how} during {op!r}; "
+                            "its weights and version are gone with it: start a new one (resume the run)")
 
     # -- generation
     @property
@@ -313,6 +419,8 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="inject a LoRA adapter of this rank (0: none)")
     parser.add_argument("--lora-alpha", type=float, default=8.0)
     parser.add_argument("--lora-targets", default="", help="comma-separated module names to adapt")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit (unlinking its shared memory) once this process is no longer the parent")
     serve(parser.parse_args())
 
 

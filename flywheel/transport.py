@@ -3,6 +3,13 @@
 All transports move raw tensor bytes plus a JSON manifest (name, dtype, shape,
 offset); nothing is pickled. Large models go in fixed-size buckets so that the
 staging memory stays bounded whatever the model size.
+
+Shared-memory segments are named `flywheel_<pid of the creator>_<random>`, so
+`ls /dev/shm` says which process made each. Whoever creates a segment unlinks
+it: on `close()`, and, when the creator dies without closing, Python's
+resource tracker (a helper process that outlives it) unlinks the segments the
+creator registered. An engine process also unlinks its own at once when its
+trainer dies (`flywheel.engine_process`).
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -20,6 +29,7 @@ import numpy as np
 import torch
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+SEGMENT_PREFIX = "flywheel_"  # + "<creator pid>_<random>"; kept short: macOS allows 31 characters
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -108,6 +118,20 @@ def verify_checksums(sent: dict[str, str], received: dict[str, str]) -> None:
 # ---- shared memory -------------------------------------------------------------------------
 
 
+def create_segment(size: int) -> shared_memory.SharedMemory:
+    """A new shared-memory block named after this process (see the module docstring).
+
+    Created blocks are registered with this process's resource tracker, which
+    unlinks them if the process dies without unlinking them itself.
+    """
+    while True:
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+        try:
+            return shared_memory.SharedMemory(name=name, create=True, size=size)
+        except FileExistsError:  # another block drew the same random suffix
+            continue
+
+
 class SharedMemorySender:
     """Stages buckets in two named shared-memory blocks that a receiver process maps.
 
@@ -122,12 +146,16 @@ class SharedMemorySender:
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.bucket_bytes = bucket_bytes
         self._blocks: list[shared_memory.SharedMemory] = []
+        self._release = None
 
     def _ensure_blocks(self, size: int) -> None:
         if len(self._blocks) == 2 and all(b.size >= size for b in self._blocks):
             return
         self.close()
-        self._blocks = [shared_memory.SharedMemory(create=True, size=max(size, 1)) for _ in range(2)]
+        self._blocks = [create_segment(max(size, 1)) for _ in range(2)]
+        # Unlinked by close(), else when the sender is collected or the interpreter exits (a
+        # KeyboardInterrupt or sys.exit that skipped close); a killed process leaves them to the tracker.
+        self._release = weakref.finalize(self, _unlink_blocks, self._blocks)
 
     def send(self, tensors: dict[str, torch.Tensor],
              deliver: Callable[[str, list[dict]], Callable[[], None] | None]) -> int:
@@ -152,10 +180,18 @@ class SharedMemorySender:
         return total
 
     def close(self) -> None:
-        for block in self._blocks:
+        if self._release is not None:
+            self._release()  # runs once
+        self._blocks, self._release = [], None
+
+
+def _unlink_blocks(blocks: list[shared_memory.SharedMemory]) -> None:
+    for block in blocks:
+        block.unlink()
+        try:
             block.close()
-            block.unlink()
-        self._blocks = []
+        except BufferError:  # a view of the block is still alive; the mapping goes with it
+            pass
 
 
 _ATTACHED: dict[str, shared_memory.SharedMemory] = {}
@@ -234,7 +270,7 @@ class SharedWeights:
             nbytes = t.numel() * t.element_size()
             slots[name] = by_view[key] = TensorSlot(name, dtype, tuple(t.shape), offset, nbytes)
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        self.shm = shared_memory.SharedMemory(create=True, size=offset)
+        self.shm = create_segment(offset)
         _CREATED.add(self.shm.name)
         self.slots = slots
         buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
@@ -257,9 +293,15 @@ class SharedWeights:
     def manifest(self) -> list[dict]:
         return [{**slot.to_json(), "name": name} for name, slot in self.slots.items()]
 
+    def unlink(self) -> None:
+        """Remove the block's name from /dev/shm (once; later calls do nothing). The memory stays
+        mapped for this process and any that attached it, and is freed when the last one unmaps it."""
+        if self.shm.name in _CREATED:
+            _CREATED.discard(self.shm.name)
+            self.shm.unlink()
+
     def close(self) -> None:
-        self.shm.unlink()
-        _CREATED.discard(self.shm.name)
+        self.unlink()
         try:
             self.shm.close()
         except BufferError:  # tensors still view the block; the mapping goes with the process
