@@ -34,7 +34,10 @@ class FlowModel(Protocol):
     # Optional: `embedded_guidance = True` for guidance-distilled models; the
     # engine then skips the unconditional branch and calls
     # velocity(..., guidance=g). Optional: `schedule(steps, latent_shape)`
-    # returning the model's own flow times [T+1] from 1 to 0.
+    # returning the model's own flow times [T+1] from 1 to 0. Optional:
+    # `ode_scheduler(steps, latent_shape)` returning a fresh diffusers scheduler
+    # set for `steps` (the folder's own, e.g. Wan's UniPC) that ODE requests
+    # step with instead of the engine's Euler steps, or None to keep Euler.
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Embed prompts (an empty string is the unconditional prompt)."""

@@ -12,6 +12,13 @@ does not depend on its batch neighbours up to the model's arithmetic. On the
 CPU the toy model's matmuls may round differently at different batch sizes,
 so the guarantee is <= 1e-5 (tested), not bitwise; the same request in the
 same batch shape is bitwise reproducible.
+
+Samplers: rollouts (sampler "sde" or "cps") always take the engine's own
+steps, Euler outside the SDE window included, because the trained policy and
+its log-probs are defined by them. ODE requests (evaluation, serving) on a
+model whose folder's scheduler is not plain Euler (Wan's default UniPC) step
+with that scheduler (`ode_scheduler`), so they equal the stock pipeline; their
+Trajectory then carries the scheduler's sigmas as `timesteps`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import nn
 from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
 from engine.compiling import compile_for_rollouts
-from engine.loop import concat_embeds, denoise
+from engine.loop import concat_embeds, denoise, denoise_with_scheduler
 from engine.sampling import flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
 
@@ -127,8 +134,13 @@ class Engine:
     def _generate_batch(self, requests: list[GenerationRequest], version: int) -> Trajectory:
         first = requests[0]
         latent_shape = self.model.latent_shape(first.height, first.width, first.frames)
-        timesteps = self.schedule(first.steps, latent_shape)
-        noise_levels = step_noise_levels(first.steps, first.sampler, first.noise_level, first.sde_window)
+        scheduler = self.ode_scheduler(first, latent_shape)
+        if scheduler is None:
+            timesteps = self.schedule(first.steps, latent_shape)
+            noise_levels = step_noise_levels(first.steps, first.sampler, first.noise_level, first.sde_window)
+        else:  # the scheduler's own states: its sigmas, one step per scheduler call
+            timesteps = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
+            noise_levels = [0.0] * len(scheduler.timesteps)
         initial_noise, step_noise = self._draw_noise(requests, latent_shape, stochastic=first.sampler != "ode")
 
         prompts = [r.prompt for r in requests]
@@ -138,9 +150,14 @@ class Engine:
             uncond = self.encode_prompts([r.negative_prompt for r in requests])
         uncond_cond = None if uncond is None else concat_embeds(uncond, cond)
 
-        latents, log_probs = denoise(self.model, self.serving_transformer(), initial_noise, step_noise, timesteps,
-                                     noise_levels, cond, uncond_cond, first.guidance_scale,
-                                     keep_trajectory=first.keep_trajectory, sampler=first.sampler)
+        if scheduler is None:
+            latents, log_probs = denoise(self.model, self.serving_transformer(), initial_noise, step_noise,
+                                         timesteps, noise_levels, cond, uncond_cond, first.guidance_scale,
+                                         keep_trajectory=first.keep_trajectory, sampler=first.sampler)
+        else:
+            latents, log_probs = denoise_with_scheduler(self.model, self.serving_transformer(), initial_noise,
+                                                        scheduler, cond, uncond_cond, first.guidance_scale,
+                                                        keep_trajectory=first.keep_trajectory)
         with torch.no_grad():
             images = self.model.decode(latents[:, -1])
         return Trajectory(
@@ -162,6 +179,14 @@ class Engine:
         if self._compiled is None or self._compiled[0] is not transformer:
             self._compiled = (transformer, compile_for_rollouts(transformer))
         return self._compiled[1]
+
+    def ode_scheduler(self, request: GenerationRequest, latent_shape: tuple[int, ...]):
+        """The scheduler an ODE request steps with: a fresh instance of the model folder's own when it is
+        not plain Euler. None otherwise, and always for rollouts ("sde", "cps"): they keep the engine's
+        samplers, Euler steps outside the SDE window included, on which the trained policy is defined."""
+        if request.sampler != "ode" or not hasattr(self.model, "ode_scheduler"):
+            return None
+        return self.model.ode_scheduler(request.steps, latent_shape)
 
     def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """The flow times t_0 = 1 > ... > t_T = 0: the model's own schedule if it has one

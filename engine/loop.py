@@ -1,8 +1,23 @@
 """The denoise loop: device-resident, fp32 latents and log-probs.
 
-Nothing in here moves data to the host: noise is drawn before the loop, the
+Nothing in `denoise` moves data to the host: noise is drawn before the loop, the
 per-step noise levels are host floats known in advance, and results are
 written into preallocated device tensors. `engine.guards` checks this in tests.
+
+Two loops. `denoise` runs the project's samplers: every rollout (Flow-SDE or
+CPS inside the SDE window, Euler outside it, as the trained policy is
+defined) and ODE requests on models whose scheduler is plain Euler.
+`denoise_with_scheduler` runs ODE requests (evaluation, serving) on a folder
+whose scheduler is something else (Wan's default UniPC, DPM-Solver, ...):
+the model is called at that scheduler's timesteps and `scheduler.step`
+moves the latents, exactly as the stock pipeline does, so the final latents
+equal the pipeline's (tested: UniPC on Wan and FLUX, DPM-Solver++ on SD3).
+Its step is diffusers' code: UniPC makes no Python-level host reads (the
+guard test runs it), but on CUDA it copies entries of its host-side sigma
+table to the device and its corrector calls `torch.linalg.solve`, whose
+error check reads the solver status back: a few synchronisations per step,
+as in the stock pipeline. Evaluation and serving pay them; rollouts never
+take that path.
 """
 
 from __future__ import annotations
@@ -70,6 +85,40 @@ def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tenso
             x, log_probs[:, k] = cps_step(x, v, t, t_next, noise_levels[k], step_noise[:, k])
         else:
             x, log_probs[:, k] = sde_step(x, v, t, t_next, noise_levels[k], step_noise[:, k], t_cap)
+        if keep_trajectory:
+            latents[:, k + 1] = x
+    if not keep_trajectory:
+        latents[:, 0] = x
+    return latents, log_probs
+
+
+@torch.no_grad()
+def denoise_with_scheduler(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tensor, scheduler,
+                           cond: PromptEmbeds, uncond_cond: PromptEmbeds | None, guidance_scale: float,
+                           keep_trajectory: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the ODE from noise to data with a diffusers scheduler's own steps (see the module docstring).
+
+    `scheduler` is a fresh instance already set for this batch: a multistep
+    solver keeps the previous steps' model outputs on it. The model is called
+    at flow time timestep / num_train_timesteps: the families' velocity turns
+    it back into the pipeline's timestep (x 1000, every released folder's
+    num_train_timesteps), equal up to float32 rounding. Returns (latents [B, N+1, *latent],
+    or [B, 1, *latent] with only the final latent, log_probs [B, N] of zeros),
+    N = len(scheduler.timesteps): the state after every scheduler step.
+    """
+    timesteps = scheduler.timesteps
+    steps = len(timesteps)
+    flow_times = timesteps.to(device=initial_noise.device, dtype=torch.float32) / scheduler.config.num_train_timesteps
+    batch = initial_noise.shape[0]
+    x = initial_noise.float()
+    kept = steps + 1 if keep_trajectory else 1
+    latents = torch.empty((batch, kept, *x.shape[1:]), dtype=torch.float32, device=x.device)
+    log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=x.device)
+    if keep_trajectory:
+        latents[:, 0] = x
+    for k in range(steps):
+        v = guided_velocity(model, transformer, x, flow_times[k], cond, uncond_cond, guidance_scale)
+        x = scheduler.step(v, timesteps[k], x, return_dict=False)[0].float()
         if keep_trajectory:
             latents[:, k + 1] = x
     if not keep_trajectory:

@@ -132,6 +132,82 @@ def test_engine_ode_rollout_equals_the_stock_pipeline(tiny_folders, card, guidan
     assert 0.0 <= traj.images.min() and traj.images.max() <= 1.0
 
 
+@pytest.fixture(scope="session")
+def unipc_wan_folder(tmp_path_factory):
+    """A tiny Wan folder with Wan2.1's default scheduler, UniPC (order 2, flow sigmas, flow_shift 3)."""
+    import engine.families.tiny as tiny
+
+    return tiny.build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-unipc") / "wan", scheduler=tiny.wan_unipc_scheduler())
+
+
+def test_wan_ode_rollout_with_its_unipc_scheduler_equals_the_stock_pipeline(unipc_wan_folder):
+    """Issue 11 item 7: ODE requests follow the folder's own scheduler. With the engine's Euler steps on
+    UniPC's flow shift the final latents were 0.17-0.28 from WanPipeline's here; now they are equal."""
+    card, steps, guidance = "wan2.1-t2v", 4, 5.0
+    model = load_model(card, path=str(unipc_wan_folder))
+    engine = Engine(model)
+    traj = engine_latents(card, engine, steps, guidance)
+    size = FAMILIES[card][1]
+    shape = model.latent_shape(size["height"], size["width"], size["frames"])
+    pipe = stock_pipeline(card, unipc_wan_folder)
+    assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
+    expected = pipeline_latents(card, pipe, engine, draw_noise((3, 4), shape), steps, guidance)
+    assert (traj.latents[:, -1] - expected).abs().max() <= 1e-5
+    # The trajectory records the scheduler's own states: its sigmas, one deterministic step per call.
+    torch.testing.assert_close(traj.timesteps, pipe.scheduler.sigmas.float(), rtol=0, atol=0)
+    assert traj.log_probs.shape == (2, steps) and not traj.log_probs.any() and not traj.noise_levels.any()
+
+    # Rollouts keep the engine's samplers on the Euler flow times of the folder's shift (the trained
+    # policy is defined by them): a Flow-SDE rollout at noise level 0 is the Euler ODE, not UniPC.
+    euler = engine.generate([GenerationRequest(prompt=p, seed=s, card=card, steps=steps, sampler="sde",
+                                               noise_level=0.0, guidance_scale=guidance, **size)
+                             for p, s in zip(PROMPTS, (3, 4))])
+    torch.testing.assert_close(euler.timesteps, engine.schedule(steps, shape), rtol=0, atol=0)
+    assert (euler.latents[:, -1] - expected).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("card", ["sd3", "flux"])
+def test_image_ode_rollout_follows_a_non_euler_flow_scheduler(tmp_path, card):
+    """SD3 with DPM-Solver++ and FLUX with resolution-shifted UniPC (FluxPipeline passes its mu) on flow
+    sigmas: the engine's ODE rollout equals the stock pipeline's for those schedulers too."""
+    from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
+
+    import engine.families.tiny as tiny
+
+    if card == "sd3":
+        scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                                flow_shift=3.0)
+        folder = tiny.build_tiny_sd3(tmp_path / card, scheduler=scheduler)
+    else:
+        scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                            use_dynamic_shifting=True, time_shift_type="exponential")
+        folder = tiny.build_tiny_flux(tmp_path / card, scheduler=scheduler)
+    model = load_model(card, path=str(folder))
+    engine = Engine(model)
+    traj = engine_latents(card, engine, 4, 3.5)
+    size = FAMILIES[card][1]
+    pipe = stock_pipeline(card, folder)
+    assert type(pipe.scheduler) is type(scheduler)
+    expected = pipeline_latents(card, pipe, engine, draw_noise((3, 4), model.latent_shape(size["height"],
+                                                                                           size["width"], None)),
+                                4, 3.5)
+    assert (traj.latents[:, -1] - expected).abs().max() <= 1e-5
+    torch.testing.assert_close(traj.timesteps, pipe.scheduler.sigmas.float(), rtol=0, atol=0)
+
+
+def test_a_folder_scheduler_that_cannot_be_set_as_its_pipeline_sets_it_is_a_clear_error():
+    """FluxPipeline passes its own sigma grid; a scheduler that takes none is named before any work."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler
+
+    from engine.families.common import folder_ode_scheduler
+
+    with pytest.raises(ValueError, match=r"FlowMatchHeunDiscreteScheduler .*takes no mu, sigmas"):
+        folder_ode_scheduler(FlowMatchHeunDiscreteScheduler(), 4, torch.device("cpu"),
+                             sigmas=np.linspace(1.0, 0.25, 4), mu=0.7)
+    assert folder_ode_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 4, torch.device("cpu")) is None
+
+
 def test_sde_rollout_carries_log_probs_and_fp32_under_bf16_weights(tiny_folders):
     model = load_model("sd3", path=str(tiny_folders["sd3"]), dtype=torch.bfloat16)
     assert model.transformer.dtype == torch.bfloat16
@@ -242,6 +318,26 @@ def test_family_denoise_loop_makes_no_host_transfers(tiny_folders, card):
         latents, log_probs = denoise(model, model.transformer, torch.randn(2, *shape), torch.randn(2, 2, *shape),
                                      timesteps, step_noise_levels(2, "sde", 0.7), cond, uncond_cond, 3.0)
     assert torch.isfinite(latents).all() and torch.isfinite(log_probs).all()
+
+
+def test_scheduler_ode_loop_makes_no_python_host_transfers(unipc_wan_folder):
+    """The folder-scheduler path (UniPC's own step) under the same guard. On CUDA UniPC still syncs inside
+    its step (host-side sigma table, torch.linalg.solve's error check; engine/loop.py says why); the guard
+    sees the Python-level reads it would add on any device."""
+    from engine import forbid_host_transfers
+    from engine.loop import concat_embeds, denoise_with_scheduler
+
+    model = load_model("wan2.1-t2v", path=str(unipc_wan_folder))
+    engine = Engine(model)
+    size = FAMILIES["wan2.1-t2v"][1]
+    shape = model.latent_shape(size["height"], size["width"], size["frames"])
+    scheduler = model.ode_scheduler(3, shape)
+    cond = engine.encode_prompts(PROMPTS)
+    uncond_cond = concat_embeds(engine.encode_prompts(["", ""]), cond)
+    with forbid_host_transfers():
+        latents, log_probs = denoise_with_scheduler(model, model.transformer, torch.randn(2, *shape), scheduler,
+                                                    cond, uncond_cond, 3.0)
+    assert latents.shape == (2, 4, *shape) and torch.isfinite(latents).all() and not log_probs.any()
 
 
 @pytest.mark.parametrize("card", ["sd3", "flux", "wan2.1-t2v"])

@@ -1,7 +1,17 @@
-"""What the diffusers families share: folder checks, the scheduler's flow times, dtype policy."""
+"""What the diffusers families share: folder checks, the scheduler's flow times, dtype policy.
+
+Two schedules come from a folder's scheduler. Rollouts (Flow-SDE / CPS, and
+the deterministic steps around an SDE window) step the project's own samplers
+on `scheduler_flow_times`: the flow times a FlowMatchEulerDiscreteScheduler
+with the folder's shift would use. ODE requests (evaluation, serving) on a
+folder whose scheduler is anything else (Wan's default UniPC, DPM-Solver, ...)
+are stepped by a fresh instance of that scheduler (`folder_ode_scheduler`), so
+their final latents equal the stock pipeline's for any scheduler.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -67,7 +77,10 @@ def scheduler_flow_times(scheduler_config: dict, steps: int, image_seq_len: int 
     config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
     if "flow_shift" in config and "shift" not in config:  # UniPC-style configs (Wan) name the shift flow_shift
         config["shift"] = config["flow_shift"]
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    # Only the Euler scheduler's own settings: another class's extras (UniPC's solver_order, ...) have no
+    # meaning here, and passing them makes diffusers warn on every call.
+    accepted = inspect.signature(FlowMatchEulerDiscreteScheduler.__init__).parameters
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config({k: v for k, v in config.items() if k in accepted})
     kwargs = {}
     if scheduler.config.use_dynamic_shifting:
         if image_seq_len is None:
@@ -80,12 +93,60 @@ def scheduler_flow_times(scheduler_config: dict, steps: int, image_seq_len: int 
     return scheduler.sigmas.to(torch.float32)
 
 
-def flux_shift_mu(image_seq_len: int, config) -> float:
-    """FLUX's resolution-dependent shift: linear in the token count between two anchors."""
+def flux_shift_mu(image_seq_len: int, config, default_max_shift: float = 1.15) -> float:
+    """FLUX's resolution-dependent shift: linear in the token count between two anchors.
+
+    Anchors missing from `config` take the pipelines' defaults; they differ only in
+    `max_shift` (FluxPipeline 1.15, StableDiffusion3Pipeline 1.16).
+    """
     base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", default_max_shift)
     slope = (max_shift - base_shift) / (max_len - base_len)
     return image_seq_len * slope + base_shift - slope * base_len
+
+
+def is_euler_scheduler(scheduler) -> bool:
+    """Whether a folder's scheduler is FlowMatchEulerDiscreteScheduler (the engine's Euler steps equal its ODE)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
+
+
+def folder_ode_scheduler(folder_scheduler, steps: int, device: torch.device, sigmas=None, mu: float | None = None):
+    """A fresh instance of a folder's scheduler, set for `steps` as the stock pipeline sets it; None for Euler.
+
+    `sigmas` / `mu` are what the family's pipeline passes to `set_timesteps`
+    (FLUX: its own sigma grid and resolution shift). A multistep solver keeps
+    the previous steps' model outputs on the instance, so each batch gets its
+    own. Raises ValueError, before any work, if the scheduler cannot be set
+    the way the pipeline sets it or does not give one flow time per state.
+    """
+    if is_euler_scheduler(folder_scheduler):
+        return None
+    cls = type(folder_scheduler)
+    scheduler = cls.from_config(folder_scheduler.config)
+    accepted = inspect.signature(scheduler.set_timesteps).parameters
+    kwargs = {"device": device}
+    if mu is not None:
+        kwargs["mu"] = mu
+    if sigmas is not None:
+        kwargs["sigmas"] = sigmas
+    unsupported = [k for k in kwargs if k not in accepted]
+    if unsupported:
+        raise ValueError(f"the folder's scheduler {cls.__name__} cannot be set up as its pipeline does: its "
+                         f"set_timesteps takes no {', '.join(unsupported)} (it takes: "
+                         f"{', '.join(p for p in accepted if p != 'self')}); use a flow-matching scheduler that "
+                         f"does, e.g. FlowMatchEulerDiscreteScheduler or UniPCMultistepScheduler(use_flow_sigmas=True)")
+    if sigmas is None:
+        scheduler.set_timesteps(steps, **kwargs)
+    else:
+        scheduler.set_timesteps(**kwargs)
+    if len(scheduler.sigmas) != len(scheduler.timesteps) + 1:
+        raise ValueError(f"the folder's scheduler {cls.__name__} gives {len(scheduler.timesteps)} timesteps but "
+                         f"{len(scheduler.sigmas)} sigmas; the engine needs one flow time per state (timesteps + 1)")
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(0)  # as the pipelines do: no host lookup of the first step's index
+    return scheduler
 
 
 def flow_time_to_batch(t: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
@@ -155,3 +216,10 @@ class DiffusersFlowModel:
     @property
     def device(self) -> torch.device:
         return self.vae.device
+
+    def ode_scheduler(self, steps: int, latent_shape: tuple[int, ...]):
+        """The folder's own scheduler, set for an ODE request of `steps` (None when it is plain Euler).
+
+        Families whose pipeline passes sigmas or a shift to `set_timesteps` override this.
+        """
+        return folder_ode_scheduler(self.pipe.scheduler, steps, self.device)

@@ -3,17 +3,20 @@
 FLUX.1-dev is guidance-distilled: the guidance scale is an input embedding and
 there is no unconditional branch (`embedded_guidance = True`). The engine keeps
 latents unpacked [B, C, H/8, W/8]; they are packed into 2x2 patches (the
-sequence FLUX's transformer reads) only inside `velocity`.
+sequence FLUX's transformer reads) only inside `velocity`. ODE requests on a
+folder whose scheduler is not FlowMatchEulerDiscreteScheduler step with that
+scheduler, set as `FluxPipeline` sets it (`ode_scheduler`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.cards import PromptEmbeds
 from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, decode_image_latents,
-                                    flow_time_to_batch, image_latent_shape, load_pipeline, read_json,
-                                    scheduler_flow_times)
+                                    flow_time_to_batch, flux_shift_mu, folder_ode_scheduler, image_latent_shape,
+                                    load_pipeline, read_json, scheduler_flow_times)
 
 CARD_ID = "flux"
 PIPELINE = "FluxPipeline"
@@ -86,6 +89,15 @@ class FluxModel(DiffusersFlowModel):
         """FLUX's resolution-dependent shifted flow times."""
         tokens = (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
         return scheduler_flow_times(self.scheduler_config, steps, image_seq_len=tokens, flux_sigmas=True)
+
+    def ode_scheduler(self, steps: int, latent_shape: tuple[int, ...]):
+        """The folder's scheduler for an ODE request (None for Euler), set as FluxPipeline sets it:
+        its sigma grid linspace(1, 1/T) unless the scheduler makes flow sigmas itself, and always the
+        resolution shift mu."""
+        scheduler = self.pipe.scheduler
+        sigmas = None if scheduler.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
+        mu = flux_shift_mu((latent_shape[-2] // 2) * (latent_shape[-1] // 2), scheduler.config)
+        return folder_ode_scheduler(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents to images [B, 3, H, W] in [0, 1] (fp32)."""

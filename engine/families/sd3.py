@@ -3,6 +3,8 @@
 Prompts are embedded by the stock pipeline's own `encode_prompt` (CLIP-L,
 CLIP-G and T5 joined as diffusers does), and the scheduler's config sets the
 time shift (3.0 for SD3.5), so a rollout matches `StableDiffusion3Pipeline`.
+ODE requests on a folder whose scheduler is not FlowMatchEulerDiscreteScheduler
+step with that scheduler, set as the pipeline sets it (`ode_scheduler`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import torch
 
 from engine.cards import PromptEmbeds
 from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, decode_image_latents,
-                                    flow_time_to_batch, image_latent_shape, load_pipeline, read_json,
-                                    scheduler_flow_times)
+                                    flow_time_to_batch, flux_shift_mu, folder_ode_scheduler,
+                                    image_latent_shape, load_pipeline, read_json, scheduler_flow_times)
 
 CARD_ID = "sd3"
 PIPELINE = "StableDiffusion3Pipeline"
@@ -50,8 +52,19 @@ class SD3Model(DiffusersFlowModel):
 
     def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """The scheduler's shifted flow times (SD3.5: shift 3.0)."""
-        tokens = (latent_shape[-2] // self.patch) * (latent_shape[-1] // self.patch)
-        return scheduler_flow_times(self.scheduler_config, steps, image_seq_len=tokens)
+        return scheduler_flow_times(self.scheduler_config, steps, image_seq_len=self.tokens(latent_shape))
+
+    def ode_scheduler(self, steps: int, latent_shape: tuple[int, ...]):
+        """The folder's scheduler for an ODE request (None for Euler); a resolution shift only if it asks for one."""
+        scheduler = self.pipe.scheduler
+        mu = None
+        if scheduler.config.get("use_dynamic_shifting", None):
+            mu = flux_shift_mu(self.tokens(latent_shape), scheduler.config, default_max_shift=1.16)
+        return folder_ode_scheduler(scheduler, steps, self.device, mu=mu)
+
+    def tokens(self, latent_shape: tuple[int, ...]) -> int:
+        """Image tokens the transformer sees (patches of the latent)."""
+        return (latent_shape[-2] // self.patch) * (latent_shape[-1] // self.patch)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents to images [B, 3, H, W] in [0, 1] (fp32)."""

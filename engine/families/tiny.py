@@ -70,14 +70,17 @@ def autoencoder_kl(latent_channels: int = 4, scaling: float = 1.5, shift: float 
 
 
 def build_tiny_sd3(folder: str | Path, num_layers: int = 1, heads: int = 2, head_dim: int = 8,
-                   sample_size: int = 16, seed: int = 0) -> Path:
-    """A tiny random SD3 folder: latents [4, H/2, W/2], transformer width heads·head_dim."""
-    tiny_sd3_pipeline(num_layers, heads, head_dim, sample_size, seed).save_pretrained(str(folder))
+                   sample_size: int = 16, seed: int = 0, scheduler=None) -> Path:
+    """A tiny random SD3 folder: latents [4, H/2, W/2], transformer width heads·head_dim.
+
+    `scheduler`: the folder's scheduler (default FlowMatchEulerDiscreteScheduler(shift=3.0), as SD3.5's).
+    """
+    tiny_sd3_pipeline(num_layers, heads, head_dim, sample_size, seed, scheduler).save_pretrained(str(folder))
     return Path(folder)
 
 
 def tiny_sd3_pipeline(num_layers: int = 1, heads: int = 2, head_dim: int = 8, sample_size: int = 16,
-                      seed: int = 0):
+                      seed: int = 0, scheduler=None):
     """The StableDiffusion3Pipeline of `build_tiny_sd3`, in memory (random weights from `seed`)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -88,15 +91,19 @@ def tiny_sd3_pipeline(num_layers: int = 1, heads: int = 2, head_dim: int = 8, sa
                                         caption_projection_dim=heads * head_dim, pooled_projection_dim=32,
                                         pos_embed_max_size=max(32, sample_size)).eval()
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=autoencoder_kl(seed=seed),
+        transformer=transformer, scheduler=scheduler or FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=autoencoder_kl(seed=seed),
         text_encoder=clip_text_encoder(16, 16, seed + 1), tokenizer=clip_tokenizer(),
         text_encoder_2=clip_text_encoder(16, 16, seed + 2), tokenizer_2=clip_tokenizer(),
         text_encoder_3=t5_encoder(32, seed=seed + 3), tokenizer_3=t5_tokenizer())
     return pipe
 
 
-def build_tiny_flux(folder: str | Path, seed: int = 0) -> Path:
-    """A tiny random FLUX.1-dev-like folder (guidance embedded), latents [4, H/2, W/2]."""
+def build_tiny_flux(folder: str | Path, seed: int = 0, scheduler=None) -> Path:
+    """A tiny random FLUX.1-dev-like folder (guidance embedded), latents [4, H/2, W/2].
+
+    `scheduler`: the folder's scheduler (default FLUX's resolution-shifted FlowMatchEulerDiscreteScheduler).
+    """
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(seed)
@@ -104,8 +111,9 @@ def build_tiny_flux(folder: str | Path, seed: int = 0) -> Path:
                                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
                                          pooled_projection_dim=16, guidance_embeds=True,
                                          axes_dims_rope=(4, 2, 2)).eval()
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                max_shift=1.15, base_image_seq_len=16, max_image_seq_len=256)
+    scheduler = scheduler or FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                             max_shift=1.15, base_image_seq_len=16,
+                                                             max_image_seq_len=256)
     pipe = FluxPipeline(scheduler=scheduler, vae=autoencoder_kl(scaling=0.36, shift=0.12, seed=seed),
                         text_encoder=clip_text_encoder(16, None, seed + 1), tokenizer=clip_tokenizer(),
                         text_encoder_2=t5_encoder(32, seed=seed + 2), tokenizer_2=t5_tokenizer(),
@@ -114,8 +122,12 @@ def build_tiny_flux(folder: str | Path, seed: int = 0) -> Path:
     return Path(folder)
 
 
-def build_tiny_wan(folder: str | Path, seed: int = 0) -> Path:
-    """A tiny random Wan2.1 T2V folder: 8x spatial, 4x temporal VAE, latents [16, F', H/8, W/8]."""
+def build_tiny_wan(folder: str | Path, seed: int = 0, scheduler=None) -> Path:
+    """A tiny random Wan2.1 T2V folder: 8x spatial, 4x temporal VAE, latents [16, F', H/8, W/8].
+
+    `scheduler`: the folder's scheduler (default FlowMatchEulerDiscreteScheduler(shift=3.0); the released
+    Wan2.1 folders ship `wan_unipc_scheduler()`).
+    """
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
     torch.manual_seed(seed)
@@ -126,6 +138,16 @@ def build_tiny_wan(folder: str | Path, seed: int = 0) -> Path:
                                         num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                         rope_max_seq_len=32).eval()
     pipe = WanPipeline(tokenizer=t5_tokenizer(), text_encoder=t5_encoder(32, umt5=True, seed=seed + 1), vae=vae,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
+                       scheduler=scheduler or FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
     pipe.save_pretrained(str(folder))
     return Path(folder)
+
+
+def wan_unipc_scheduler(flow_shift: float = 3.0):
+    """Wan2.1's default scheduler, as its released diffusers folders configure it: UniPC (order 2, bh2)
+    predicting flow velocity on flow sigmas shifted by `flow_shift` (3.0 at 480p, 5.0 at 720p)."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift,
+                                   solver_order=2, solver_type="bh2", predict_x0=True, lower_order_final=True,
+                                   final_sigmas_type="zero")

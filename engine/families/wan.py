@@ -2,9 +2,15 @@
 
 Latents are [B, C, F', H/8, W/8] (F' = (F - 1)/4 + 1, the causal VAE's
 temporal compression), normalised by the VAE's per-channel mean and std as
-`WanPipeline` does; decoded videos are [B, 3, F, H, W] in [0, 1]. The engine
-samples with its Euler / Flow-SDE loop at the shift of the folder's scheduler
-config (`shift`, or UniPC's `flow_shift`).
+`WanPipeline` does; decoded videos are [B, 3, F, H, W] in [0, 1].
+
+Rollouts (Flow-SDE / CPS) sample with the engine's own steps on the flow
+times of the folder's shift (`shift`, or UniPC's `flow_shift`). ODE requests
+(evaluation, serving) step with the folder's own scheduler when it is not
+FlowMatchEulerDiscreteScheduler. Wan's default is UniPCMultistepScheduler,
+whose final latents differ from Euler steps at the same shift by 0.1-0.3 (a
+tiny Wan, 4-8 steps), so the engine steps with UniPC itself and equals
+`WanPipeline` (`DiffusersFlowModel.ode_scheduler`, tested to 1e-5).
 """
 
 from __future__ import annotations
