@@ -27,9 +27,9 @@ server, never bad input.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import hmac
-import asyncio
 import io
 import ipaddress
 import json
@@ -260,8 +260,9 @@ def read_weights(path: str, state: dict[str, torch.Tensor], component: str) -> d
         if target is None:
             target = state.get(name.partition(".")[2])
         if target is not None and target.is_floating_point() != tensor.is_floating_point():
+            kind = "floating-point" if target.is_floating_point() else "integer"
             raise BadRequest(f"tensor {name!r} in {path} has dtype {tensor.dtype}, but the {component} weight it "
-                             f"replaces is {target.dtype}; send {'floating-point' if target.is_floating_point() else 'integer'} values")
+                             f"replaces is {target.dtype}; send {kind} values")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             count = int((~torch.isfinite(tensor)).sum())
             raise BadRequest(f"tensor {name!r} in {path} has {count} non-finite value(s) (NaN or inf); "

@@ -145,12 +145,11 @@ class RemoteScorer:
         parts = urlsplit(self.url)
         connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = connection_class(parts.hostname, parts.port, timeout=timeout_s)
-        expired = threading.Event()
+        expired, sockets = threading.Event(), []
 
         def cut() -> None:
             expired.set()
-            sock = connection.sock
-            if sock is not None:
+            for sock in sockets:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -161,7 +160,10 @@ class RemoteScorer:
         timer.start()
         try:
             connection.connect()
-            if expired.is_set():  # connected just as the timer fired: the socket it cut was not there yet
+            # Kept here: http.client drops connection.sock when a reply says "Connection: close",
+            # and the reply is then read through the same socket.
+            sockets.append(connection.sock)
+            if expired.is_set():  # connected just as the timer fired: it had no socket to cut
                 raise TimeoutError
             connection.request(method, parts.path + path, body=body, headers=headers)
             response = connection.getresponse()
@@ -169,7 +171,7 @@ class RemoteScorer:
             if expired.is_set():  # the cut socket reads as a clean end of the reply
                 raise TimeoutError
         except (OSError, http.client.HTTPException) as exc:
-            if expired.is_set():
+            if expired.is_set() or isinstance(exc, TimeoutError):  # the timer or the socket's own timeout
                 raise _Retryable(f"no complete reply within timeout_s={timeout_s:.3g} s") from None
             raise _Retryable(f"{type(exc).__name__}: {exc}") from None
         finally:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,7 +16,7 @@ import rewards
 from rewards import RewardSet, parse_spec
 from rewards.remote import RemoteRewardError, RemoteScorer
 from rewards.serve import ServerThread
-from rewards.wire import quantise
+from rewards.wire import encode_request, quantise
 
 PROMPTS = ["three", "seven", "a 0", "digit 5", "one", "nine"]
 
@@ -113,11 +115,11 @@ def test_stopped_server_gives_a_clear_error_in_bounded_time():
     assert not batch.valid.any() and server.url in batch.errors["jpeg_compressibility"]
 
 
-def test_serve_module_runs_as_a_command(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def test_serve_module_runs_as_a_command_with_the_token_from_the_environment():
+    # The token comes from $FLYWHEEL_REWARD_TOKEN, so it never shows in the process list.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLYWHEEL_REWARD_TOKEN": "t0k"}
     proc = subprocess.Popen([sys.executable, "-m", "rewards.serve", "--reward", "jpeg_compressibility",
-                             "--port", "0", "--token", "t0k"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         line = ""
         while "serving reward" not in line:
@@ -125,8 +127,92 @@ def test_serve_module_runs_as_a_command(tmp_path):
             assert line or proc.poll() is None, "server exited before printing its address"
         url = line.strip().rsplit(" ", 1)[-1]
         assert url.startswith("http://127.0.0.1:")  # binds the loopback address by default
+        with pytest.raises(RemoteRewardError, match="HTTP 401"):
+            RemoteScorer(url, token="wrong", retries=0)
         scores = RemoteScorer(url, token="t0k")(_images(), PROMPTS, [{}] * 6)
         assert torch.equal(scores, rewards.get("jpeg_compressibility")(_images(), PROMPTS, [{}] * 6))
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_reward_set_passes_remote_timeouts_to_remote_scorers_only(digit_server):
+    name = f"remote:{digit_server.url}"
+    reward_set = RewardSet(f"digit_alignment,{name}", remote_timeout_s=7, remote_budget_s=9.5)
+    assert (reward_set.scorers[name].timeout_s, reward_set.scorers[name].budget_s) == (7.0, 9.5)
+    # A scorer's own kwargs win over the set-wide remote settings.
+    own = RewardSet(name, scorer_kwargs={name: {"timeout_s": 3.0}}, remote_timeout_s=7)
+    assert (own.scorers[name].timeout_s, own.scorers[name].budget_s) == (3.0, 120.0)
+    # Bad values are errors naming the setting, even when the spec has no remote entry.
+    for kwargs in ({"remote_timeout_s": 0}, {"remote_timeout_s": float("nan")}, {"remote_budget_s": "60"},
+                   {"remote_budget_s": float("inf")}, {"remote_timeout_s": True}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be a finite number of seconds > 0"):
+            RewardSet("digit_alignment", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"timeout_s": float("nan")}, "timeout_s must be a finite number"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number"),
+    ({"budget_s": -1.0}, "budget_s must be a finite number"),
+    ({"budget_s": float("inf")}, "budget_s must be a finite number"),
+    ({"health_timeout_s": float("nan")}, "health_timeout_s must be a finite number"),
+    ({"retries": -1}, "retries must be an integer >= 0"),
+    ({"retries": 1.5}, "retries must be an integer >= 0"),
+    ({"backoff_s": float("nan")}, "backoff_s must be a finite number"),
+    ({"max_reply_bytes": 0}, "max_reply_bytes must be a positive integer"),
+])
+def test_client_settings_are_checked_before_any_request(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        RemoteScorer("http://127.0.0.1:9", **kwargs)  # port 9 (discard): nothing is ever sent
+
+
+def test_server_bounds_the_bodies_held_across_requests():
+    """Bodies waiting for the scorer count against max_inflight_bytes: a third concurrent body is a 503
+    (retried by the client within its budget), and the bytes are released when a request finishes."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_sum(images, prompts, metadata):
+        started.set()
+        release.wait(20)
+        return images.flatten(1).sum(1)
+
+    size = len(encode_request(_images(), PROMPTS, [{}] * 6)[0])
+    with ServerThread(slow_sum, "slow_sum", max_body_bytes=size, max_inflight_bytes=int(1.5 * size)) as server:
+        held: list = []
+        first = threading.Thread(target=lambda: held.append(RemoteScorer(server.url)(_images(), PROMPTS, [{}] * 6)))
+        first.start()
+        assert started.wait(10)
+        busy = RemoteScorer(server.url, timeout_s=2.0, budget_s=1.0, retries=20, backoff_s=0.05)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError) as err:
+            busy(_images(), PROMPTS, [{}] * 6)
+        assert time.monotonic() - start < 3.0
+        assert "HTTP 503" in str(err.value) and f"max_inflight_bytes={int(1.5 * size)}" in str(err.value)
+        assert "attempts" in str(err.value)  # retried: busy is not final
+        # One body over the per-body limit is refused outright, not retried.
+        with pytest.raises(RemoteRewardError, match=f"HTTP 413.*max_body_bytes={size}"):
+            busy(torch.rand(7, 1, 8, 8), PROMPTS + ["x"], [{}] * 7)
+        release.set()
+        first.join(timeout=10)
+        expected = _images().flatten(1).sum(1)
+        assert torch.equal(held[0], expected)
+        assert torch.equal(busy(_images(), PROMPTS, [{}] * 6), expected)  # the bytes were given back
+
+
+def test_binding_another_address_without_a_token_warns(caplog):
+    from engine.serve import warn_if_exposed
+
+    with caplog.at_level(logging.WARNING):
+        assert not warn_if_exposed("127.0.0.1", None, "x", "y")
+        assert not warn_if_exposed("localhost", None, "x", "y")
+        assert not warn_if_exposed("::1", None, "x", "y")
+        assert not warn_if_exposed("0.0.0.0", "secret", "x", "y")
+        assert caplog.records == []
+        assert warn_if_exposed("0.0.0.0", None, "x", "y") and warn_if_exposed(None, "", "x", "y")
+        assert warn_if_exposed("reward-box.internal", None, "x", "y")
+        caplog.clear()
+        # 192.0.2.1 is a documentation address no machine holds: the warning comes, the bind then fails.
+        with pytest.raises(RuntimeError, match="could not bind 192.0.2.1"):
+            ServerThread(rewards.get("jpeg_compressibility"), "jpeg_compressibility", host="192.0.2.1")
+    (record,) = caplog.records
+    assert "192.0.2.1 without a token" in record.getMessage() and "FLYWHEEL_REWARD_TOKEN" in record.getMessage()

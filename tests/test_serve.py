@@ -95,6 +95,17 @@ BAD_INPUTS = [
     ({"prompt": "x", "n": 10_000}, 413, "'n' must be in 1..16"),
     ({"prompt": "x", "card": "sd9"}, 404, "known: toy-digits"),
     ({"prompt": "x" * 100_000}, 413, "body exceeds"),
+    # Numbers must be finite and in a sane range: 1e308 once made NaN images with a 200, 10**400 a 500.
+    ({"prompt": "x", "guidance_scale": 1e308}, 400, "valid: 0 <= guidance_scale <= 100"),
+    ('{"prompt": "x", "guidance_scale": 1' + "0" * 400 + "}", 400, "valid: 0 <= guidance_scale <= 100"),
+    ({"prompt": "x", "guidance_scale": -2}, 400, "valid: 0 <= guidance_scale <= 100"),
+    ('{"prompt": "x", "guidance_scale": Infinity}', 400, "must be finite"),
+    ({"prompt": "x", "noise_level": 1e308}, 400, "valid: 0 <= noise_level <= 10"),
+    ('{"prompt": "x", "steps": 1' + "0" * 400 + "}", 400, "'steps' must be in 1..1000"),
+    ('{"prompt": "x", "height": 1' + "0" * 400 + "}", 400, "valid: 1 <= height <= 16384"),
+    ({"prompt": "x", "width": 0}, 400, "valid: 1 <= width <= 16384"),
+    ({"prompt": "x", "frames": -3}, 400, "valid: 1 <= frames <= 4096"),
+    ({"prompt": "x", "sde_window": [0, 10**30]}, 400, "sde_window"),
 ]
 
 
@@ -113,6 +124,75 @@ def test_every_bad_input_is_a_clear_4xx_never_a_500(toy_model):
         assert got_status == status, (body, got_status, got_message)
         assert message in got_message, (body, got_message)
     assert good == 200  # the server is unharmed
+
+
+def test_request_fields_are_checked_in_process_too():
+    """GenerationRequest refuses wrong types and out-of-range numbers whoever builds it, naming the field."""
+    import numpy as np
+    import pytest
+
+    cases = [({"steps": True}, TypeError, "steps must be an integer"),
+             ({"steps": 2.0}, TypeError, "steps must be an integer"),
+             ({"seed": "7"}, TypeError, "seed must be an integer"),
+             ({"seed": 2**64}, ValueError, "seed=18446744073709551616 is out of range"),
+             ({"guidance_scale": float("nan")}, ValueError, "guidance_scale=nan is out of range"),
+             ({"guidance_scale": "4.5"}, TypeError, "guidance_scale must be a number"),
+             ({"noise_level": float("inf")}, ValueError, "noise_level=inf is out of range"),
+             ({"height": 8.0}, TypeError, "height must be an integer or None"),
+             ({"prompt": None}, TypeError, "prompt must be a string"),
+             ({"sde_window": (0.5, 2)}, TypeError, "sde_window must be a (start, end) pair")]
+    for change, error, message in cases:
+        with pytest.raises(error) as err:
+            GenerationRequest(**{"prompt": "x", "seed": 0, **change})
+        assert message in str(err.value), (change, str(err.value))
+    # NumPy scalars are numbers too; the defaults and the edges of each range are valid.
+    ok = GenerationRequest(prompt="x", seed=np.int64(3), steps=np.int32(1000), guidance_scale=np.float32(100),
+                           noise_level=0, height=16384, width=1, frames=4096)
+    assert ok.seed == 3 and GenerationRequest(prompt="x", seed=-(2**63)).seed == -(2**63)
+
+
+def test_post_weights_refuses_bad_files_naming_the_file_or_tensor(tmp_path):
+    """Non-finite or integer tensors, truncated files and absurd versions are 4xx; nothing is loaded."""
+    from safetensors.torch import save_file
+
+    from engine import load_model
+
+    served_model = load_model("toy-digits")
+    state = {k: v.clone() for k, v in served_model.transformer.state_dict().items()}
+    name, first = next((k, v) for k, v in state.items() if v.is_floating_point() and v.numel() > 1)
+    nan = {**state, name: first.clone().index_fill_(0, torch.tensor([0]), float("nan"))}
+    ints = {**state, name: first.round().to(torch.int32)}
+    files = {}
+    for label, tensors in (("nan", nan), ("ints", ints), ("good", state)):
+        files[label] = tmp_path / f"{label}.safetensors"
+        save_file(tensors, str(files[label]))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(files["good"].read_bytes()[:-100])
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 64)
+    bodies = [({"path": str(files["nan"]), "version": 1}, 400, [f"tensor '{name}'", "non-finite"]),
+              ({"path": str(files["ints"]), "version": 1}, 400, [f"tensor '{name}'", "torch.int32", "torch.float32"]),
+              ({"path": str(truncated), "version": 1}, 400, [f"cannot read safetensors file {truncated}"]),
+              ({"path": str(garbage), "version": 1}, 400, [f"cannot read safetensors file {garbage}"]),
+              ('{"path": "%s", "version": 1%s}' % (files["good"], "0" * 400), 400,
+               ["'version' must be an integer in 0.."]),
+              ({"path": str(files["good"]), "version": 1, "component": "vae9"}, 400, ["no component 'vae9'"]),
+              ({"path": str(files["good"]), "version": 1, "card": "sd9"}, 404, ["known: toy-digits"])]
+
+    async def check(client):
+        out = []
+        for body, _, _ in bodies:
+            raw = body if isinstance(body, str) else json.dumps(body)
+            resp = await client.post("/v1/weights", data=raw, headers={"Content-Type": "application/json"})
+            out.append((resp.status, (await resp.json())["error"]))
+        return out, await (await client.get("/v1/weights")).json()
+
+    results, versions = serve(served_model, check)
+    for (body, status, fragments), (got_status, message) in zip(bodies, results):
+        assert got_status == status and all(f in message for f in fragments), (body, got_status, message)
+    assert versions == {"weights": {"toy-digits": 0}}
+    for key, value in served_model.transformer.state_dict().items():  # nothing was copied
+        assert torch.equal(value, state[key]), key
 
 
 def test_admission_refusal_is_413(toy_model):
