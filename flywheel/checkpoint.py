@@ -52,6 +52,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from flywheel.guards import NonFiniteError
 from flywheel.rundir import CONFIG_FILENAME, fsync_dir
 
 MODEL_FILE = "model.safetensors"
@@ -79,10 +80,6 @@ class CheckpointError(ValueError):
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (resume fell back to an older one) or left alone by pruning."""
-
-
-class NonFiniteError(FloatingPointError):
-    """NaN or inf where a run needs finite numbers (weights, optimizer state, loss, gradient norm)."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -113,14 +110,6 @@ def first_non_finite(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str |
         if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             return name
     return None
-
-
-def check_finite(step: int, what: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Raise NonFiniteError naming `step` and the first non-finite tensor of `what` (e.g. "weights")."""
-    bad = first_non_finite(named_tensors)
-    if bad is not None:
-        raise NonFiniteError(f"step {step}: {what} {bad!r} holds NaN or inf; the run has diverged "
-                             "(lower the learning rate or check the rewards)")
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,6 @@ import flywheel.checkpoint as checkpoint_module
 from flywheel.checkpoint import (
     CheckpointError,
     CheckpointWarning,
-    NonFiniteError,
-    check_finite,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -28,6 +25,7 @@ from flywheel.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from flywheel.guards import NonFiniteError
 
 X = torch.linspace(-1, 1, 32).reshape(8, 4)
 Y = torch.linspace(1, -1, 24).reshape(8, 3)
@@ -309,12 +307,6 @@ def test_save_refuses_non_finite_optimizer_state(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001"]
     with pytest.raises(ValueError, match="finite"):  # nor NaN in the trainer's JSON
         save_checkpoint(tmp_path, 2, {}, trainer_state={"best": float("nan")})
-
-
-def test_check_finite_names_step_and_tensor():
-    check_finite(4, "weights", [("a", torch.ones(2)), ("steps", torch.arange(3))])
-    with pytest.raises(NonFiniteError, match=r"step 7: weights 'b'"):
-        check_finite(7, "weights", [("a", torch.ones(2)), ("b", torch.tensor([1.0, float("-inf")]))])
 
 
 def test_manifest_records_step_sizes_checksums_and_tensor_names(tmp_path):
