@@ -1,0 +1,164 @@
+"""Faults around async rollouts: the trainer dies, the engine process dies, a run is resumed.
+
+The engine process must never outlive its trainer (whatever signal ended it),
+no shared-memory segment of a dead run may stay in /dev/shm, a trainer whose
+engine process died gets an error saying so, and a resumed async run differs
+from an uninterrupted one exactly as the README states.
+"""
+
+import glob
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import GenerationRequest, load_model
+from flywheel.engine_process import EXIT_ORPHANED, EngineProcess
+from flywheel.rundir import read_metrics
+from flywheel.sync import SharedMemoryTransport, WeightSyncController
+
+ROOT = Path(__file__).resolve().parents[1]
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not Path("/dev/shm").is_dir(),
+                                reason="checks processes in /proc and segments in /dev/shm")
+GONE_WITHIN_S = 10.0  # the engine polls its parent every 0.2 s; the rest is slack for a loaded machine
+
+# A trainer as the async recipe runs one, minus everything that is not the engine process: it
+# starts the engine, syncs the weights through shared memory (mapped into the engine's weights, or
+# staged in buckets as for an engine on an accelerator), then keeps syncing and rolling out until a
+# signal ends it. It has no cleanup of its own: whatever the signal, the engine must go.
+TRAINER = r"""
+import json, sys
+from engine import GenerationRequest, load_model
+from flywheel.engine_process import EngineProcess
+from flywheel.sync import SharedMemoryTransport, WeightSyncController
+
+engine = EngineProcess.start("toy-digits", threads=1)
+controller = WeightSyncController(engine, transport=SharedMemoryTransport(mapped=sys.argv[1] == "mapped"))
+params = {n: p.detach() for n, p in load_model("toy-digits").transformer.named_parameters()}
+controller.sync(params)
+print(json.dumps({"engine_pid": engine.proc.pid}), flush=True)
+request = GenerationRequest(prompt="3", seed=0, steps=2)
+while True:
+    controller.sync(params)
+    engine.generate([request])
+"""
+KILL_CASES = [("mapped", signal.SIGKILL), ("mapped", signal.SIGTERM), ("mapped", signal.SIGINT),
+              ("buckets", signal.SIGKILL)]
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (an exited one that nobody reaped is a zombie: not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def segments_of(*pids: int) -> list[str]:
+    return sorted(s for pid in pids for s in glob.glob(f"/dev/shm/flywheel_{pid}_*"))
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture(scope="module")
+def trainers():
+    """One trainer per kill case, all started at once so that their imports overlap."""
+    procs = {case: subprocess.Popen([sys.executable, "-c", TRAINER, case[0]], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True) for case in KILL_CASES}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def ready(proc: subprocess.Popen) -> dict:
+    """The trainer's first line, once it has an engine process and has synced into it."""
+    if not select.select([proc.stdout], [], [], 180)[0]:
+        raise TimeoutError("the trainer did not start its engine process within 180 s")
+    line = proc.stdout.readline()
+    assert line, f"the trainer exited with code {proc.wait()} before it was ready"
+    return json.loads(line)
+
+
+@linux_only
+@pytest.mark.parametrize("case", KILL_CASES, ids=lambda c: f"{c[0]}-{c[1].name}")
+def test_a_dead_trainer_takes_its_engine_process_and_segments_with_it(trainers, case):
+    mode, sig = case
+    trainer = trainers[case]
+    engine_pid = ready(trainer)["engine_pid"]
+    try:
+        # The run's segments, before: the engine's weights block (mapped), or the trainer's two buckets.
+        assert len(segments_of(engine_pid if mode == "mapped" else trainer.pid)) == (1 if mode == "mapped" else 2)
+        time.sleep(0.2)  # into the sync-and-generate loop
+        trainer.send_signal(sig)
+        trainer.wait(timeout=30)
+        assert wait_until(lambda: not running(engine_pid), GONE_WITHIN_S), \
+            f"the engine process {engine_pid} outlived its trainer (killed by {sig.name}) by {GONE_WITHIN_S} s"
+        assert wait_until(lambda: not segments_of(trainer.pid, engine_pid), GONE_WITHIN_S), \
+            f"segments left in /dev/shm: {segments_of(trainer.pid, engine_pid)}"
+    finally:
+        if running(engine_pid):  # what the code before the fix left behind
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def test_an_engine_process_whose_parent_is_already_gone_exits_before_loading_anything(tmp_path):
+    """The race a parent-death signal has: the parent died before the child started watching."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    result = subprocess.run([sys.executable, "-m", "flywheel.engine_process", "--parent-pid", str(dead.pid)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": "00"})
+    assert result.returncode == EXIT_ORPHANED, result.stderr[-2000:]
+    assert f"(pid {dead.pid}) is gone" in result.stderr
+    assert result.stdout == ""  # it never got as far as serving (the port line)
+
+
+def toy_params() -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in load_model("toy-digits").transformer.named_parameters()}
+
+
+@linux_only
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_an_engine_process_that_dies_under_the_trainer_ends_in_an_error_saying_so(sig):
+    # Started from a thread that then ends: the engine lives on (a parent-death signal would kill it here).
+    box = {}
+    starter = threading.Thread(target=lambda: box.update(engine=EngineProcess.start("toy-digits", threads=1)))
+    starter.start()
+    starter.join()
+    engine = box["engine"]
+    controller = WeightSyncController(engine, transport=SharedMemoryTransport())
+    params = toy_params()
+    request = GenerationRequest(prompt="3", seed=0, steps=2)
+    try:
+        controller.sync(params)
+        assert engine.generate([request]).weight_version == 1
+        assert segments_of(engine.proc.pid)
+        engine.proc.send_signal(sig)
+        how = "exited with code 143 \\(stopped by SIGTERM\\)" if sig == signal.SIGTERM else "was killed by SIGKILL"
+        with pytest.raises(RuntimeError, match=f"engine process \\(pid {engine.proc.pid}, card 'toy-digits'\\) "
+                                               f"{how} during 'generate'"):
+            engine.generate([request])
+        with pytest.raises(RuntimeError, match=f"{how} during 'pause'"):
+            controller.sync(params)
+        # SIGTERM: the engine unlinks its block as it stops; SIGKILL: its resource tracker does.
+        assert wait_until(lambda: not segments_of(engine.proc.pid), GONE_WITHIN_S), segments_of(engine.proc.pid)
+    finally:
+        controller.close()
+        engine.close()
