@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from flywheel.advantages import group_advantages
+from flywheel.advantages import flat_group_count, group_advantages, reward_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,9 +29,10 @@ def test_masked_samples_are_left_out_and_empty_groups_dropped():
     groups = torch.tensor([0, 0, 0, 1, 1, 2, 2])
     valid = torch.tensor([True, False, True, True, False, False, False])
     adv, usable = group_advantages(rewards, groups, valid)
-    assert usable.tolist() == [True, False, True, True, False, False, False]
+    # Group 1 keeps one valid sample: nothing to compare against, so no signal and out of the loss.
+    assert usable.tolist() == [True, False, True, False, False, False, False]
     torch.testing.assert_close(adv[[0, 2]], torch.tensor([-1.0, 1.0]), atol=1e-3, rtol=0)
-    assert adv[3] == 0  # one valid sample: nothing to compare against
+    assert adv[3] == 0
     assert torch.isfinite(adv).all() and (adv[~usable] == 0).all()
 
 
@@ -42,6 +43,34 @@ def test_clip_and_interleaved_group_ids():
     assert adv.max() == 2.0
     a, _ = group_advantages(torch.tensor([1.0, 9.0, 2.0, 8.0]), torch.tensor([3, 7, 3, 7]))
     torch.testing.assert_close(a, torch.tensor([-1.0, 1.0, 1.0, -1.0]), atol=1e-3, rtol=0)
+
+
+def test_groups_with_one_reward_value_get_exactly_zero_and_leave_the_loss():
+    # fp32 means of 16 copies of 0.987654 are off by an ulp: (r - mean) / (0 + eps) was 1.8e-3, not 0.
+    rewards = torch.cat([torch.full((16,), 0.987654), torch.linspace(0, 1, 16)])
+    groups = torch.arange(32) // 16
+    adv, usable = group_advantages(rewards, groups)
+    assert torch.equal(adv[:16], torch.zeros(16)) and not usable[:16].any()
+    assert usable[16:].all() and adv[16:].abs().sum() > 10
+    assert flat_group_count(groups, torch.ones(32, dtype=torch.bool), usable) == 1
+    # sum_of_advantages: a group flat in one scorer still trains on the other.
+    scores = {"a": rewards, "b": torch.cat([torch.linspace(0, 1, 16), torch.full((16,), 0.5)])}
+    adv2, usable2 = reward_advantages(scores, {"a": 1.0, "b": 1.0}, rewards, torch.ones(32, dtype=torch.bool),
+                                      groups, mode="sum_of_advantages")
+    assert usable2.all()
+    torch.testing.assert_close(adv2[:16], group_advantages(scores["b"][:16], groups[:16])[0])
+
+
+def test_global_std_normalises_by_the_std_of_the_whole_step():
+    """Flow-GRPO's sample.global_std: group means, one population std over every valid reward."""
+    rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 13.0, float("nan")])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    adv, usable = group_advantages(rewards, groups, global_std=True)
+    # By hand: means 2 and 11; the 6 valid rewards have mean 6.5 and population std sqrt(24.25).
+    std = (sum((x - 6.5) ** 2 for x in [1, 2, 3, 10, 10, 13]) / 6) ** 0.5
+    expected = torch.tensor([-1.0, 0.0, 1.0, -1.0, -1.0, 2.0, 0.0]) / (std + 1e-4)
+    torch.testing.assert_close(adv, expected)
+    assert usable.tolist() == [True] * 6 + [False]
 
 
 WORKER = r"""

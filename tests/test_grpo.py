@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import flywheel.loop
@@ -61,13 +62,13 @@ def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch)
     """An honest control: the same run with the advantage sign flipped must go the other way."""
     steps = ["steps=24", "eval_every=24"]
     real, _ = run(tmp_path, "real", *steps)
-    original = flywheel.loop.distributed_group_advantages
+    original = flywheel.loop.distributed_reward_advantages
 
     def negated(*args, **kwargs):
         adv, usable = original(*args, **kwargs)
         return -adv, usable
 
-    monkeypatch.setattr(flywheel.loop, "distributed_group_advantages", negated)
+    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
     control, _ = run(tmp_path, "negated", *steps)
     base = real["base"]["eval/reward/mean"]
     assert control["base"]["eval/reward/mean"] == base  # same seed, same start
@@ -94,8 +95,18 @@ def test_kill_and_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
     assert resumed["run_dir"] == str(interrupted)
     rows = read_metrics(interrupted / "metrics.jsonl")
     assert without_timings(rows) == without_timings(straight)
+    # Every trainer-state field after resume equals the uninterrupted run's, and holds what 6 steps imply.
     state = json.loads((interrupted / "checkpoints" / "step_000006" / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["weight_version"] == 6
+    straight_state = json.loads((tmp_path / "straight" / "checkpoints" / "step_000006" / "trainer_state.json")
+                                .read_text())
+    assert state == straight_state
+    # 6 steps x 4 prompts = 24 prompts consumed of the 80 toy-digits training prompts.
+    assert state == {"step": 6, "weight_version": 6, "data_position": {"epoch": 0, "index_in_epoch": 24},
+                     "skipped_steps": 0, "masked_run": 0}
+    for name, value in load_file(str(tmp_path / "straight" / "checkpoints" / "step_000006" / "model.safetensors")
+                                 ).items():
+        assert torch.equal(value, load_file(str(interrupted / "checkpoints" / "step_000006" /
+                                                "model.safetensors"))[name])
 
 
 def test_wandb_offline_writes_its_files(tmp_path, monkeypatch):

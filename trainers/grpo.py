@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -28,7 +29,7 @@ from engine import Engine, PromptEmbeds, Trajectory, get_card, load_model
 from engine.loop import concat_embeds, guided_velocity
 from engine.sampling import sde_t_cap, step_log_prob, transition_std
 from flywheel.async_rollouts import AsyncCollector
-from flywheel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flywheel.checkpoint import load_checkpoint, load_trainable, resolve_resume, save_checkpoint
 from flywheel.config import (ConfigChecks, ConfigError, apply_overrides, config_to_dict, config_value, load_config,
                              parse_config, save_config)
 from flywheel.cli import run_main
@@ -396,14 +397,11 @@ def resolve_config(argv: list[str]) -> Config:
     """CLI config; with resume=RUN, the run's saved config.yaml is the base and the CLI overrides it."""
     cfg = parse_config(Config, argv)
     if cfg.resume:
-        ckpt = latest_checkpoint(cfg.resume)
-        if ckpt is None:
-            raise FileNotFoundError(f"resume={cfg.resume!r}: no checkpoint found there")
-        run_dir = ckpt.parent.parent
-        saved = run_dir / "config.yaml"
-        if saved.exists():
-            overrides = [a for a in argv if "=" in a and not a.startswith("--")]
-            cfg = apply_overrides(load_config(Config, saved), overrides)
+        # The newest checkpoint that verifies (a corrupt newer one is skipped with a warning);
+        # a run dir without its config.yaml is refused rather than resumed with defaults.
+        run_dir, ckpt = resolve_resume(cfg.resume)
+        overrides = [a for a in argv if "=" in a and not a.startswith("--")]
+        cfg = apply_overrides(load_config(Config, run_dir / "config.yaml"), overrides)
         cfg.run_dir, cfg.resume = str(run_dir), str(ckpt)
     return cfg
 
@@ -562,10 +560,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = resolve_config(sys.argv[1:] if argv is None else argv)
     validate_config(cfg)
-    run = RunDir(cfg.run_dir)
-    init_kwargs = prepare_tracker(cfg.tracker, run.path)
+    init_kwargs = prepare_tracker(cfg.tracker, Path(cfg.run_dir))
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              log_with=None if cfg.tracker == "none" else cfg.tracker, project_dir=str(run.path))
+                              log_with=None if cfg.tracker == "none" else cfg.tracker, project_dir=cfg.run_dir)
+    # A run dir belongs to one run: a fresh run refuses a used one unless told to overwrite it.
+    run = RunDir(cfg.run_dir, mode="resume" if cfg.resume else "overwrite" if cfg.overwrite else "new",
+                 tracker_dirs=(cfg.project,) if cfg.tracker == "tensorboard" else (),
+                 is_main_process=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
     if accelerator.device.type == "cpu":
         # One thread per rank: ranks sharing the cores must not oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
@@ -610,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict:
     metrics_log = MetricsLog(run.path / "metrics.jsonl")
     if cfg.resume:
         state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=named_params)
-        transformer.load_state_dict(state, strict=False)
+        load_trainable(named_params, state, cfg.resume)  # strict: every trained tensor, nothing else
         start_step, version = trainer_state["step"], trainer_state["weight_version"]
         if accelerator.is_main_process:
             metrics_log.truncate_after(start_step)  # rows a killed run wrote after its last checkpoint
@@ -643,6 +645,10 @@ def main(argv: list[str] | None = None) -> dict:
                             height=cfg.sampling.height, width=cfg.sampling.width, frames=cfg.sampling.frames),
         seed=cfg.seed, adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring,
         global_std=cfg.train.global_std)
+    if cfg.resume and trainer_state["data_position"] != flywheel.sampler.position(start_step):
+        raise ValueError(f"resume={cfg.resume}: the checkpoint was at data position {trainer_state['data_position']}"
+                         f" but step {start_step} of these prompts is at {flywheel.sampler.position(start_step)}: "
+                         "data.prompts or data.prompts_per_step changed since it was saved")
     judges = build_judges(cfg) if accelerator.is_main_process else {}
     if cfg.tracker != "none":
         accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)), init_kwargs=init_kwargs)

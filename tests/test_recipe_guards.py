@@ -1,0 +1,204 @@
+"""The recipe refuses bad configs up front and stops on bad numbers: issue 11's items 3, 5, 9, 10 and 16."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import load_model
+from flywheel.config import ConfigError, parse_config
+from flywheel.guards import NonFiniteError
+from flywheel.loop import sample_seed
+from flywheel.prompts import load_prompts
+from flywheel.rundir import read_metrics
+from rewards import registry
+from trainers.grpo import Config, main, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
+        "sample_every=1000", "eval_every=1000"]
+
+
+def config_problems(*overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(Config, list(overrides)))
+    return str(err.value)
+
+
+# ---- item 16: every field checked before anything runs --------------------------------------
+
+
+@pytest.mark.parametrize("override, names", [
+    ("save_every=0", "save_every=0"),
+    ("eval_every=0", "eval_every=0"),
+    ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps=0"),
+    ("data.group_size=1", "data.group_size=1"),
+    ("data.group_size=0", "data.group_size=0"),
+    ("train.minibatch_size=0", "train.minibatch_size=0"),
+    ("train.clip_range=-0.1", "train.clip_range=-0.1"),
+    ("steps=0", "steps=0"),
+    ("steps=-3", "steps=-3"),
+    ("keep_checkpoints=0", "keep_checkpoints=0"),
+    ("sampling.noise_level=nan", "sampling.noise_level=nan: must be a finite number"),
+    ("sampling.guidance_scale=inf", "sampling.guidance_scale=inf: must be a finite number"),
+    ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
+    ("sampling.sde_window=[4,2]", "sampling.sde_window"),
+    ("train.timestep_fraction=0", "train.timestep_fraction=0.0"),
+])
+def test_each_bad_field_is_named_with_its_valid_range(override, names):
+    message = config_problems(override)
+    assert names in message
+    assert "must" in message  # says what is valid, not only what is wrong
+
+
+def test_all_problems_are_reported_at_once():
+    message = config_problems("steps=0", "save_every=0", "train.kl_form=flow_grpo", "sampling.sampler=cps",
+                              "sampling.noise_level=0.5")
+    assert "steps=0" in message and "save_every=0" in message and "train.kl_form=flow_grpo" in message
+
+
+def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a handwritten 3"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: expected a JSON object .* got list"):
+        load_prompts(str(bad))
+    assert f"data.prompts='{bad}'" in config_problems(f"data.prompts={bad}")
+
+
+def test_config_errors_stop_before_the_run_dir_is_touched(tmp_path):
+    with pytest.raises(ConfigError):
+        main([f"run_dir={tmp_path / 'r'}", "tracker=none", "save_every=0"])
+    assert not (tmp_path / "r").exists()
+
+
+def test_under_accelerate_launch_the_config_error_is_the_last_thing_printed(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(["accelerate", "launch", "--num_processes", "1", "--cpu", "trainers/grpo.py",
+                          "save_every=0", "tracker=none", f"run_dir={tmp_path / 'r'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+    assert "CalledProcessError" in out.stderr  # accelerate's own traceback is there...
+    assert lines[-2:] == ["error: invalid config:", "  save_every=0: must be an integer >= 1"]  # ...and we come after
+
+
+# ---- item 3: silent off-policy training refused ---------------------------------------------
+
+
+def test_unguided_training_of_guided_rollouts_is_refused():
+    message = config_problems("train.cfg_in_train=false", "sampling.guidance_scale=4.5")
+    assert "train.cfg_in_train=false" in message and "policy other than the one that sampled" in message
+    validate_config(parse_config(Config, ["train.cfg_in_train=false", "sampling.guidance_scale=1.0"]))
+
+
+def test_time_shift_on_a_card_with_its_own_schedule_is_an_error(tmp_path, monkeypatch):
+    import trainers.grpo as grpo
+
+    toy = load_model("toy-digits")
+    toy.schedule = lambda steps, shape: torch.linspace(1, 0, steps + 1)  # as SD3, FLUX and Wan have
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: toy)
+    with pytest.raises(ConfigError, match="sampling.time_shift=3.0: the toy-digits card takes its schedule"):
+        main([f"run_dir={tmp_path / 'r'}", *TINY, "steps=1", "sampling.time_shift=3.0"])
+
+
+# ---- item 5: rollout seeds of different runs never collide ----------------------------------
+
+
+def test_rollout_seeds_of_two_runs_share_none():
+    assert sample_seed(1, 0, 27) != sample_seed(0, 10, 0)  # equal under the old linear mix
+    default_run = [(step, row) for step in range(80) for row in range(128)]
+    seeds = {run: {sample_seed(run, s, r) for s, r in default_run} for run in (0, 1, 2)}
+    assert all(len(s) == len(default_run) for s in seeds.values())  # no repeat inside a run
+    assert not seeds[0] & seeds[1] and not seeds[0] & seeds[2] and not seeds[1] & seeds[2]
+    assert all(0 <= s < 2**63 for s in seeds[0])
+    assert sample_seed(0, 3, 5) == sample_seed(0, 3, 5)  # a pure function
+
+
+# ---- items 9 and 10: non-finite numbers and fully masked steps ------------------------------
+
+
+@pytest.fixture
+def nan_reward():
+    registry.register("always_nan", lambda **_: (lambda images, prompts, metadata: torch.full((len(prompts),),
+                                                                                                float("nan"))))
+    yield "always_nan"
+    registry.unregister("always_nan")
+
+
+def test_fully_masked_steps_do_not_move_the_weights_and_a_nan_final_eval_fails(tmp_path, nan_reward):
+    run_dir = tmp_path / "masked"
+    with pytest.raises(NonFiniteError, match="final evaluation reward"):
+        main([f"run_dir={run_dir}", *TINY, "steps=2", "save_every=2", f"rewards={nan_reward}:1.0"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["train/skipped_steps"] for r in rows[1:]] == [1, 2]
+    saved = load_file(str(run_dir / "checkpoints" / "step_000002" / "model.safetensors"))
+    base = load_model("toy-digits").transformer.state_dict()
+    assert all(torch.equal(saved[name], base[name]) for name in base)  # not even AdamW's weight decay moved them
+    assert rows[-1]["weight_version"] == 0
+
+
+def test_consecutive_fully_masked_steps_stop_the_run(tmp_path, nan_reward):
+    with pytest.raises(RuntimeError, match=r"step 3: the rewards masked every sample of the last 3 steps"):
+        main([f"run_dir={tmp_path / 'm'}", *TINY, "steps=10", f"rewards={nan_reward}:1.0",
+              "train.max_masked_steps=3"])
+
+
+def test_a_weight_gone_nan_stops_the_run_at_its_step_and_keeps_the_good_checkpoints(tmp_path, monkeypatch):
+    run_dir = tmp_path / "blowup"
+    main([f"run_dir={run_dir}", *TINY, "steps=1", "save_every=1"])  # one good step, checkpointed
+    good = load_file(str(run_dir / "checkpoints" / "step_000001" / "model.safetensors"))
+    original_step = torch.optim.AdamW.step
+
+    def step_then_poison(self, *args, **kwargs):  # an update that leaves an inf behind (a bad lr, a bad batch)
+        out = original_step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][3].view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_poison)
+    with pytest.raises(NonFiniteError, match=r"step 2: weight '[\w.]+' \(1 tensor\(s\) in all\) holds NaN or inf"):
+        main([f"resume={run_dir}", "steps=3", "save_every=1"])
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_000001"]  # nothing bad saved, nothing good pruned
+    kept = load_file(str(run_dir / "checkpoints" / "step_000001" / "model.safetensors"))
+    assert all(torch.equal(kept[k], good[k]) for k in good)
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]  # no row of the bad step
+
+
+def test_a_nan_gradient_stops_before_the_optimizer_step(monkeypatch, tmp_path):
+    import trainers.grpo as grpo
+
+    original = grpo.grpo_step_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(grpo, "grpo_step_loss", nan_loss)
+    with pytest.raises(NonFiniteError, match="step 1: the gradient norm is nan"):
+        main([f"run_dir={tmp_path / 'g'}", *TINY, "steps=2"])
+    assert not list((tmp_path / "g" / "checkpoints").glob("step_*"))
+
+
+def test_resume_refuses_a_data_position_that_does_not_match(tmp_path):
+    run_dir = tmp_path / "pos"
+    main([f"run_dir={run_dir}", *TINY, "steps=1", "save_every=1"])
+    with pytest.raises(ValueError, match=r"data position \{'epoch': 0, 'index_in_epoch': 2\} but step 1 of these "
+                                         r"prompts is at \{'epoch': 0, 'index_in_epoch': 3\}"):
+        main([f"resume={run_dir}", "steps=2", "data.prompts_per_step=3"])
+
+
+def test_a_fresh_run_refuses_a_used_run_dir_and_overwrite_starts_over(tmp_path):
+    from flywheel.rundir import RunDirInUseError
+
+    run_dir = tmp_path / "used"
+    main([f"run_dir={run_dir}", *TINY, "steps=1"])
+    with pytest.raises(RunDirInUseError, match="resume=.*overwrite=true"):
+        main([f"run_dir={run_dir}", *TINY, "steps=1"])
+    main([f"run_dir={run_dir}", *TINY, "steps=1", "overwrite=true"])
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]  # not [0, 1, 0, 1]
