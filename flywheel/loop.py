@@ -20,11 +20,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine import Engine, GenerationRequest, Trajectory
-from flywheel.advantages import distributed_group_advantages, distributed_reward_advantages
-from flywheel.distributed import rank_and_world
+from flywheel.advantages import distributed_reward_advantages, flat_group_count
+from flywheel.distributed import all_gather_cat, rank_and_world
 from flywheel.prompts import PromptItem, PromptSampler
 from rewards import RewardBatch, RewardSet
 
@@ -42,8 +43,16 @@ class RolloutBatch:
 
 
 def sample_seed(seed: int, step: int, row: int) -> int:
-    """A rollout seed that depends only on the run seed, the step and the global row."""
-    return (seed * 1_000_003 + step * 100_003 + row) % (2**63)
+    """A 63-bit rollout seed that depends only on the run seed, the step and the global row.
+
+    numpy's SeedSequence hashes the three numbers together, so different runs'
+    seeds do not collide: a linear mix such as seed·a + step·b + row maps
+    (1, 0, 27) and (0, 10, 0) to one seed, and a seed-0 and a seed-1 default
+    run then shared 7,070 of their 10,240 noise seeds.
+    """
+    if min(seed, step, row) < 0:
+        raise ValueError(f"sample_seed needs non-negative seed, step and row, got {seed}, {step}, {row}")
+    return int(np.random.SeedSequence([seed, step, row]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 def group_diversity(images: torch.Tensor, group_ids: torch.Tensor) -> float:
@@ -61,9 +70,10 @@ class Flywheel:
 
     def __init__(self, engine: Engine, rewards: RewardSet, sampler: PromptSampler,
                  group_size: int, request_kwargs: dict, seed: int = 0, adv_clip: float | None = None,
-                 overlap_scoring: bool = False, rollout_chunk_size: int | None = None):
+                 overlap_scoring: bool = False, rollout_chunk_size: int | None = None, global_std: bool = False):
         """`rollout_chunk_size`: rows per engine call (None: all rows at once, or half of them when
-        `overlap_scoring` is on, so that there is a next chunk to overlap with)."""
+        `overlap_scoring` is on, so that there is a next chunk to overlap with). `global_std`: normalise
+        advantages by the std of the whole step's rewards instead of each group's (Flow-GRPO's option)."""
         rank, world = rank_and_world()
         global_batch = sampler.prompts_per_step * group_size
         if global_batch % world:
@@ -71,6 +81,7 @@ class Flywheel:
                              f"number of processes ({world})")
         self.engine, self.rewards, self.sampler = engine, rewards, sampler
         self.group_size, self.request_kwargs, self.seed, self.adv_clip = group_size, request_kwargs, seed, adv_clip
+        self.global_std = global_std
         self.rank, self.world = rank, world
         self.local_batch = global_batch // world
         if rollout_chunk_size is not None and rollout_chunk_size < 1:
@@ -135,12 +146,13 @@ class Flywheel:
         group_ids = torch.tensor([row // self.group_size for row in rows])
 
         trajectory, rewards, timings = self._rollout_and_score(requests)
-        if rewards.mode == "weighted_sum":
-            advantages, usable = distributed_group_advantages(rewards.total, group_ids, rewards.valid,
-                                                              clip=self.adv_clip)
-        else:
-            advantages, usable = distributed_reward_advantages(rewards, group_ids, clip=self.adv_clip)
+        advantages, usable = distributed_reward_advantages(rewards, group_ids, clip=self.adv_clip,
+                                                           global_std=self.global_std)
         metrics = {**timings, "reward/usable": float(usable.sum()),
+                   # Every rank counts the same global groups (a group may span ranks).
+                   "reward/zero_std_groups": float(flat_group_count(all_gather_cat(group_ids),
+                                                                    all_gather_cat(rewards.valid.to(torch.uint8)),
+                                                                    all_gather_cat(usable.to(torch.uint8)))),
                    "diversity": group_diversity(trajectory.images, group_ids),
                    "weight_version": trajectory.weight_version, **rewards.metrics()}
         return RolloutBatch(trajectory, rewards, advantages.to(trajectory.latents.device),
