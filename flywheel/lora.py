@@ -11,14 +11,20 @@ import contextlib
 from torch import nn
 
 
-def add_lora(module: nn.Module, rank: int, alpha: float, target_modules: list[str]) -> list[str]:
-    """Inject a LoRA adapter into `module`; only adapter weights stay trainable. Returns their names."""
+def add_lora(module: nn.Module, rank: int, alpha: float, target_modules: list[str], init: str = "default") -> list[str]:
+    """Inject a LoRA adapter into `module`; only adapter weights stay trainable. Returns their names.
+
+    `init`: peft's "default" (Kaiming-uniform A) or "gaussian" (A ~ N(0, 1/r), as Flow-GRPO); B = 0
+    either way, so the adapted model starts equal to the base.
+    """
+    if init not in ("default", "gaussian"):
+        raise ValueError(f"LoRA init {init!r} is not known; valid: default, gaussian")
     from peft import LoraConfig, inject_adapter_in_model
 
     if not target_modules:
         raise ValueError("LoRA needs target_modules (names of Linear layers to adapt)")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0,
-                        init_lora_weights=True)
+                        init_lora_weights=True if init == "default" else init)
     inject_adapter_in_model(config, module)
     trainable = []
     for name, param in module.named_parameters():

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 import flywheel.loop
 from engine import list_cards
-from flywheel.config import ConfigError, parse_config
+from flywheel.config import ConfigError, apply_overrides, parse_config
 from flywheel.rundir import read_metrics
-from trainers.grpo import Config, main
+from trainers.grpo import Config, main, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick, but big enough that the reward moves within a few dozen steps.
@@ -154,6 +154,28 @@ def test_two_processes_draw_the_same_samples_as_one(tmp_path):
 def test_shipped_configs_parse(path):
     cfg = parse_config(Config, ["--config", str(path)])
     assert cfg.model.card in list_cards()
+    # Valid in every field (their prompt files are the user's: point them at the built-in set here).
+    validate_config(apply_overrides(cfg, ["data.prompts=toy-digits", "data.eval_prompts=toy-digits"]))
+
+
+def test_sd3_pickscore_config_matches_flow_grpo_pickscore_sd3():
+    """configs/sd3_pickscore.yaml says it follows Flow-GRPO's pickscore_sd3 (config/grpo.py, commit ac4c86e)."""
+    cfg = parse_config(Config, ["--config", str(ROOT / "configs" / "sd3_pickscore.yaml")])
+    flow_grpo = {  # Flow-GRPO's key -> (its value, ours)
+        "sample.num_steps": (10, cfg.sampling.steps), "sample.eval_num_steps": (40, cfg.sampling.eval_steps),
+        "sample.guidance_scale": (4.5, cfg.sampling.guidance_scale), "resolution": (512, cfg.sampling.height),
+        "sample.num_image_per_prompt": (24, cfg.data.group_size), "prompts per epoch": (48, cfg.data.prompts_per_step),
+        "sample.noise_level": (0.7, cfg.sampling.noise_level), "sample.global_std": (True, cfg.train.global_std),
+        "train.beta": (0.01, cfg.train.kl_beta), "train.clip_range": (1e-4, cfg.train.clip_range),
+        "train.adv_clip_max": (5, cfg.train.adv_clip_max), "train.learning_rate": (3e-4, cfg.train.learning_rate),
+        "train.adam_weight_decay": (1e-4, cfg.train.weight_decay), "train.max_grad_norm": (1.0, cfg.train.max_grad_norm),
+        "train.adam_beta1/2": ((0.9, 0.999), cfg.train.adam_betas), "train.cfg": (True, cfg.train.cfg_in_train),
+        "train.timestep_fraction": (0.99, cfg.train.timestep_fraction), "train.batch_size": (9, cfg.train.minibatch_size),
+        "optimizer steps per epoch": (2, cfg.train.updates_per_rollout), "lora r": (32, cfg.model.lora_rank),
+        "lora_alpha": (64, cfg.model.lora_alpha), "init_lora_weights": ("gaussian", cfg.model.lora_init),
+    }
+    assert {k: ours for k, (_, ours) in flow_grpo.items()} == {k: theirs for k, (theirs, _) in flow_grpo.items()}
+    assert cfg.train.kl_form == "flow_grpo" and cfg.train.timestep_selection == "first"
 
 
 def test_async_rollouts_lag_one_version_and_are_corrected(tmp_path):

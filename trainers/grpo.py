@@ -64,6 +64,8 @@ class ModelConfig:
     """LoRA alpha (scale = alpha / r)"""
     lora_targets: list[str] | None = None
     """Linear layers to adapt; None uses the card's default"""
+    lora_init: Literal["default", "gaussian"] = "default"
+    """LoRA A init: peft's Kaiming-uniform, or gaussian N(0, 1/r) as Flow-GRPO (B = 0 either way)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """transformer weight dtype; latents and log-probs stay fp32"""
     compile: bool = False
@@ -590,7 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
     need_reference = cfg.train.kl_beta > 0 or cfg.train.log_kl
     if cfg.model.finetune == "lora":
         targets = cfg.model.lora_targets or card_defaults.get("lora_targets")
-        add_lora(transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
+        add_lora(transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets, init=cfg.model.lora_init)
         if need_reference:
             def ref_velocity(x, t, cond, uncond_cond, g):  # the base model = adapter switched off
                 with adapters_disabled(transformer):
