@@ -95,11 +95,23 @@ def test_on_policy_ratio_is_exactly_one(toy_engine):
             assert torch.equal(torch.exp(log_prob - traj.log_probs[:, j]), torch.ones(4))
 
 
-def test_guidance_changes_the_output(toy_engine):
+def test_guidance_changes_the_output_by_the_cfg_term(toy_engine):
+    """From the same noise, the first guided Euler step moves dt·(g - 1)·(v_c - v_u) away from the unguided one."""
+    g = 4.0
     plain = toy_engine.generate(requests(2, sampler="ode"))
-    guided = toy_engine.generate(requests(2, sampler="ode", guidance_scale=4.0))
-    assert not torch.equal(plain.latents, guided.latents)
+    guided = toy_engine.generate(requests(2, sampler="ode", guidance_scale=g))
     assert guided.negative_prompt_embeds is not None and plain.negative_prompt_embeds is None
+    assert torch.equal(plain.latents[:, 0], guided.latents[:, 0])
+    model, x, t, t_next = toy_engine.model, plain.latents[:, 0], plain.timesteps[0], plain.timesteps[1]
+    cond = PromptEmbeds(plain.prompt_embeds, plain.pooled_prompt_embeds, plain.prompt_mask)
+    uncond = PromptEmbeds(guided.negative_prompt_embeds, guided.negative_pooled_prompt_embeds,
+                          guided.negative_prompt_mask)
+    with torch.no_grad():  # each branch on its own, outside the engine
+        v_cond = model.velocity(model.transformer, x, t, cond)
+        v_uncond = model.velocity(model.transformer, x, t, uncond)
+    expected = (t_next - t) * (g - 1) * (v_cond - v_uncond)
+    assert expected.abs().max() > 0.1  # a change well above the tolerance below
+    torch.testing.assert_close(guided.latents[:, 1] - plain.latents[:, 1], expected, atol=1e-5, rtol=0)
 
 
 def test_incompatible_requests_and_wrong_card_are_clear_errors(toy_engine):

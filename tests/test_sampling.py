@@ -71,12 +71,35 @@ def test_recomputed_log_prob_equals_recorded_bitwise():
     assert torch.equal(recorded, recomputed)
 
 
-def test_log_prob_prefers_the_mean():
-    mean = torch.zeros(2, 4)
-    std = torch.tensor(0.5)
-    near = gaussian_step_log_prob(mean + 0.01, mean, std)
-    far = gaussian_step_log_prob(mean + 1.0, mean, std)
-    assert torch.all(near > far)
+def test_log_prob_is_the_gaussian_log_density_in_numbers():
+    """log N(x; m, s^2) = -(x - m)^2 / (2 s^2) - log s - log(2 pi) / 2, averaged over elements; 0 where s = 0."""
+    mean = torch.zeros(3, 4)
+    offsets = torch.tensor([[0.01] * 4, [1.0, -1.0, 0.5, 0.0], [2.0] * 4])
+    got = gaussian_step_log_prob(mean + offsets, mean, torch.tensor(0.5))
+    c = 0.5 * math.log(2 * math.pi)
+    expected = [-(0.01**2) / 0.5 + math.log(2) - c,                          # 0.01 from the mean
+                -(1 + 1 + 0.25 + 0) / 4 / 0.5 + math.log(2) - c,             # mixed offsets: the mean over elements
+                -(2.0**2) / 0.5 + math.log(2) - c]
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
+    assert math.isclose(expected[0], -0.2259918, abs_tol=1e-6)  # the formula itself, in one number
+    # A deterministic step (std 0) has log-prob 0, not -inf or NaN.
+    assert torch.equal(gaussian_step_log_prob(mean + offsets, mean, torch.tensor(0.0)), torch.zeros(3))
+
+
+def test_sde_and_cps_steps_add_std_times_the_given_noise():
+    """x_next = mean + std · eps with the caller's eps: the noise is neither redrawn nor rescaled."""
+    x, v, eps = _state(10)
+    t_all = flow_timesteps(10)
+    cap = sde_t_cap(t_all)
+    for k in (0, 5):
+        t, t_next = t_all[k], t_all[k + 1]
+        x_sde, _ = sde_step(x, v, t, t_next, 0.7, eps, cap)
+        mean, std = sde_mean_std(x, v, t, t_next, 0.7, cap)
+        torch.testing.assert_close(x_sde, mean + std * eps, rtol=0, atol=1e-6)
+        x_cps, _ = cps_step(x, v, t, t_next, 0.3, eps)
+        mean, std = cps_mean_std(x, v, t, t_next, 0.3)
+        torch.testing.assert_close(x_cps, mean + std * eps, rtol=0, atol=1e-6)
+        assert float(std) > 0.01  # the noise term is not negligible at these steps
 
 
 def test_noise_levels_respect_the_window():
@@ -89,7 +112,8 @@ def test_cps_mean_and_std_follow_the_formula():
     """x0_hat = x - t·v, eps_hat = x + (1-t)·v, std = t'·sin(eta·pi/2),
     mean = (1-t')·x0_hat + sqrt(t'^2-std^2)·eps_hat."""
     x, v, _ = _state(5)
-    t, t_next, eta = 0.6, 0.45, 0.5
+    # eta = 0.3, not 0.5: at eta = 0.5 sin and cos of eta·pi/2 are equal, and swapping them would pass.
+    t, t_next, eta = 0.6, 0.45, 0.3
     mean, std = cps_mean_std(x, v, torch.tensor(t), torch.tensor(t_next), eta)
     xd, vd = x.double(), v.double()
     x0_hat, eps_hat = xd - t * vd, xd + (1 - t) * vd
