@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from engine import GenerationRequest, load_model
-from flywheel.engine_process import EXIT_ORPHANED, EngineProcess
+from flywheel.engine_process import EXIT_ORPHANED, EngineProcess, sigterm_as_exit
 from flywheel.rundir import read_metrics
 from flywheel.sync import SharedMemoryTransport, WeightSyncController
 
@@ -162,3 +162,54 @@ def test_an_engine_process_that_dies_under_the_trainer_ends_in_an_error_saying_s
     finally:
         controller.close()
         engine.close()
+
+
+# ---- resume ---------------------------------------------------------------------------------
+
+ASYNC_RUN = ["tracker=none", "async_rollouts=true", "data.prompts_per_step=2", "data.group_size=4",
+             "sampling.eval_seeds=1", "train.timestep_fraction=0.5", "eval_every=1000", "sample_every=1000",
+             "save_every=2"]
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without timings and evaluations (a run evaluates at its own last step)."""
+    return {k: v for k, v in row.items() if not (k.startswith(("time/", "eval/")) or k.endswith("_s"))}
+
+
+def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_documented(tmp_path):
+    """README, async rollouts: up to the checkpoint the rows are the uninterrupted run's; the first step
+    after resume is rolled out with the checkpoint's weights (staleness 0) where the uninterrupted run
+    used the batch prefetched with the previous weights (staleness 1), so from there the runs differ;
+    the weight versions name the same weights in both; the staleness counts restart at the resume."""
+    from trainers.grpo import main
+
+    main([f"run_dir={tmp_path / 'straight'}", "steps=3", *ASYNC_RUN])
+    main([f"run_dir={tmp_path / 'resumed'}", "steps=2", *ASYNC_RUN])  # stops right after its step-2 checkpoint
+    main([f"resume={tmp_path / 'resumed'}", "steps=3"])
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    checkpoint = json.loads((tmp_path / "resumed" / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert [comparable(r) for r in resumed[:3]] == [comparable(r) for r in straight[:3]]
+    after, uninterrupted = resumed[3], straight[3]
+    assert uninterrupted["staleness"] == 1 and uninterrupted["weight_version"] == checkpoint["weight_version"] - 1
+    assert after["staleness"] == 0 and after["weight_version"] == checkpoint["weight_version"]
+    assert after["logprob_gap/max"] == 0.0 < uninterrupted["logprob_gap/max"]  # rolled out with the trainer's weights
+    assert after["reward/mean"] != uninterrupted["reward/mean"]  # other weights, so other samples
+    assert after["staleness/count_0"] == 1.0 and "staleness/count_1" not in after
+    assert uninterrupted["staleness/count_1"] == 2.0
+
+
+def test_sigterm_inside_sigterm_as_exit_unwinds_so_finally_clauses_close_the_engine():
+    closed = []
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        with sigterm_as_exit():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises in this thread at the next bytecode
+            finally:
+                closed.append(True)
+    assert stop.value.code == 128 + signal.SIGTERM and closed == [True]
+    assert signal.getsignal(signal.SIGTERM) is previous  # restored after the block

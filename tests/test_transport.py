@@ -1,5 +1,6 @@
 """Weight transports: bucketing, shared memory across processes, disk, broadcast, checksums."""
 
+import gc
 import json
 import os
 import subprocess
@@ -214,3 +215,25 @@ def test_a_sender_laid_out_like_the_block_writes_it_in_one_copy_with_the_same_re
     finally:
         writer.close()
         block.close()
+
+
+def shm_path(name: str) -> Path:
+    return Path("/dev/shm") / name
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="POSIX shared memory shows in /dev/shm on Linux")
+def test_segments_are_named_after_their_creator_and_unlinked_by_whoever_made_them():
+    block = SharedWeights({"w": torch.randn(8)})
+    assert block.name.startswith(f"flywheel_{os.getpid()}_") and shm_path(block.name).exists()
+    block.unlink()
+    block.unlink()  # once is enough; a second call (a watchdog, then close) is no error
+    assert not shm_path(block.name).exists()
+    block.close()
+
+    sender = SharedMemorySender(bucket_bytes=1024)
+    sender.send(sample_tensors(), lambda shm, slots: None)
+    names = [b.name for b in sender._blocks]
+    assert len(names) == 2 and all(n.startswith(f"flywheel_{os.getpid()}_") and shm_path(n).exists() for n in names)
+    del sender  # dropped without close(): its blocks go with it, not at some later tracker cleanup
+    gc.collect()
+    assert not any(shm_path(n).exists() for n in names)
