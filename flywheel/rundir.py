@@ -19,6 +19,7 @@ the old file or the new one, never a torn one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -360,7 +361,12 @@ class RunDir:
                 self._clear(tracker_dirs)
             for d in (self.path, self.checkpoints_dir, self.samples_dir):
                 d.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(self.metrics_path)
+
+    @functools.cached_property
+    def metrics(self) -> MetricsLog:
+        """The run's metrics.jsonl, opened on first use (by the process that writes it: opening repairs
+        a torn last line, which other processes must not race)."""
+        return MetricsLog(self.metrics_path)
 
     def _refuse_used(self) -> None:
         used = _used_entries(self.path)

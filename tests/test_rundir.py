@@ -118,8 +118,10 @@ def test_run_dir_arguments_are_checked(tmp_path):
 
 def test_only_the_main_process_checks_and_clears(tmp_path):
     run = used_run(tmp_path / "run")
+    (run.metrics_path).write_text('{"step": 1}\n{"step": 2, "lo')  # torn by a killed writer
     other = RunDir(run.path, mode="overwrite", is_main_process=False)
     assert other.checkpoints_dir == run.checkpoints_dir and run.config_path.exists()
+    assert run.metrics_path.read_text().endswith('"lo')  # only the writer repairs metrics.jsonl
     RunDir(tmp_path / "run", is_main_process=False)  # the main process is the one that refuses
 
 
