@@ -407,6 +407,8 @@ def _check_files(ckpt_dir: Path, manifest: dict, checksums: bool) -> None:
     if missing:
         raise CheckpointError(f"{ckpt_dir / MANIFEST_FILE} does not list {', '.join(missing)}")
     for name, entry in files.items():
+        if Path(name).name != name or not isinstance(entry, dict):
+            raise CheckpointError(f"{ckpt_dir / MANIFEST_FILE} has a malformed entry {name!r}: {entry!r}")
         path = ckpt_dir / name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing (listed in {MANIFEST_FILE})")
