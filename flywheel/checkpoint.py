@@ -708,8 +708,11 @@ def _prune(checkpoints_dir: Path, keep_last: int | None, newest: Path) -> None:
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                     named_params: Iterable[tuple[str, nn.Parameter]] | None = None,
-                    restore_rng: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+                    restore_rng: bool = True, checksums: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """Verify and load a checkpoint dir: returns (model_state on CPU, trainer_state).
+
+    `checksums=False` skips re-hashing a checkpoint `resolve_resume` has just
+    verified (sizes, names and steps are still checked): hashing reads every byte.
 
     The checkpoint is verified first (`verify_checkpoint`, with checksums) and
     its tensors must be finite: a CheckpointError names the file otherwise,
@@ -724,7 +727,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, optimizer: torch.optim.Optimize
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(
             f"checkpoint dir not found: {ckpt_dir} (use resolve_resume(run_dir) to find one)")
-    verify_checkpoint(ckpt_dir)
+    verify_checkpoint(ckpt_dir, checksums=checksums)
     model_state = _load_tensors(ckpt_dir, MODEL_FILE)
     trainer_state = _read_json(ckpt_dir, TRAINER_STATE_FILE)
     if optimizer is not None:

@@ -96,7 +96,7 @@ def oracle_update(model, transformer, reference, traj, steps, cfg, behaviour=Non
             for rows in minibatches:
                 for j in steps:
                     proximal[tuple(rows), j] = oracle_step_terms(model, transformer, reference, traj, rows, j)[0]
-    clipfracs, kls = [], []
+    clipfracs, kls, max_dev, is_ws = [], [], 0.0, []
     for m, rows in enumerate(minibatches):
         adv, usable = ADV[rows], USABLE[rows].float()
         w = usable / usable.sum()
@@ -112,11 +112,14 @@ def oracle_update(model, transformer, reference, traj, steps, cfg, behaviour=Non
             loss = (is_w * ppo * w).sum() + tc.kl_beta * (kl * w).sum()
             (loss / (len(steps) * tc.gradient_accumulation_steps)).backward()
             clipfracs.append(float((((ratio.detach() - 1).abs() > tc.clip_range).float() * w).sum()))
+            max_dev = max(max_dev, float(((ratio.detach() - 1).abs() * usable).max()))
+            is_ws.append(float((is_w * w).sum()))
             kls.append(float((kl.detach() * w).sum()))
         if (m + 1) % tc.gradient_accumulation_steps == 0:
             opt.step()
             opt.zero_grad()
-    return sum(clipfracs) / len(clipfracs), sum(kls) / len(kls)
+    return {"clipfrac": sum(clipfracs) / len(clipfracs), "kl": sum(kls) / len(kls), "ratio/max_dev": max_dev,
+            "is_weight/mean": sum(is_ws) / len(is_ws)}
 
 
 # ---- the recipe, on the same case ---------------------------------------------------------
@@ -152,13 +155,15 @@ def test_grpo_update_equals_sgd_on_the_hand_written_loss(fresh_model, guidance):
     after_recipe = copy.deepcopy(model.transformer.state_dict())
 
     model.transformer.load_state_dict(start)
-    clipfrac, kl = oracle_update(model, model.transformer, reference, traj, steps, cfg)
+    expected = oracle_update(model, model.transformer, reference, traj, steps, cfg)
     for name, value in model.transformer.state_dict().items():
         torch.testing.assert_close(after_recipe[name], value, rtol=1e-5, atol=1e-6, msg=name)
     # The case really exercises clipping and the KL: both are neither off nor everywhere.
-    assert 0.05 < clipfrac < 0.95 and kl > 0
-    assert metrics["clipfrac"] == pytest.approx(clipfrac, abs=1e-6)
-    assert metrics["kl"] == pytest.approx(kl, rel=1e-4)
+    assert 0.05 < expected["clipfrac"] < 0.95 and expected["kl"] > 0 and expected["ratio/max_dev"] > 1e-3
+    assert metrics["clipfrac"] == pytest.approx(expected["clipfrac"], abs=1e-6)
+    assert metrics["kl"] == pytest.approx(expected["kl"], rel=1e-4)
+    assert metrics["ratio/max_dev"] == pytest.approx(expected["ratio/max_dev"], rel=1e-4)
+    assert metrics["is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["weight_version_after"] == 2  # two optimizer steps, each synced
 
 
@@ -177,14 +182,15 @@ def test_decoupled_ppo_clips_against_the_proximal_policy(fresh_model):
     metrics = recipe_update(model, model.transformer, reference, traj, cfg)
     after_recipe = copy.deepcopy(model.transformer.state_dict())
     model.transformer.load_state_dict(start)
-    clipfrac, _ = oracle_update(model, model.transformer, reference, traj, [0, 1, 2], cfg, behaviour=behaviour,
-                                cap=1.05)
+    expected = oracle_update(model, model.transformer, reference, traj, [0, 1, 2], cfg, behaviour=behaviour,
+                             cap=1.05)
     for name, value in model.transformer.state_dict().items():
         torch.testing.assert_close(after_recipe[name], value, rtol=1e-5, atol=1e-6, msg=name)
     # A trust region exists: the log-prob gap exceeds the clip range and later minibatches are clipped.
     assert metrics["logprob_gap/max"] > 100 * cfg.train.clip_range
-    assert metrics["clipfrac"] == pytest.approx(clipfrac, abs=1e-6) and clipfrac > 0.05
-    assert 0.9 < metrics["is_weight/mean"] < 1.05
+    assert metrics["clipfrac"] == pytest.approx(expected["clipfrac"], abs=1e-6) and expected["clipfrac"] > 0.05
+    assert metrics["is_weight/mean"] == pytest.approx(expected["is_weight/mean"], rel=1e-5)
+    assert expected["is_weight/mean"] < 0.99  # the cap and the lag both act
 
 
 def test_flow_grpo_kl_form_is_the_exact_kl_times_dt(fresh_model):

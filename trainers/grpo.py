@@ -399,12 +399,14 @@ def resolve_config(argv: list[str]) -> Config:
     """CLI config; with resume=RUN, the run's saved config.yaml is the base and the CLI overrides it."""
     cfg = parse_config(Config, argv)
     if cfg.resume:
+        if cfg.overwrite:
+            raise ConfigError("resume= continues a run and overwrite=true deletes one: give only one of them")
         # The newest checkpoint that verifies (a corrupt newer one is skipped with a warning);
         # a run dir without its config.yaml is refused rather than resumed with defaults.
         run_dir, ckpt = resolve_resume(cfg.resume)
         overrides = [a for a in argv if "=" in a and not a.startswith("--")]
         cfg = apply_overrides(load_config(Config, run_dir / "config.yaml"), overrides)
-        cfg.run_dir, cfg.resume = str(run_dir), str(ckpt)
+        cfg.run_dir, cfg.resume, cfg.overwrite = str(run_dir), str(ckpt), False
     return cfg
 
 
@@ -567,7 +569,7 @@ def main(argv: list[str] | None = None) -> dict:
                               log_with=None if cfg.tracker == "none" else cfg.tracker, project_dir=cfg.run_dir)
     # A run dir belongs to one run: a fresh run refuses a used one unless told to overwrite it.
     run = RunDir(cfg.run_dir, mode="resume" if cfg.resume else "overwrite" if cfg.overwrite else "new",
-                 tracker_dirs=(cfg.project,) if cfg.tracker == "tensorboard" else (),
+                 tracker_dirs=(cfg.project,),
                  is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if accelerator.device.type == "cpu":
@@ -611,9 +613,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     # --- resume -------------------------------------------------------------------------------
     start_step, version, trainer_state = 0, 0, {}
-    metrics_log = MetricsLog(run.path / "metrics.jsonl")
+    metrics_log = run.metrics
     if cfg.resume:
-        state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=named_params)
+        # resolve_resume verified its checksums a moment ago; load checks names, sizes and finiteness.
+        state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=named_params,
+                                               checksums=False)
         load_trainable(named_params, state, cfg.resume)  # strict: every trained tensor, nothing else
         start_step, version = trainer_state["step"], trainer_state["weight_version"]
         if accelerator.is_main_process:
