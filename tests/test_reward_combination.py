@@ -76,6 +76,12 @@ def test_unknown_mode_is_an_error_naming_the_valid_ones():
         RewardSet("jpeg_compressibility", mode="max")
 
 
+def _normalised(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO's group advantage of one group's rewards, written out: (r - mean) / (population std + 1e-4)."""
+    r = rewards.double()
+    return (r - r.mean()) / (r.std(correction=0) + 1e-4)
+
+
 @pytest.mark.parametrize("mode", ["weighted_sum", "sum_of_advantages"])
 def test_nan_and_exceptions_are_masked_through_to_the_advantages(toy_engine, scorers, mode):
     # "bright" is NaN on every sample of prompt "one" (a whole group) and on local row 1.
@@ -94,19 +100,27 @@ def test_nan_and_exceptions_are_masked_through_to_the_advantages(toy_engine, sco
     bright = batch.rewards.scores["bright"][~dead]
     assert batch.metrics["reward/bright/mean"] == pytest.approx(bright.mean().item())
     assert batch.metrics["reward/bright/std"] == pytest.approx(bright.std(correction=0).item())
-    # The remaining samples are normalised among the valid members of their own group only.
-    gids = batch.group_ids
+    # The groups, from the row layout alone: prompts_per_step (3) prompts, each one's GROUP samples in
+    # consecutive rows. The data agree: each block holds one prompt, and the three blocks three prompts.
+    gids = torch.arange(3 * GROUP) // GROUP
+    blocks = [set(prompts[g * GROUP:(g + 1) * GROUP]) for g in range(3)]
+    assert all(len(b) == 1 for b in blocks) and len(set.union(*blocks)) == 3
+    assert torch.equal(batch.group_ids.cpu(), gids)
+    # The remaining samples are normalised among the valid members of their own group only:
+    # (r - group mean) / (population std + 1e-4), computed here in float64.
     weights = {"bright": 1.0, "jpeg_compressibility": 0.2}
-    for g in torch.unique(gids):
+    checked = 0
+    for g in range(3):
         members = (gids == g) & ~dead
         if members.sum() < 2:
             continue
         if mode == "weighted_sum":
-            expected = group_advantages(batch.rewards.total[members], torch.zeros(int(members.sum())))[0]
+            expected = _normalised(batch.rewards.total[members])
         else:
-            expected = sum(w * group_advantages(batch.rewards.scores[n][members],
-                                                torch.zeros(int(members.sum())))[0] for n, w in weights.items())
-        torch.testing.assert_close(batch.advantages[members], expected)
+            expected = sum(w * _normalised(batch.rewards.scores[n][members]) for n, w in weights.items())
+        torch.testing.assert_close(batch.advantages[members].double(), expected, rtol=1e-5, atol=1e-5)
+        checked += 1
+    assert checked == 2  # the groups of "zero" and "two"; "one" is all masked
 
 
 @pytest.mark.parametrize("mode", ["weighted_sum", "sum_of_advantages"])

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,15 +71,20 @@ def test_scoring_really_runs_while_the_next_chunk_generates(toy_engine):
 
         def __init__(self):
             self.calls = 0
+            self.seconds = 0.0  # the time spent inside this scorer, measured by itself
 
         def __call__(self, images, prompts, metadata):
+            start = time.perf_counter()
             k, self.calls = self.calls, self.calls + 1
             nxt = generating[k + 1] if k + 1 < len(generating) else None
             seen.append((nxt.wait(timeout=10) if nxt else True, threading.current_thread().name))
+            time.sleep(0.05)  # every call takes a clearly measurable time, the last one too
+            self.seconds += time.perf_counter() - start
             return images.float().mean(dim=(1, 2, 3))
 
     wheel = make_flywheel(toy_engine, RewardSet("jpeg_compressibility"), overlap_scoring=True, rollout_chunk_size=4)
-    wheel.rewards.scorers["jpeg_compressibility"] = Watcher()
+    watcher = Watcher()
+    wheel.rewards.scorers["jpeg_compressibility"] = watcher
     original, chunk = toy_engine.generate, [0]
 
     def generate(requests):
@@ -88,13 +94,20 @@ def test_scoring_really_runs_while_the_next_chunk_generates(toy_engine):
 
     toy_engine.generate = generate
     try:
+        start = time.perf_counter()
         batch = wheel.collect(0)
+        collect_s = time.perf_counter() - start
     finally:
         del toy_engine.generate
         wheel.close()
     assert len(seen) == 3 and all(overlapped for overlapped, _ in seen)
     assert all(name.startswith("flywheel-score") for _, name in seen)
-    assert batch.metrics["time/reward_busy_s"] >= 0 and batch.rewards.valid.all()
+    assert batch.rewards.valid.all()
+    # reward_busy_s is the scorer's own time over all three chunks, plus RewardSet.score's small
+    # bookkeeping (the 0.5 s allowance is for a loaded machine), and never more than the whole collect.
+    busy = batch.metrics["time/reward_busy_s"]
+    assert watcher.calls == 3 and watcher.seconds >= 3 * 0.05
+    assert watcher.seconds <= busy <= min(watcher.seconds + 0.5, collect_s), (busy, watcher.seconds, collect_s)
 
 
 def test_rollout_chunk_size_is_checked(toy_engine):

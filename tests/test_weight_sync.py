@@ -285,8 +285,47 @@ def test_mapped_sync_of_more_tensors_than_before_remaps_and_keeps_earlier_update
 
 def test_write_weights_needs_a_paused_drained_engine():
     engine = engine_with()
+    transformer = engine.model.transformer
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    storage = {k: v.data_ptr() for k, v in transformer.state_dict().items()}
+    new = trained_weights()
+    assert not any(torch.equal(new[k], before[k]) for k in new)  # every tensor differs: the check below can fail
+
+    def unchanged():
+        return all(torch.equal(v, before[k]) for k, v in transformer.state_dict().items())
+
     with pytest.raises(RuntimeError, match="paused, drained engine"):
-        engine.write_weights(trained_weights())
-    engine.pause()
-    engine.write_weights(trained_weights())
+        engine.write_weights(new)
+    assert unchanged()
+    # Paused but not drained: a generate() call still running refuses the write too.
+    started, release = threading.Event(), threading.Event()
+    velocity = engine.model.velocity
+
+    def held_velocity(*args, **kwargs):
+        started.set()
+        release.wait(timeout=30)
+        return velocity(*args, **kwargs)
+
+    engine.model.velocity = held_velocity
+    worker = threading.Thread(target=engine.generate, args=(reqs(1, steps=2),))
+    worker.start()
+    try:
+        assert started.wait(timeout=30)
+        engine.pause()
+        with pytest.raises(RuntimeError, match=r"generate\(\) calls running=1"):
+            engine.write_weights(new)
+    finally:
+        release.set()
+        worker.join(timeout=30)
+        del engine.model.velocity
+    assert unchanged()
+    engine.drain(timeout_s=5)
+    written = engine.write_weights(new)
+    # The served weights are now the given tensors, bit for bit, written in place (same storage).
+    served = transformer.state_dict()
+    assert set(served) == set(new)
+    for name, tensor in new.items():
+        assert torch.equal(served[name], tensor), name
+        assert served[name].data_ptr() == storage[name], name
+    assert written == sum(t.numel() * t.element_size() for t in new.values())
     assert engine.weight_version == 0  # a write marks no version; set_weight_version commits
