@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from engine import Engine, GenerationRequest, PromptEmbeds
+from engine import GenerationRequest, PromptEmbeds
 from engine.loop import concat_embeds, guided_velocity
 
 PROMPTS = ("a handwritten seven", "the digit 2")
@@ -150,11 +150,6 @@ def _recovered_step_noise(model, traj, sampler: str, level: float, guidance: flo
     return found
 
 
-@pytest.fixture
-def engine(toy_model):
-    return Engine(toy_model)
-
-
 # ---- classifier-free guidance ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0, 4.5])
@@ -179,8 +174,8 @@ def test_guided_velocity_is_the_cfg_formula_of_two_separate_forwards(toy_model, 
         assert torch.equal(alone.double(), v_cond)
 
 
-def test_guided_ode_rollout_equals_an_euler_loop_over_two_separate_forwards(engine, toy_model):
-    traj = engine.generate(_requests(sampler="ode", steps=5, guidance_scale=3.0))
+def test_guided_ode_rollout_equals_an_euler_loop_over_two_separate_forwards(toy_engine, toy_model):
+    traj = toy_engine.generate(_requests(sampler="ode", steps=5, guidance_scale=3.0))
     oracle = oracle_rollout(toy_model, PROMPTS, SEEDS, 5, "ode", guidance=3.0)
     assert torch.equal(traj.latents[:, 0], oracle["initial"])  # same noise, drawn from the request seed
     torch.testing.assert_close(traj.timesteps.double(), torch.tensor(_schedule(5), dtype=torch.float64),
@@ -195,9 +190,9 @@ def test_guided_ode_rollout_equals_an_euler_loop_over_two_separate_forwards(engi
     assert (plain["latents"][:, -1] - oracle["latents"][:, -1]).abs().max() > 0.2
 
 
-def test_unguided_rollout_runs_the_conditional_branch_alone(engine, toy_model):
+def test_unguided_rollout_runs_the_conditional_branch_alone(toy_engine, toy_model):
     """At g = 1 no unconditional forward runs, and the rollout is the plain conditional Euler loop."""
-    traj = engine.generate(_requests(sampler="ode", steps=4, guidance_scale=1.0))
+    traj = toy_engine.generate(_requests(sampler="ode", steps=4, guidance_scale=1.0))
     assert traj.negative_prompt_embeds is None
     oracle = oracle_rollout(toy_model, PROMPTS, SEEDS, 4, "ode", guidance=1.0)
     torch.testing.assert_close(traj.latents.double(), oracle["latents"], atol=LATENT_ATOL, rtol=0)
@@ -236,24 +231,24 @@ def _check_step_noise(model, traj, oracle, sampler, level, guidance=1.0, window=
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_sde_rollout_equals_flow_grpo_eq9_step_by_step(engine, toy_model, guidance):
-    traj, oracle = _check_against_oracle(engine, toy_model, "sde", 0.7, steps=4, guidance=guidance)
+def test_sde_rollout_equals_flow_grpo_eq9_step_by_step(toy_engine, toy_model, guidance):
+    traj, oracle = _check_against_oracle(toy_engine, toy_model, "sde", 0.7, steps=4, guidance=guidance)
     assert (traj.log_probs != 0).all()  # every step is stochastic and recorded
     _check_step_noise(toy_model, traj, oracle, "sde", 0.7, guidance)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_cps_rollout_equals_the_cps_formula_step_by_step(engine, toy_model, guidance):
-    traj, oracle = _check_against_oracle(engine, toy_model, "cps", 0.3, steps=4, guidance=guidance)
+def test_cps_rollout_equals_the_cps_formula_step_by_step(toy_engine, toy_model, guidance):
+    traj, oracle = _check_against_oracle(toy_engine, toy_model, "cps", 0.3, steps=4, guidance=guidance)
     # The last step lands on t = 0, where CPS's std t_next·sin(eta·pi/2) is 0: deterministic, log-prob 0.
     assert (traj.log_probs[:, :3] != 0).all() and torch.equal(traj.log_probs[:, 3], torch.zeros(2))
     _check_step_noise(toy_model, traj, oracle, "cps", 0.3, guidance)
 
 
 @pytest.mark.parametrize("sampler,level", [("sde", 0.7), ("cps", 0.3)])
-def test_window_rollout_is_euler_outside_the_window_and_the_sampler_inside(engine, toy_model, sampler, level):
+def test_window_rollout_is_euler_outside_the_window_and_the_sampler_inside(toy_engine, toy_model, sampler, level):
     window = (1, 3)
-    traj, oracle = _check_against_oracle(engine, toy_model, sampler, level, steps=5, window=window)
+    traj, oracle = _check_against_oracle(toy_engine, toy_model, sampler, level, steps=5, window=window)
     _check_step_noise(toy_model, traj, oracle, sampler, level, window=window)
     cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask)
     for k in (0, 3, 4):
@@ -265,7 +260,7 @@ def test_window_rollout_is_euler_outside_the_window_and_the_sampler_inside(engin
         assert torch.equal(traj.log_probs[:, k], torch.zeros(2))
     assert (traj.log_probs[:, 1:3] != 0).all()
     # Before the window the rollout is the ODE rollout of the same seeds, bit for bit.
-    ode = engine.generate(_requests(sampler="ode", steps=5))
+    ode = toy_engine.generate(_requests(sampler="ode", steps=5))
     assert torch.equal(traj.latents[:, :2], ode.latents[:, :2])
     assert not torch.allclose(traj.latents[:, 2], ode.latents[:, 2], atol=0.05)
 
@@ -289,8 +284,8 @@ def _golden_slice(latents: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("sampler,level,guidance", list(GOLDEN))
-def test_final_latents_match_the_golden_slice(engine, sampler, level, guidance):
-    traj = engine.generate(_requests(sampler=sampler, noise_level=level, steps=4, guidance_scale=guidance))
+def test_final_latents_match_the_golden_slice(toy_engine, sampler, level, guidance):
+    traj = toy_engine.generate(_requests(sampler=sampler, noise_level=level, steps=4, guidance_scale=guidance))
     expected = torch.tensor(GOLDEN[(sampler, level, guidance)], dtype=torch.float64)
     torch.testing.assert_close(_golden_slice(traj.latents).double(), expected, atol=GOLDEN_ATOL, rtol=0)
 
