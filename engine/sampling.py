@@ -91,7 +91,9 @@ def gaussian_step_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.
     safe_std = torch.where(stochastic, std, torch.ones_like(std))
     log_density = -((x_next - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
     per_sample = log_density.flatten(1).mean(dim=1)
-    return torch.where(stochastic, per_sample, torch.zeros_like(per_sample))
+    # std is a scalar or broadcasts per sample ([B, 1, ...]): one flag per sample, not a [B, B] broadcast.
+    stochastic_per_sample = stochastic.expand_as(x_next).flatten(1)[:, 0]
+    return torch.where(stochastic_per_sample, per_sample, torch.zeros_like(per_sample))
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,

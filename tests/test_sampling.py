@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from engine.sampling import (cps_mean_std, cps_step, cps_step_log_prob, flow_timesteps, gaussian_step_log_prob,
@@ -168,3 +169,15 @@ def test_step_log_prob_dispatches_on_the_sampler():
     assert torch.equal(step_log_prob("sde", x, x_sde, v, t_all[2], t_all[3], 0.7, cap)[0], lp_sde)
     assert torch.equal(step_log_prob("cps", x, x_cps, v, t_all[2], t_all[3], 0.7, cap)[0], lp_cps)
     assert step_noise_levels(4, "cps", 0.5, (1, 3)) == [0.0, 0.5, 0.5, 0.0]
+
+
+def test_log_prob_takes_a_per_sample_std():
+    from engine.sampling import gaussian_step_log_prob
+
+    x_next, mean = torch.full((3, 4), 0.1), torch.zeros(3, 4)
+    std = torch.tensor([[0.5], [0.0], [0.2]])
+    out = gaussian_step_log_prob(x_next, mean, std)
+    assert out.shape == (3,)
+    for i, s in enumerate([0.5, 0.0, 0.2]):
+        expected = 0.0 if s == 0 else -0.01 / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
+        assert float(out[i]) == pytest.approx(expected, rel=1e-6)
