@@ -19,7 +19,8 @@ polling and not Linux's `prctl(PR_SET_PDEATHSIG)`: that signal fires when the
 thread would be killed while its trainer lives on; it is also Linux-only, and
 as SIGKILL it leaves no chance to unlink. The poll costs nothing measurable
 and notices within `PARENT_POLL_S`. SIGTERM or SIGINT sent to the engine
-process itself shuts it down cleanly (its blocks unlinked).
+process itself, or a `shutdown` call, unlinks its blocks and exits (status
+128 + the signal's number after a signal), a rollout in flight included.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
 
@@ -237,11 +239,12 @@ def serve(args: argparse.Namespace) -> None:
 
     threading.Thread(target=accept_forever, daemon=True).start()
     server.stop.wait()
-    with server.shared_lock:
-        for block in server.shared.values():
-            block.close()
-    if received:
-        sys.exit(128 + received[0])  # the shell's convention for "ended by signal N"
+    # Unlink the blocks but never unmap them: a connection thread may still be mid-rollout on these
+    # weights. Nor let the interpreter tear down, which would unmap them under that thread (a crash).
+    server.unlink_shared()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + received[0] if received else 0)  # 128 + N: the shell's "ended by signal N"
 
 
 # ---- client (the trainer side) ----------------------------------------------------------------
@@ -285,6 +288,9 @@ class EngineProcess:
         self.proc, self.address, self.timeout_s, self.card = proc, address, timeout_s, card
         self._authkey = authkey
         self._connections = threading.local()
+        # Only this handle holds the key to the process: once it is dropped without close() (a main() that
+        # raised, its locals collected) or the interpreter exits, nobody can use the process; stop it.
+        self._stop_when_dropped = weakref.finalize(self, _stop_process, proc)
 
     @classmethod
     def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int = 1,
@@ -415,19 +421,27 @@ class EngineProcess:
         if self.proc.poll() is None:
             try:
                 self.call("shutdown", timeout_s=10)
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
-            try:
                 self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            except (OSError, EOFError, TimeoutError, RuntimeError, subprocess.TimeoutExpired):
+                pass
+        self._stop_when_dropped()  # if the shutdown got nowhere: SIGTERM, then SIGKILL
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _stop_process(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """Ask an engine process to stop (SIGTERM: it unlinks its shared memory), then make it."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:

@@ -301,11 +301,12 @@ class SharedWeights:
             self.shm.unlink()
 
     def close(self) -> None:
+        """Unlink and unmap. Only once no tensor views the block any more (they were mapped into
+        another block, or dropped): torch.frombuffer holds no buffer export, so nothing refuses the
+        unmap, and a tensor still viewing the block would read freed memory. A process that keeps
+        serving from the block until it exits calls `unlink()` instead."""
         self.unlink()
-        try:
-            self.shm.close()
-        except BufferError:  # tensors still view the block; the mapping goes with the process
-            pass
+        self.shm.close()
 
 
 def _rebind_into(buffer: torch.Tensor, slots: dict[str, TensorSlot], tensors: dict[str, torch.Tensor]) -> None:
