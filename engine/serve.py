@@ -19,7 +19,8 @@ malformed JSON, a bad field or a number out of its range 400, a weights file
 that cannot be read or holds non-finite or wrongly typed tensors 400 naming
 the file or tensor, a body over the limit or a request that can never fit the
 memory budget 413, an unknown card 404 listing the known ones, a body not
-received within `body_timeout_s` 408. A connection that has not sent its
+received within `body_timeout_s` 408, a body that would take the bodies being
+received past `max_inflight_bytes` 503 (retry later). A connection that has not sent its
 request headers within `header_timeout_s` is closed. A 500 means a bug in the
 server, never bad input.
 """
@@ -48,8 +49,10 @@ ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 TOKEN_KEY = web.AppKey("token", str)
 CARD_KEY = web.AppKey("default_card", str)
 LIMITS_KEY = web.AppKey("limits", dict)
+INFLIGHT_KEY = web.AppKey("inflight_bytes", list)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_MAX_IMAGES = 16
+DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024**2  # a thousand full-size bodies being received at once
 DEFAULT_HEADER_TIMEOUT_S = 20.0
 DEFAULT_BODY_TIMEOUT_S = 20.0  # bodies are small JSON (64 KiB by default)
 MAX_SEED = 2**63 - 1
@@ -156,7 +159,16 @@ def _encode_images(images: torch.Tensor) -> list:
 
 
 async def _read_json(request: web.Request) -> object:
-    limits = request.app[LIMITS_KEY]
+    limits, inflight = request.app[LIMITS_KEY], request.app[INFLIGHT_KEY]
+    # Bodies being received count against max_inflight_bytes, so many slow clients cannot add up
+    # to more memory than that; a body without a length may grow to the per-body limit.
+    size = request.content_length if request.content_length is not None else limits["max_body_bytes"]
+    if size > limits["max_body_bytes"]:
+        raise BadRequest(f"body exceeds {limits['max_body_bytes']} bytes", status=413)
+    if inflight[0] + size > limits["max_inflight_bytes"]:
+        raise BadRequest(f"server busy: {inflight[0]} bytes of request bodies in flight, "
+                         f"max_inflight_bytes={limits['max_inflight_bytes']}; retry later", status=503)
+    inflight[0] += size  # one event loop: no other request runs between the check and this
     try:
         raw = await asyncio.wait_for(request.read(), limits["body_timeout_s"])
     except web.HTTPRequestEntityTooLarge:
@@ -164,6 +176,8 @@ async def _read_json(request: web.Request) -> object:
     except asyncio.TimeoutError:
         raise BadRequest(f"body not received within body_timeout_s={limits['body_timeout_s']:g} s",
                          status=408) from None
+    finally:
+        inflight[0] -= size
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -296,14 +310,19 @@ async def errors(request: web.Request, handler):
 
 def build_app(engine: AsyncEngine, default_card: str | None = None, token: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
+              max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
               header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
     """The aiohttp application serving `engine`.
 
-    `header_timeout_s`: a connection that has not sent complete request headers by then is closed
+    `max_body_bytes` bounds one request body (413), `max_inflight_bytes` the bodies of all
+    requests being received at once (503 while full); `header_timeout_s`: a connection that has not sent complete request headers by then is closed
     (aiohttp's keepalive timer also runs from the moment a connection opens, so it is the header
     bound); `body_timeout_s`: a body not received by then is answered 408.
     """
+    if not 0 < max_body_bytes <= max_inflight_bytes:
+        raise ValueError(f"need 0 < max_body_bytes <= max_inflight_bytes, got {max_body_bytes} and "
+                         f"{max_inflight_bytes}")
     for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
@@ -313,7 +332,9 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
                           handler_args={"keepalive_timeout": header_timeout_s, "lingering_time": 2.0})
     app[ENGINE_KEY] = engine
     app[TOKEN_KEY] = token or ""
-    app[LIMITS_KEY] = {"max_body_bytes": max_body_bytes, "max_images": max_images, "body_timeout_s": body_timeout_s}
+    app[LIMITS_KEY] = {"max_body_bytes": max_body_bytes, "max_images": max_images, "body_timeout_s": body_timeout_s,
+                       "max_inflight_bytes": max_inflight_bytes}
+    app[INFLIGHT_KEY] = [0]  # bytes of request bodies being received now
     generators = [m["id"] for m in engine.models() if m["kind"] == "generator"]
     app[CARD_KEY] = default_card or (generators[0] if generators else "")
     app.router.add_post("/v1/generate", generate)
@@ -365,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--max-concurrency", type=int, default=2)
     parser.add_argument("--budget-bytes", type=int, default=8 * 1024**3, help="admission memory budget")
+    parser.add_argument("--max-inflight-bytes", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES,
+                        help="request bodies being received at once, all clients together (503 above)")
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                         help="time a connection has to send its request headers (closed after)")
     parser.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
@@ -377,8 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = AsyncEngine(Engine.from_card(args.card, path=args.path, device=args.device),
                          max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                          max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes))
-    app = build_app(engine, default_card=args.card, token=args.token, header_timeout_s=args.header_timeout_s,
-                    body_timeout_s=args.body_timeout_s)
+    app = build_app(engine, default_card=args.card, token=args.token, max_inflight_bytes=args.max_inflight_bytes,
+                    header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
     web.run_app(app, host=args.host, port=args.port)
 
 

@@ -195,6 +195,31 @@ def test_post_weights_refuses_bad_files_naming_the_file_or_tensor(tmp_path):
         assert torch.equal(value, state[key]), key
 
 
+def test_bodies_being_received_are_bounded_across_clients(toy_model):
+    """A client that announces a body and sends nothing holds its bytes until body_timeout_s; meanwhile a
+    body that would pass max_inflight_bytes is a 503, and once the slow one is cut (408) the next fits."""
+    body = json.dumps({"prompt": "a handwritten one", "steps": 2}).encode().ljust(150)
+    head = (f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+
+    async def check(client):
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+        writer.write(head)  # the body never comes
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        busy = await client.post("/v1/generate", data=body, headers={"Content-Type": "application/json"})
+        busy = busy.status, (await busy.json())["error"]
+        cut = await asyncio.wait_for(reader.read(1000), 5)  # the 408 after body_timeout_s
+        writer.close()
+        after = await client.post("/v1/generate", data=body, headers={"Content-Type": "application/json"})
+        return busy, cut, after.status
+
+    (status, message), cut, after = serve(toy_model, check, max_body_bytes=200, max_inflight_bytes=250,
+                                          body_timeout_s=1.0)
+    assert status == 503 and "150 bytes of request bodies in flight, max_inflight_bytes=250" in message
+    assert cut.startswith(b"HTTP/1.1 408") and after == 200
+
+
 def test_admission_refusal_is_413(toy_model):
     async def check(client):
         resp = await client.post("/v1/generate", json={"prompt": "x", "steps": 50, "return_latents": True})
