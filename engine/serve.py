@@ -316,9 +316,10 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     """The aiohttp application serving `engine`.
 
     `max_body_bytes` bounds one request body (413), `max_inflight_bytes` the bodies of all
-    requests being received at once (503 while full); `header_timeout_s`: a connection that has not sent complete request headers by then is closed
-    (aiohttp's keepalive timer also runs from the moment a connection opens, so it is the header
-    bound); `body_timeout_s`: a body not received by then is answered 408.
+    requests being received at once (503 while full). `header_timeout_s`: a connection that has
+    not sent complete request headers by then is closed (aiohttp's keepalive timer also runs from
+    the moment a connection opens, so it is the header bound); `body_timeout_s`: a body not
+    received by then is answered 408.
     """
     if not 0 < max_body_bytes <= max_inflight_bytes:
         raise ValueError(f"need 0 < max_body_bytes <= max_inflight_bytes, got {max_body_bytes} and "
