@@ -12,8 +12,9 @@ Every call has a timeout that ends in an error naming the operation, and a
 call to an engine process that has died ends in an error saying how it ended.
 
 The engine process never outlives the process that started it, whatever ended
-that one (SIGKILL included): a watchdog thread polls `os.getppid()` and, once
-the parent is gone, unlinks the engine's shared-memory blocks and exits. Why
+that one (SIGKILL included): a watchdog thread polls `os.getppid()` and the
+parent's pid and, once the parent is gone, unlinks the engine's shared-memory
+blocks and exits (status `EXIT_ORPHANED`). Why
 polling and not Linux's `prctl(PR_SET_PDEATHSIG)`: that signal fires when the
 *thread* that spawned the child ends, so an engine started from a worker
 thread would be killed while its trainer lives on; it is also Linux-only, and
@@ -174,14 +175,28 @@ class _Server:
 
 
 def exit_when_parent_dies(parent_pid: int, on_exit, poll_s: float = PARENT_POLL_S) -> threading.Thread:
-    """Start a daemon thread that calls `on_exit()` once `parent_pid` is no longer this process's parent.
+    """Start a daemon thread that calls `on_exit()` once the process `parent_pid` is gone.
 
-    An orphan is re-parented (to init or a subreaper), so its parent pid
-    changes; checking against the pid the parent passed also catches a parent
-    that died before this process got here.
+    Gone means: this process was re-parented (an orphan goes to init or a
+    subreaper, so its parent pid changes), or `parent_pid` no longer exists.
+    The second test catches a parent that died before this thread started,
+    and one that started this process through a launcher that forked.
     """
+    first_parent = os.getppid()
+
+    def parent_alive() -> bool:
+        if os.getppid() != first_parent:
+            return False
+        try:
+            os.kill(parent_pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # it exists, under another user
+            pass
+        return True
+
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while parent_alive():
             time.sleep(poll_s)
         on_exit()
 
