@@ -14,14 +14,14 @@ call to an engine process that has died ends in an error saying how it ended.
 The engine process never outlives the process that started it, whatever ended
 that one (SIGKILL included): a watchdog thread polls `os.getppid()` and the
 parent's pid and, once the parent is gone, unlinks the engine's shared-memory
-blocks and exits (status `EXIT_ORPHANED`). Why
-polling and not Linux's `prctl(PR_SET_PDEATHSIG)`: that signal fires when the
-*thread* that spawned the child ends, so an engine started from a worker
-thread would be killed while its trainer lives on; it is also Linux-only, and
-as SIGKILL it leaves no chance to unlink. The poll costs nothing measurable
-and notices within `PARENT_POLL_S`. SIGTERM or SIGINT sent to the engine
-process itself, or a `shutdown` call, unlinks its blocks and exits (status
-128 + the signal's number after a signal), a rollout in flight included.
+blocks and exits (status `EXIT_ORPHANED`). Why polling and not Linux's
+`prctl(PR_SET_PDEATHSIG)`: that signal fires when the *thread* that spawned
+the child ends, so an engine started from a worker thread would be killed
+while its trainer lives on; it is also Linux-only, and as SIGKILL it leaves no
+chance to unlink. The poll costs nothing measurable and notices within
+`PARENT_POLL_S`. SIGTERM or SIGINT sent to the engine process itself, or a
+`shutdown` call, unlinks its blocks and exits (status 128 + the signal's
+number after a signal), a rollout in flight included.
 """
 
 from __future__ import annotations
