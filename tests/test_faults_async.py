@@ -120,8 +120,8 @@ def test_a_dead_trainer_takes_its_engine_process_and_segments_with_it(trainers, 
             os.kill(engine_pid, signal.SIGKILL)
 
 
-def test_an_engine_process_whose_parent_is_already_gone_exits_before_loading_anything(tmp_path):
-    """The race a parent-death signal has: the parent died before the child started watching."""
+def test_an_engine_process_whose_parent_is_already_gone_exits_before_loading_anything():
+    """The race any parent-death watch has: the parent died before the child began to watch."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     result = subprocess.run([sys.executable, "-m", "flywheel.engine_process", "--parent-pid", str(dead.pid)],
@@ -177,6 +177,34 @@ def test_an_engine_process_that_dies_under_the_trainer_ends_in_an_error_saying_s
         engine.close()
 
 
+def test_sigterm_inside_sigterm_as_exit_unwinds_so_finally_clauses_close_the_engine():
+    closed = []
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        with sigterm_as_exit():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises in this thread at the next bytecode
+            finally:
+                closed.append(True)
+    assert stop.value.code == 128 + signal.SIGTERM and closed == [True]
+    assert signal.getsignal(signal.SIGTERM) is previous  # restored after the block
+
+
+@linux_only
+def test_an_engine_process_handle_dropped_without_close_stops_its_process():
+    """A main() that raised leaves no engine behind in the calling process (a test session, a notebook)."""
+    engine = EngineProcess.start("toy-digits", threads=1)
+    controller = WeightSyncController(engine, transport=SharedMemoryTransport())
+    controller.sync(toy_params())
+    pid = engine.proc.pid
+    assert segments_of(pid)
+    controller.close()
+    del engine, controller
+    gc.collect()
+    assert not running(pid) and not segments_of(pid)  # SIGTERM: the engine unlinked its block as it stopped
+
+
 # ---- resume ---------------------------------------------------------------------------------
 
 ASYNC_RUN = ["tracker=none", "async_rollouts=true", "data.prompts_per_step=2", "data.group_size=4",
@@ -212,31 +240,3 @@ def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_docume
     assert after["reward/mean"] != uninterrupted["reward/mean"]  # other weights, so other samples
     assert after["staleness/count_0"] == 1.0 and "staleness/count_1" not in after
     assert uninterrupted["staleness/count_1"] == 2.0
-
-
-def test_sigterm_inside_sigterm_as_exit_unwinds_so_finally_clauses_close_the_engine():
-    closed = []
-    previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stop:
-        with sigterm_as_exit():
-            try:
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(5)  # the handler raises in this thread at the next bytecode
-            finally:
-                closed.append(True)
-    assert stop.value.code == 128 + signal.SIGTERM and closed == [True]
-    assert signal.getsignal(signal.SIGTERM) is previous  # restored after the block
-
-
-@linux_only
-def test_an_engine_process_handle_dropped_without_close_stops_its_process():
-    """A main() that raised leaves no engine behind in the calling process (a test session, a notebook)."""
-    engine = EngineProcess.start("toy-digits", threads=1)
-    controller = WeightSyncController(engine, transport=SharedMemoryTransport())
-    controller.sync(toy_params())
-    pid = engine.proc.pid
-    assert segments_of(pid)
-    controller.close()
-    del engine, controller
-    gc.collect()
-    assert not running(pid) and not segments_of(pid)  # SIGTERM: the engine unlinked its block as it stopped
