@@ -128,8 +128,13 @@ def test_cli_reward_choice_trains_the_toy_flywheel_to_raise_it(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward/jpeg_compressibility/mean" in r]
     assert len(train) == 10 and not any("reward/digit_alignment/mean" in r for r in rows)
-    curve = [r["reward/jpeg_compressibility/mean"] for r in train]
-    first, last = sum(curve[:2]) / 2, sum(curve[-3:]) / 3
-    spread = sum(r["reward/jpeg_compressibility/std"] for r in train[:2]) / 2
-    # Smaller JPEG files: the mean moves up by a clear margin relative to the initial spread.
-    assert last > first + 0.015 and last - first > 4 * spread, curve
+    curve = torch.tensor([r["reward/jpeg_compressibility/mean"] for r in train], dtype=torch.float64)
+    # Smaller JPEG files: the step-mean reward trends up. The trend is slow on this toy (about 1e-3 a
+    # step, within-step spread 3e-3), so the test asks for a least-squares slope that is positive at
+    # more than 3 standard errors, not for a fixed jump that depends on the rollout seeds' luck.
+    x = torch.arange(len(curve), dtype=torch.float64)
+    x = x - x.mean()
+    slope = float((x * (curve - curve.mean())).sum() / (x * x).sum())
+    residual = curve - curve.mean() - slope * x
+    stderr = float(torch.sqrt((residual**2).sum() / (len(curve) - 2) / (x * x).sum()))
+    assert slope > 3 * stderr, (slope, stderr, curve.tolist())

@@ -168,6 +168,10 @@ class Config:
     """reward spec: name:weight,name:weight (remote:http://host:port[:weight] for a served reward)"""
     rewards_mode: Literal["weighted_sum", "sum_of_advantages"] = "weighted_sum"
     """advantages of the weighted sum of raw scores, or the weighted sum of per-reward group advantages"""
+    reward_timeout_s: float = 60.0
+    """remote rewards: wall-clock bound (s) of one HTTP call to a remote:<url> server, connect to last byte"""
+    reward_budget_s: float = 120.0
+    """remote rewards: wall-clock bound (s) of all attempts (retries, backoff) to score one batch"""
     async_rollouts: bool = False
     """roll out step s+1 in an engine process while training on step s (one trainer process)"""
     max_staleness: int = 1
@@ -436,6 +440,8 @@ def validate_config(cfg: Config) -> None:
                    f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
                    allow_none=True)
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    for key in ("reward_timeout_s", "reward_budget_s"):
+        checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
     checks.require("train.weight_decay", lambda v: v >= 0, "must be >= 0")
     checks.require("train.adam_betas", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
                    "must be two numbers in [0, 1)")
@@ -639,7 +645,8 @@ def main(argv: list[str] | None = None) -> dict:
                         compile=cfg.model.compile)
         sync_controller = WeightSyncController(engine, mode="colocated")
         sync = sync_controller.sync
-    rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode)
+    rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
+                        remote_budget_s=cfg.reward_budget_s)
     if card_defaults.get("video"):
         rewards = MiddleFrameRewards(rewards)  # image scorers see each video's middle frame
     flywheel = Flywheel(
