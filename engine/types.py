@@ -97,7 +97,8 @@ class Trajectory:
 
     latents    [B, T+1, *latent]  fp32, latents[:, 0] is the initial noise
     log_probs  [B, T]             fp32, log-prob of each taken step (0 for deterministic steps)
-    timesteps  [T+1]              fp32, t from 1 (noise) to 0 (data)
+    timesteps  [T+1]              fp32, t from 1 (noise) to 0 (data); for ODE runs stepped by a folder's
+                                  own scheduler, that scheduler's sigmas (UniPC starts at 1 - 1e-6)
     noise_levels [T]              fp32, the `a` used at each step (0 = ODE step)
     prompt_embeds / pooled_prompt_embeds / prompt_mask: conditional branch
     negative_*: unconditional branch (None when guidance_scale == 1)
