@@ -56,6 +56,19 @@ class AsyncCollector:
         out["staleness/regenerated"] = float(self.regenerated)
         return out
 
+    def state_dict(self) -> dict:
+        """The counts behind `metrics()`, JSON-able, for a checkpoint's trainer state."""
+        return {"staleness_counts": {str(k): v for k, v in sorted(self.staleness_counts.items())},
+                "regenerated": self.regenerated}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the counts of a checkpoint, so a resumed run's staleness metrics continue too."""
+        counts = {int(k): int(v) for k, v in state["staleness_counts"].items()}
+        if any(k < 0 or v < 0 for k, v in counts.items()) or int(state["regenerated"]) < 0:
+            raise ValueError(f"async collector state has negative staleness or counts: {state}")
+        self.staleness_counts = Counter(counts)
+        self.regenerated = int(state["regenerated"])
+
     def close(self) -> None:
         for future in self._pending.values():
             future.cancel()

@@ -87,3 +87,24 @@ def test_the_trainer_gives_the_engine_a_core_only_while_a_rollout_runs():
         release.set()
         collector.close()
         torch.set_num_threads(threads)
+
+
+def test_the_staleness_counts_survive_a_checkpoint_round_trip():
+    import json
+
+    fake = FakeFlywheel()
+    collector = AsyncCollector(fake.collect, max_staleness=0)
+    resumed = AsyncCollector(fake.collect, max_staleness=0)
+    try:
+        collector.get(0, trainer_version=0)
+        collector.prefetch(1)
+        collector._pending[1].result()
+        fake.version = 1
+        collector.get(1, trainer_version=1)  # one version behind: regenerated
+        resumed.load_state_dict(json.loads(json.dumps(collector.state_dict())))  # as a trainer_state.json holds it
+        assert resumed.metrics() == collector.metrics() == {"staleness/count_0": 2.0, "staleness/regenerated": 1.0}
+        with pytest.raises(ValueError, match="negative"):
+            resumed.load_state_dict({"staleness_counts": {"-1": 1}, "regenerated": 0})
+    finally:
+        collector.close()
+        resumed.close()

@@ -217,20 +217,25 @@ def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not (k.startswith(("time/", "eval/")) or k.endswith("_s"))}
 
 
+def async_run_and_resumed_copy(tmp_path: Path, *overrides: str) -> tuple[list[dict], list[dict], dict]:
+    """Rows of a 3-step async run, rows of the same run stopped after its step-2 checkpoint and resumed,
+    and that checkpoint's trainer state."""
+    from trainers.grpo import main
+
+    main([f"run_dir={tmp_path / 'straight'}", "steps=3", *ASYNC_RUN, *overrides])
+    main([f"run_dir={tmp_path / 'resumed'}", "steps=2", *ASYNC_RUN, *overrides])
+    main([f"resume={tmp_path / 'resumed'}", "steps=3"])
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "step_000002" / "trainer_state.json"
+    return (read_metrics(tmp_path / "straight" / "metrics.jsonl"), read_metrics(tmp_path / "resumed" / "metrics.jsonl"),
+            json.loads(checkpoint.read_text()))
+
+
 def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_documented(tmp_path):
     """README, async rollouts: up to the checkpoint the rows are the uninterrupted run's; the first step
     after resume is rolled out with the checkpoint's weights (staleness 0) where the uninterrupted run
-    used the batch prefetched with the previous weights (staleness 1), so from there the runs differ;
-    the weight versions name the same weights in both; the staleness counts restart at the resume."""
-    from trainers.grpo import main
-
-    main([f"run_dir={tmp_path / 'straight'}", "steps=3", *ASYNC_RUN])
-    main([f"run_dir={tmp_path / 'resumed'}", "steps=2", *ASYNC_RUN])  # stops right after its step-2 checkpoint
-    main([f"resume={tmp_path / 'resumed'}", "steps=3"])
-    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
-    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
-    checkpoint = json.loads((tmp_path / "resumed" / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
-
+    used the batch it prefetched with the previous weights (staleness 1), so from there the runs differ.
+    Weight versions name the same weights in both, and the staleness counts continue."""
+    straight, resumed, checkpoint = async_run_and_resumed_copy(tmp_path)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert [comparable(r) for r in resumed[:3]] == [comparable(r) for r in straight[:3]]
     after, uninterrupted = resumed[3], straight[3]
@@ -238,5 +243,19 @@ def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_docume
     assert after["staleness"] == 0 and after["weight_version"] == checkpoint["weight_version"]
     assert after["logprob_gap/max"] == 0.0 < uninterrupted["logprob_gap/max"]  # rolled out with the trainer's weights
     assert after["reward/mean"] != uninterrupted["reward/mean"]  # other weights, so other samples
-    assert after["staleness/count_0"] == 1.0 and "staleness/count_1" not in after
-    assert uninterrupted["staleness/count_1"] == 2.0
+    assert (uninterrupted["staleness/count_0"], uninterrupted["staleness/count_1"]) == (1.0, 2.0)
+    assert (after["staleness/count_0"], after["staleness/count_1"]) == (2.0, 1.0)  # counted on from the checkpoint
+
+
+def test_a_resumed_async_run_with_max_staleness_0_is_the_uninterrupted_run(tmp_path):
+    """README: where every lagging batch is regenerated anyway, losing the prefetch at the stop changes
+    nothing but the count of regenerated batches (the resumed run had no stale prefetch to throw away)."""
+    straight, resumed, _ = async_run_and_resumed_copy(tmp_path, "max_staleness=0")
+
+    def same_part(row: dict) -> dict:
+        return {k: v for k, v in comparable(row).items() if k != "staleness/regenerated"}
+
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert [same_part(r) for r in resumed] == [same_part(r) for r in straight]
+    assert [r.get("staleness/regenerated") for r in straight] == [None, 0.0, 1.0, 2.0]
+    assert [r.get("staleness/regenerated") for r in resumed] == [None, 0.0, 1.0, 1.0]
