@@ -12,8 +12,11 @@ the child, and repeating the message after it is what keeps it last.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -53,10 +56,34 @@ def _repeat_after_launcher(message: str) -> None:
         os._exit(0)
 
 
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """Inside the block, SIGTERM raises SystemExit(143) instead of ending the process on the spot.
+
+    SIGTERM (`kill`, a job scheduler's stop) then unwinds like Ctrl-C does:
+    `finally` clauses and context managers run, so the trainer closes its
+    engine process and unlinks its shared memory itself. Only the main thread
+    can install a handler; called from another thread this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Call a recipe's `main()`; exit 2 with the message alone on a ConfigError; leave gloo ranks cleanly."""
     try:
-        main()
+        with sigterm_as_exit():  # `kill` unwinds like Ctrl-C: the recipe closes its engine process itself
+            main()
     except ConfigError as e:
         message = f"error: {e}"
         if _is_rank_zero():

@@ -27,7 +27,6 @@ number after a signal), a rollout in flight included.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import secrets
@@ -265,27 +264,6 @@ def serve(args: argparse.Namespace) -> None:
 # ---- client (the trainer side) ----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def sigterm_as_exit():
-    """Inside the block, SIGTERM raises SystemExit(143) instead of ending the process on the spot.
-
-    SIGTERM (`kill`, a job scheduler's stop) then unwinds like Ctrl-C does:
-    `finally` clauses and context managers run, so the trainer closes its
-    engine process and unlinks its shared memory itself. Only the main thread
-    can install a handler; called from another thread this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def exit_on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _signal_name(signum: int) -> str:

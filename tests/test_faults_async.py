@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from engine import GenerationRequest, load_model
-from flywheel.engine_process import EXIT_ORPHANED, EngineProcess, sigterm_as_exit
+from flywheel.cli import sigterm_as_exit
+from flywheel.engine_process import EXIT_ORPHANED, EngineProcess
 from flywheel.rundir import read_metrics
 from flywheel.sync import SharedMemoryTransport, WeightSyncController
 

@@ -1,9 +1,7 @@
 """The recipe refuses bad configs up front and stops on bad numbers: issue 11's items 3, 5, 9, 10 and 16."""
 
-import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

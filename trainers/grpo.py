@@ -508,8 +508,12 @@ def start_engine_process(cfg: Config, accelerator, named_params, version: int):
         lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha,
                 "targets": cfg.model.lora_targets or get_card(cfg.model.card).defaults.get("lora_targets")}
     engine = EngineProcess.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
-                                 lora=lora, weight_version=version, compile=cfg.model.compile)
+                                 lora=lora, weight_version=max(version - 1, 0),
+                                 compile=cfg.model.compile)
     controller = WeightSyncController(engine, transport=SharedMemoryTransport())
+    # The engine starts one version below the trainer's: the first sync below, which gives it the
+    # trainer's weights, lands on the trainer's version, so that a version names the same weights in a
+    # resumed run as in one that never stopped (a fresh run: the card's weights 0, the trainer's 1).
 
     def sync() -> dict:
         return controller.sync({n: p.detach() for n, p in named_params})
@@ -682,67 +686,72 @@ def main(argv: list[str] | None = None) -> dict:
     current_version = engine.weight_version
     skipped_steps, masked_run = trainer_state.get("skipped_steps", 0), trainer_state.get("masked_run", 0)
     collector = AsyncCollector(flywheel.collect, cfg.max_staleness) if cfg.async_rollouts else None
+    if collector is not None and "async_collector" in trainer_state:
+        collector.load_state_dict(trainer_state["async_collector"])  # the staleness counts continue
     share_cores = cpu_core_sharing(collector, accelerator)
-    for step in range(start_step, cfg.steps):
-        step_start = time.perf_counter()
-        with full_params():
-            if collector is None:
-                batch = flywheel.collect(step)
-            else:  # generated while the previous step trained; start the next one now
-                batch = collector.get(step, trainer_version=current_version)
-                if step + 1 < cfg.steps:
-                    collector.prefetch(step + 1)
-        t0 = time.perf_counter()
-        signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum())})
-        if signal["usable"] > 0:
-            masked_run = 0
-            train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
-                                        sync, named_params, cfg, step, before_each_step=share_cores)
-        else:
-            # No sample carries a signal (all masked, or every group's rewards equal): an optimizer step
-            # would still move the weights through AdamW's momentum and weight decay. Skip it.
-            skipped_steps += 1
-            masked_run = masked_run + 1 if signal["valid"] == 0 else 0
-            if masked_run >= cfg.train.max_masked_steps:
-                raise RuntimeError(f"step {step + 1}: the rewards masked every sample of the last {masked_run} "
-                                   f"steps (train.max_masked_steps={cfg.train.max_masked_steps}); see the "
-                                   f"reward/*/invalid metrics in {run.metrics_path} and the scorer's errors")
-            train_metrics = {"weight_version_after": current_version}
-        train_metrics["train/skipped_steps"] = skipped_steps
-        train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
-        train_metrics["time/wait_s"] = t0 - step_start
-        current_version = train_metrics["weight_version_after"]
-        row = {"step": step + 1, **all_reduce_mean({**batch.metrics, **train_metrics})}
-        row["weight_version"] = batch.trajectory.weight_version
-        row["time/step_s"] = time.perf_counter() - step_start
-        for key in ("loss", "kl"):
-            if key in row:
-                check_finite(row[key], f"the mean {key}", step + 1)
+    try:
+        for step in range(start_step, cfg.steps):
+            step_start = time.perf_counter()
+            with full_params():
+                if collector is None:
+                    batch = flywheel.collect(step)
+                else:  # generated while the previous step trained; start the next one now
+                    batch = collector.get(step, trainer_version=current_version)
+                    if step + 1 < cfg.steps:
+                        collector.prefetch(step + 1)
+            t0 = time.perf_counter()
+            signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum())})
+            if signal["usable"] > 0:
+                masked_run = 0
+                train_metrics = grpo_update(batch, model, train_transformer, ref_velocity, optimizer, accelerator,
+                                            sync, named_params, cfg, step, before_each_step=share_cores)
+            else:
+                # No sample carries a signal (all masked, or every group's rewards equal): an optimizer step
+                # would still move the weights through AdamW's momentum and weight decay. Skip it.
+                skipped_steps += 1
+                masked_run = masked_run + 1 if signal["valid"] == 0 else 0
+                if masked_run >= cfg.train.max_masked_steps:
+                    raise RuntimeError(f"step {step + 1}: the rewards masked every sample of the last {masked_run} "
+                                       f"steps (train.max_masked_steps={cfg.train.max_masked_steps}); see the "
+                                       f"reward/*/invalid metrics in {run.metrics_path} and the scorer's errors")
+                train_metrics = {"weight_version_after": current_version}
+            train_metrics["train/skipped_steps"] = skipped_steps
+            train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
+            train_metrics["time/wait_s"] = t0 - step_start
+            current_version = train_metrics["weight_version_after"]
+            row = {"step": step + 1, **all_reduce_mean({**batch.metrics, **train_metrics})}
+            row["weight_version"] = batch.trajectory.weight_version
+            row["time/step_s"] = time.perf_counter() - step_start
+            for key in ("loss", "kl"):
+                if key in row:
+                    check_finite(row[key], f"the mean {key}", step + 1)
+            if collector is not None:
+                row.update(collector.metrics())
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                with full_params():
+                    row.update(eval_step(flywheel, cfg, judges, accelerator, run, done))
+            log(row)
+            if done % cfg.save_every == 0 or done == cfg.steps:
+                with full_params():
+                    if accelerator.is_main_process:
+                        save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params},
+                                        raw_optimizer, named_params,
+                                        {"step": done, "weight_version": current_version,
+                                         "data_position": flywheel.sampler.position(done),
+                                         "skipped_steps": skipped_steps, "masked_run": masked_run,
+                                         **({"async_collector": collector.state_dict()} if collector is not None else {})},
+                                        keep_last=cfg.keep_checkpoints)
+                accelerator.wait_for_everyone()
+            progress.update(1)
+            progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}", kl=f"{row.get('kl', 0.0):.2e}",
+                                 v=current_version)
+    finally:
+        progress.close()
         if collector is not None:
-            row.update(collector.metrics())
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            with full_params():
-                row.update(eval_step(flywheel, cfg, judges, accelerator, run, done))
-        log(row)
-        if done % cfg.save_every == 0 or done == cfg.steps:
-            with full_params():
-                if accelerator.is_main_process:
-                    save_checkpoint(run.checkpoints_dir, done, {n: p.detach() for n, p in named_params},
-                                    raw_optimizer, named_params,
-                                    {"step": done, "weight_version": current_version,
-                                     "data_position": flywheel.sampler.position(done),
-                                     "skipped_steps": skipped_steps, "masked_run": masked_run},
-                                    keep_last=cfg.keep_checkpoints)
-            accelerator.wait_for_everyone()
-        progress.update(1)
-        progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}", kl=f"{row.get('kl', 0.0):.2e}",
-                             v=current_version)
-    progress.close()
-    if collector is not None:
-        collector.close()
-        sync_controller.close()
-        engine.close()
+            engine.close()  # first: a rollout still in flight then ends at once instead of being waited for
+            collector.close()
+            sync_controller.close()
     if cfg.model.finetune == "lora" and card_defaults.get("diffusers_pipeline"):
         # The adapter in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
         with full_params():
