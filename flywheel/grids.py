@@ -75,7 +75,7 @@ def make_verdict_grid(images: torch.Tensor | np.ndarray, agrees: Sequence[bool |
     font = ImageFont.load_default()
     strip = 0
     if labels is not None:
-        _, top, _, bottom = font.getbbox("0123456789.")
+        _, top, _, bottom = font.getbbox("0123456789.:%")
         strip = bottom - top + 2
     cell_w, cell_h = w * upscale + 2 * border, h * upscale + 2 * border + strip
     canvas = Image.new("RGB", (gap + ncol * (cell_w + gap), gap + nrows * (cell_h + gap)), GAP)
