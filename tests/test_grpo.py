@@ -52,6 +52,11 @@ def test_metrics_rows_carry_the_documented_keys_and_versions(tmp_path):
         assert all(key in r for r in rows[1:]), key
     assert [r["weight_version"] for r in rows] == [0, 0, 1]  # the version that made the rollouts
     assert "eval/reward/mean" in rows[0] and "eval/reward/digit_alignment/mean" in rows[2]
+    # The hacking watch: the judge per digit and its minimum, reward per digit, the watch's flag.
+    for row in (rows[0], rows[2]):
+        judged = [row[f"eval/judge/digit_svc/{d}"] for d in range(10)]
+        assert row["eval/judge/digit_svc/min_class"] == min(judged)
+        assert all(f"eval/reward/{d}" in row for d in range(10)) and row["eval/hacking_warning"] in (0.0, 1.0)
     # The first update is on-policy: the recomputed log-probs equal the recorded ones exactly.
     assert rows[1]["ratio/max_dev"] == 0.0 and rows[1]["clipfrac"] == 0.0
     assert rows[2]["ratio/max_dev"] == 0.0  # right after a colocated sync: trainer and rollout agree exactly

@@ -34,11 +34,13 @@ from flywheel.config import (ConfigChecks, ConfigError, apply_overrides, config_
                              parse_config, save_config)
 from flywheel.cli import run_main
 from flywheel.distributed import all_reduce_mean
+from flywheel.grids import judged_sample_grid
 from flywheel.guards import check_finite, check_finite_weights
+from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import adapters_disabled, add_lora, save_lora_for_diffusers
 from flywheel.loop import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
-from flywheel.rundir import MetricsLog, RunDir, make_image_grid
+from flywheel.rundir import MetricsLog, RunDir
 from flywheel.engine_process import EngineProcess
 from flywheel.sync import SharedMemoryTransport, WeightSyncController
 from flywheel.tracking import log_images, log_videos, prepare_tracker
@@ -542,8 +544,9 @@ def cpu_core_sharing(collector: AsyncCollector | None, accelerator):
     return share
 
 
-def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, accelerator, run: RunDir, step: int) -> dict:
-    """Evaluate on the main process; save and log a sample grid."""
+def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, watch: HackingWatch, accelerator, run: RunDir,
+              step: int) -> dict:
+    """Evaluate on the main process (per-class judge metrics, the hacking watch); save and log a sample grid."""
     if not accelerator.is_main_process:
         return {}
     items = load_prompts(cfg.data.eval_prompts)
@@ -551,14 +554,20 @@ def eval_step(flywheel: Flywheel, cfg: Config, judges: dict, accelerator, run: R
                                       {"sampler": "ode", "guidance_scale": cfg.sampling.eval_guidance_scale,
                                        "steps": cfg.sampling.eval_steps or cfg.sampling.steps},
                                       judges)
+    watched = watch.update(metrics, step)
+    metrics.update(watched.metrics)
+    if watched.new:  # printed once when it starts; the progress bar shows it while it lasts
+        _progress_write(f"step {step}: {watched.warning}")
     if step % cfg.sample_every == 0 or step == cfg.steps:
-        # One image per prompt, first seed: a row per digit for the toy task.
-        shown = traj.images[::cfg.sampling.eval_seeds].detach().cpu()
+        # One image per prompt, first seed: a row per digit for the toy task, framed by the judge's verdict.
+        first = slice(None, None, cfg.sampling.eval_seeds)
+        shown = traj.images[first].detach().cpu()
         if is_video(shown):
             paths = [write_mp4(v, run.samples_dir / f"step-{step:06d}-{i:02d}.mp4") for i, v in enumerate(shown[:8])]
             log_videos(accelerator, "eval/videos", paths, step)
             shown = middle_frame(shown)
-        grid = make_image_grid(shown, nrow=len(items) // 10 or None)
+        grid = judged_sample_grid(shown, traj.prompts[first], traj.metadata[first], judges,
+                                  nrow=len(items) // 10 or None)
         grid.save(run.sample_path(step))
         log_images(accelerator, "eval/samples", [grid], step)
     return metrics
@@ -667,6 +676,10 @@ def main(argv: list[str] | None = None) -> dict:
                          f" but step {start_step} of these prompts is at {flywheel.sampler.position(start_step)}: "
                          "data.prompts or data.prompts_per_step changed since it was saved")
     judges = build_judges(cfg) if accelerator.is_main_process else {}
+    watch = HackingWatch()  # reward rising while the judge falls, overall or in one class
+    for earlier in (metrics_log.read() if cfg.resume and accelerator.is_main_process else []):
+        if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
+            watch.update(earlier, earlier["step"])
     if cfg.tracker != "none":
         accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)), init_kwargs=init_kwargs)
 
@@ -679,7 +692,7 @@ def main(argv: list[str] | None = None) -> dict:
     base_eval = None
     if start_step == 0:
         with full_params():
-            base_eval = eval_step(flywheel, cfg, judges, accelerator, run, 0)
+            base_eval = eval_step(flywheel, cfg, judges, watch, accelerator, run, 0)
         log({"step": 0, "weight_version": engine.weight_version, **base_eval})
     progress = _progress(accelerator, start_step, cfg.steps)
     row: dict = {}
@@ -730,7 +743,7 @@ def main(argv: list[str] | None = None) -> dict:
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 with full_params():
-                    row.update(eval_step(flywheel, cfg, judges, accelerator, run, done))
+                    row.update(eval_step(flywheel, cfg, judges, watch, accelerator, run, done))
             log(row)
             if done % cfg.save_every == 0 or done == cfg.steps:
                 with full_params():
@@ -745,7 +758,7 @@ def main(argv: list[str] | None = None) -> dict:
                 accelerator.wait_for_everyone()
             progress.update(1)
             progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}", kl=f"{row.get('kl', 0.0):.2e}",
-                                 v=current_version)
+                                 v=current_version, **({"HACKING?": watch.last.short} if watch.last.short else {}))
     finally:
         progress.close()
         if collector is not None:
@@ -787,6 +800,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def _first_eval(metrics_log: MetricsLog) -> dict:
     rows = [r for r in metrics_log.read() if r.get("step") == 0]
     return rows[0] if rows else {}
+
+
+def _progress_write(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)
 
 
 def _progress(accelerator, start: int, total: int):
