@@ -2,18 +2,29 @@
 
 The reward is what RL optimises; a judge (rewards/judges.py) is never trained
 against, so when the two part ways the model is learning the reward's blind
-spot rather than the task. In the toy digits run the final samples of one digit
-can become a saturated blob the reward CNN still accepts; the judge's score of
-that digit falls while the reward of that digit keeps rising. The overall means
-hide it (nine good digits outweigh one), so the watch compares each class too.
+spot rather than the task. Hacking usually starts in one class (one digit
+turning into a blob the reward still accepts) where the overall means hide it
+(nine good digits outweigh one), so the watch compares each class too.
 
 Feed it every evaluation's metrics (`flywheel.loop.evaluate`): for the overall
 means (`eval/reward/mean` against `eval/judge/<name>/mean`) and for every class c
 (`eval/reward/<c>` against `eval/judge/<name>/<c>`) it fires when, since the
 previous evaluation or since the evaluation where that judge score was best,
-the reward rose by more than `tolerance` and the judge fell by more than
-`tolerance`. Comparing with the best catches a slow slide made of steps each
+the reward rose (by any amount: a hacked reward is usually near its ceiling,
+with little room left to rise) while the judge fell by more than the tolerance
+(`tolerance` for the overall means, `class_tolerance` for a class, whose mean
+is over a tenth of the samples for the toy task and moves more between
+evaluations). Comparing with the best catches a slow slide made of steps each
 within the tolerance; comparing with the previous catches a fall after a dip.
+
+Calibration (two default toy runs, evaluated every 10 steps, with the old and
+the current `sample_seed`): a class's judge mean fell by up to 0.07 (from the
+previous or the best evaluation) while its reward rose, in samples that look
+no worse, so a class tolerance of 0.05 cried wolf and 0.1 kept the watch
+silent; the overall judge mean never fell by more than 0.01 while the reward
+rose. The watch sees only what its judges see: in the old-seed run the final
+digit-6 samples are a saturated blob, and the SVC judge still reads them as
+6 (0.84-0.97 each; its class-6 mean fell 0.95 -> 0.91), so it stays silent.
 """
 
 from __future__ import annotations
@@ -90,12 +101,14 @@ class WatchResult:
 class HackingWatch:
     """Compares the reward and judge trends over successive evaluations (see the module docstring)."""
 
-    def __init__(self, tolerance: float = 0.05):
-        """`tolerance`: how far (in score units; judges and the toy reward are probabilities) the reward
-        must rise and the judge fall before it counts; eval noise between close checkpoints stays below it."""
-        if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
-            raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-        self.tolerance = float(tolerance)
+    def __init__(self, tolerance: float = 0.05, class_tolerance: float = 0.1):
+        """`tolerance` / `class_tolerance`: how far (in score units; judges are probabilities) the overall /
+        a class's judge score must fall, while the reward rises, before it counts."""
+        for name, value in (("tolerance", tolerance), ("class_tolerance", class_tolerance)):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+                                               and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        self.tolerance, self.class_tolerance = float(tolerance), float(class_tolerance)
         self._previous: dict[tuple[str, str | None], _Point] = {}
         self._best: dict[tuple[str, str | None], _Point] = {}
         self._firing: set[tuple[str, str | None]] = set()
@@ -128,12 +141,11 @@ class HackingWatch:
     def _compare(self, key: tuple[str, str | None], now: _Point) -> Signal | None:
         """The signal of the reference (previous or best evaluation) the judge fell furthest from, if any."""
         found = None
+        tolerance = self.tolerance if key[1] is None else self.class_tolerance
         for ref in (self._previous.get(key), self._best.get(key)):
             if ref is None:
                 continue
-            rose = now.reward - ref.reward > self.tolerance
-            fell = ref.judge - now.judge > self.tolerance
-            if rose and fell and (found is None or ref.judge - now.judge > found.judge_drop):
+            if now.reward > ref.reward and ref.judge - now.judge > tolerance and (found is None or ref.judge - now.judge > found.judge_drop):
                 found = Signal(key[0], key[1], ref.judge, now.judge, ref.reward, now.reward, ref.step)
         return found
 

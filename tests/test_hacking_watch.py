@@ -73,6 +73,19 @@ def test_class_means_leave_out_invalid_and_classless_rows():
     assert math.isnan(means["8"])  # no valid row: NaN, as RewardBatch.metrics gives an empty mean
 
 
+def test_evaluate_reward_per_class_leaves_out_invalid_rewards(toy_engine):
+    class StyleJudge(MeanPixelJudge):
+        def classes(self, prompts, metadata):
+            return [m["style"] for m in metadata]
+
+    # "a picture" names no digit: digit_alignment masks its rows, and the class mean must skip them.
+    items = [PromptItem("a handwritten three", {"digit": 3, "style": "neat"}), PromptItem("a picture", {"style": "neat"})]
+    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), items, 2, EVAL_KWARGS, {"s": StyleJudge()})
+    reward = DigitAlignment()(traj.images, traj.prompts, traj.metadata)
+    assert metrics["eval/reward/invalid"] == 2.0
+    assert metrics["eval/reward/neat"] == pytest.approx(float(reward[:2].mean()), abs=1e-6)
+
+
 class _NoGenerate:
     card_id = "toy-digits"
 
@@ -129,15 +142,16 @@ def test_watch_fires_when_one_class_reward_rises_while_its_judge_falls():
     watch = HackingWatch(tolerance=0.05)
     first = watch.update(eval_row(0.50, 0.60, {3: (0.50, 0.60), 6: (0.50, 0.60)}), step=0)
     second = watch.update(eval_row(0.85, 0.88, {3: (0.80, 0.85), 6: (0.90, 0.91)}), step=40)
-    # Digit 6 turns into a blob the reward loves and the judge rejects; the overall judge barely moves.
-    third = watch.update(eval_row(0.95, 0.86, {3: (0.92, 0.90), 6: (0.99, 0.62)}), step=80)
+    # Digit 6 turns into a blob the reward loves and the judge rejects (3 starts to, less); the overall
+    # judge barely moves.
+    third = watch.update(eval_row(0.95, 0.86, {3: (0.92, 0.72), 6: (0.99, 0.62)}), step=80)
     assert first.warning is None and second.warning is None
     assert first.metrics == {"eval/hacking_warning": 0.0, "eval/hacking_signals": 0.0}
-    assert [(s.judge, s.cls) for s in third.signals] == [("svc", "6")]
+    assert [(s.judge, s.cls) for s in third.signals] == [("svc", "6"), ("svc", "3")]  # the largest fall first
     assert third.warning == ("possible reward hacking: judge svc fell 0.91->0.62 on class 6 since step 40 "
-                             "while reward rose 0.90->0.99")
+                             "while reward rose 0.90->0.99 (and 1 more)")
     assert third.short == "svc 6 0.91->0.62"
-    assert third.metrics == {"eval/hacking_warning": 1.0, "eval/hacking_signals": 1.0}
+    assert third.metrics == {"eval/hacking_warning": 1.0, "eval/hacking_signals": 2.0}
     assert third.new and watch.last is third
     # Still hacked at the next evaluation: still a warning, but not a new one (printed once).
     fourth = watch.update(eval_row(0.97, 0.85, {3: (0.94, 0.91), 6: (1.0, 0.55)}), step=100)
@@ -161,19 +175,20 @@ def test_watch_catches_a_slow_slide_from_the_best_judge_value():
 
 
 def test_watch_compares_with_the_previous_evaluation_after_a_dip():
-    # Since the best judge value the reward barely rose; since the previous evaluation it rose a lot.
+    # Since the best judge value the reward fell; since the previous evaluation it rose.
     watch = HackingWatch(tolerance=0.05)
-    for step, (reward, judge) in enumerate([(0.90, 0.90), (0.80, 0.70), (0.95, 0.60)]):
+    for step, (reward, judge) in enumerate([(0.95, 0.90), (0.80, 0.70), (0.90, 0.60)]):
         result = watch.update(eval_row(reward, judge), step=step)
-    assert str(result.signals[0]) == "judge svc fell 0.70->0.60 overall since step 1 while reward rose 0.80->0.95"
+    assert str(result.signals[0]) == "judge svc fell 0.70->0.60 overall since step 1 while reward rose 0.80->0.90"
 
 
 @pytest.mark.parametrize("sequence", [
     [(0.5, 0.6, 0.5, 0.6), (0.7, 0.75, 0.8, 0.8), (0.9, 0.9, 0.95, 0.92)],    # both rise
     [(0.5, 0.9, 0.5, 0.9), (0.54, 0.88, 0.6, 0.87), (0.58, 0.89, 0.7, 0.86)],  # judge dips within tolerance
-    [(0.9, 0.9, 0.9, 0.9), (0.9, 0.6, 0.92, 0.6)],                            # judge falls, reward flat
+    [(0.9, 0.9, 0.9, 0.9), (0.9, 0.6, 0.88, 0.6)],                            # judge falls, reward does not rise
 ])
 def test_watch_stays_silent_without_a_reward_rise_against_a_judge_fall(sequence):
+    # Overall means and class 6 as (reward, judge, reward of 6, judge of 6) at successive evaluations.
     watch = HackingWatch(tolerance=0.05)
     for step, (reward, judge, r6, j6) in enumerate(sequence):
         result = watch.update(eval_row(reward, judge, {6: (r6, j6)}), step=step)
@@ -185,9 +200,20 @@ def test_watch_ignores_non_finite_values_and_rejects_bad_tolerance():
     watch.update(eval_row(0.5, 0.9), step=0)
     assert watch.update(eval_row(0.9, math.nan), step=1).warning is None  # no evidence either way
     assert watch.update(eval_row(0.9, 0.6), step=2).signals[0].since_step == 0  # the NaN left no trace
-    for bad in (-0.1, math.nan, "0.05"):
-        with pytest.raises(ValueError, match="tolerance must be a finite number >= 0"):
+    for bad in (-0.1, math.nan, "0.05", True):
+        with pytest.raises(ValueError, match="^tolerance must be a finite number >= 0"):
             HackingWatch(tolerance=bad)
+        with pytest.raises(ValueError, match="^class_tolerance must be a finite number >= 0"):
+            HackingWatch(class_tolerance=bad)
+
+
+def test_watch_gives_a_class_its_own_wider_tolerance():
+    # A class mean is over a tenth of the samples: a 0.07 fall there is within eval noise by default.
+    rows = [eval_row(0.80, 0.90, {1: (0.69, 0.91)}), eval_row(0.85, 0.91, {1: (0.75, 0.84)})]
+    default, strict = HackingWatch(), HackingWatch(class_tolerance=0.05)
+    assert [default.update(r, step=i).warning for i, r in enumerate(rows)] == [None, None]
+    assert [strict.update(r, step=i).warning is not None for i, r in enumerate(rows)] == [False, True]
+    assert strict.last.signals[0].cls == "1"
 
 
 # ---- the judge's verdicts and the annotated grid ----
