@@ -145,7 +145,8 @@ class HackingWatch:
         for ref in (self._previous.get(key), self._best.get(key)):
             if ref is None:
                 continue
-            if now.reward > ref.reward and ref.judge - now.judge > tolerance and (found is None or ref.judge - now.judge > found.judge_drop):
+            drop = ref.judge - now.judge
+            if now.reward > ref.reward and drop > tolerance and (found is None or drop > found.judge_drop):
                 found = Signal(key[0], key[1], ref.judge, now.judge, ref.reward, now.reward, ref.step)
         return found
 

@@ -79,7 +79,8 @@ def test_evaluate_reward_per_class_leaves_out_invalid_rewards(toy_engine):
             return [m["style"] for m in metadata]
 
     # "a picture" names no digit: digit_alignment masks its rows, and the class mean must skip them.
-    items = [PromptItem("a handwritten three", {"digit": 3, "style": "neat"}), PromptItem("a picture", {"style": "neat"})]
+    items = [PromptItem("a handwritten three", {"digit": 3, "style": "neat"}),
+             PromptItem("a picture", {"style": "neat"})]
     metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), items, 2, EVAL_KWARGS, {"s": StyleJudge()})
     reward = DigitAlignment()(traj.images, traj.prompts, traj.metadata)
     assert metrics["eval/reward/invalid"] == 2.0
