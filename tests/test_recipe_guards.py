@@ -1,5 +1,6 @@
 """The recipe refuses bad configs up front and stops on bad numbers: issue 11's items 3, 5, 9, 10 and 16."""
 
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -200,3 +201,15 @@ def test_a_fresh_run_refuses_a_used_run_dir_and_overwrite_starts_over(tmp_path):
         main([f"run_dir={run_dir}", *TINY, "steps=1"])
     main([f"run_dir={run_dir}", *TINY, "steps=1", "overwrite=true"])
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]  # not [0, 1, 0, 1]
+
+
+def test_cps_rollouts_train_with_finite_metrics_and_raise_the_reward(tmp_path):
+    """Item 1: CPS's last step (std 0) never enters the loss or the KL (log_kl is on by default)."""
+    result = main([f"run_dir={tmp_path / 'cps'}", "tracker=none", "sampling.sampler=cps", "sampling.noise_level=0.5",
+                   "sampling.steps=4", "steps=12", "eval_every=12", "sampling.eval_seeds=2", "sample_every=1000",
+                   "save_every=1000"])
+    rows = read_metrics(tmp_path / "cps" / "metrics.jsonl")
+    for row in rows[1:]:
+        assert all(math.isfinite(row[k]) for k in ("loss", "kl", "grad_norm", "ratio/mean")), row
+    assert rows[1]["ratio/max_dev"] == 0.0  # on-policy: CPS log-probs recomputed exactly
+    assert result["final"]["eval/reward/mean"] > result["base"]["eval/reward/mean"] + 0.1
