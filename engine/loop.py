@@ -53,6 +53,19 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
+def _trajectory_buffers(initial_noise: torch.Tensor, steps: int,
+                       keep_trajectory: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x fp32, latents [B, steps+1 or 1, *latent] with the start in slot 0, zero log_probs [B, steps])."""
+    x = initial_noise.float()
+    batch = x.shape[0]
+    latents = torch.empty((batch, steps + 1 if keep_trajectory else 1, *x.shape[1:]), dtype=torch.float32,
+                          device=x.device)
+    log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=x.device)
+    if keep_trajectory:
+        latents[:, 0] = x
+    return x, latents, log_probs
+
+
 @torch.no_grad()
 def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tensor, step_noise: torch.Tensor | None,
             timesteps: torch.Tensor, noise_levels: list[float], cond: PromptEmbeds,
@@ -67,13 +80,7 @@ def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tenso
     final latent when keep_trajectory is False, log_probs [B, T]).
     """
     steps = len(noise_levels)
-    batch = initial_noise.shape[0]
-    x = initial_noise.float()
-    kept = steps + 1 if keep_trajectory else 1
-    latents = torch.empty((batch, kept, *x.shape[1:]), dtype=torch.float32, device=x.device)
-    log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=x.device)
-    if keep_trajectory:
-        latents[:, 0] = x
+    x, latents, log_probs = _trajectory_buffers(initial_noise, steps, keep_trajectory)
     t_cap = sde_t_cap(timesteps)
     for k in range(steps):
         t, t_next = timesteps[k], timesteps[k + 1]
@@ -109,13 +116,7 @@ def denoise_with_scheduler(model: FlowModel, transformer: nn.Module, initial_noi
     timesteps = scheduler.timesteps
     steps = len(timesteps)
     flow_times = timesteps.to(device=initial_noise.device, dtype=torch.float32) / scheduler.config.num_train_timesteps
-    batch = initial_noise.shape[0]
-    x = initial_noise.float()
-    kept = steps + 1 if keep_trajectory else 1
-    latents = torch.empty((batch, kept, *x.shape[1:]), dtype=torch.float32, device=x.device)
-    log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=x.device)
-    if keep_trajectory:
-        latents[:, 0] = x
+    x, latents, log_probs = _trajectory_buffers(initial_noise, steps, keep_trajectory)
     for k in range(steps):
         v = guided_velocity(model, transformer, x, flow_times[k], cond, uncond_cond, guidance_scale)
         x = scheduler.step(v, timesteps[k], x, return_dict=False)[0].float()
