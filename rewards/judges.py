@@ -13,10 +13,17 @@ scores. Two optional methods let evaluation say more:
   collapsing into a blob the reward still accepts moves the overall mean little.
 - `verdicts(images, prompts, metadata) -> [B]` list of `Verdict`: what the
   judge sees in each image, drawn on the sample grid (`flywheel.grids`).
+
+Two judges for the toy digits, because each is blind where the other looks:
+`DigitJudge` asks "is this the prompted digit?" and, like the reward CNN,
+still says yes to a saturated blob that keeps a digit's rough shape;
+`DigitTypicalityJudge` asks "does this look like real digits of that class?",
+which such a blob does not.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,3 +89,78 @@ class DigitJudge:
             raise ValueError(f"got {probs.shape[0]} images and {len(expected)} prompts; they must match")
         score, predicted = probs.max(dim=1)
         return [Verdict(int(p), float(s), e) for p, s, e in zip(predicted.tolist(), score.tolist(), expected)]
+
+
+class DigitTypicalityJudge:
+    """How typical each sample is of real digits of its prompted class: an empirical p-value in [0, 1].
+
+    A sample's distance to real digits of its class is the Euclidean distance
+    (pixels in [0, 1]) to its nearest load_digits *train* image of that class.
+    Its score is the fraction of *held-out* real digits of that class whose own
+    nearest-train distance is at least as large: held-out real digits score
+    about uniformly in [0, 1] (mean ~0.5), a sample further from the class than
+    any real digit scores 0. It sees what a classifier cannot: a saturated blob
+    that the reward CNN and `DigitJudge` still read as the prompted digit is far
+    from every real one. Blind spot: a model that copies its training digits
+    (the toy model trains on the same train split) scores ~1.
+
+    Deterministic and untrained (no randomness, ~0.05 s to build): pure
+    nearest-neighbour arithmetic on the same split as every other component.
+    """
+
+    name = "digit_typicality"
+
+    def __init__(self):
+        x_train, x_test, y_train, y_test = digit_split()
+        # Same input convention as the reward CNN and DigitJudge: value / 16 puts pixels into [0, 1].
+        train = torch.from_numpy(x_train.reshape(len(x_train), -1) / 16.0)
+        test = torch.from_numpy(x_test.reshape(len(x_test), -1) / 16.0)
+        self.references: list[torch.Tensor] = []  # per digit: its train images [N_c, 64] float64
+        self.calibration: list[torch.Tensor] = []  # per digit: its held-out images' nearest-train distances, sorted
+        for digit in range(10):
+            reference = train[torch.from_numpy(y_train == digit)]
+            heldout = test[torch.from_numpy(y_test == digit)]
+            if len(reference) == 0 or len(heldout) == 0:
+                raise RuntimeError(f"the load_digits split has no train or held-out image of digit {digit}")
+            self.references.append(reference)
+            self.calibration.append(_nearest_distance(heldout, reference).sort().values)
+
+    def distances(self, images: torch.Tensor, digits: list[int | None]) -> torch.Tensor:
+        """Distance [B] float64 from each image to its nearest train digit of `digits[i]`; NaN where None."""
+        flat = to_digit_grid(images.detach()).flatten(1).cpu().double()
+        if flat.shape[0] != len(digits):
+            raise ValueError(f"got {flat.shape[0]} images and {len(digits)} prompts; they must match")
+        if not torch.isfinite(flat).all():
+            raise ValueError("images hold non-finite values; expected images in [0, 1]")
+        out = torch.full((len(digits),), math.nan, dtype=torch.float64)
+        for digit, rows in _rows_by_digit(digits):
+            out[rows] = _nearest_distance(flat[rows], self.references[digit])
+        return out
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Typicality [B] float32 of each row for its prompted digit; NaN where the prompt names none."""
+        digits = prompted_digits(prompts, metadata)
+        distance = self.distances(images, digits)
+        scores = torch.full_like(distance, math.nan)
+        for digit, rows in _rows_by_digit(digits):
+            calibration = self.calibration[digit]
+            # Held-out distances strictly below a sample's are the real digits more typical than it.
+            below = torch.searchsorted(calibration, distance[rows], side="left")
+            scores[rows] = 1.0 - below.double() / len(calibration)
+        return scores.float()
+
+    def classes(self, prompts: list[str], metadata: list[dict]) -> list[int | None]:
+        """The digit each row asks for, exactly as `DigitJudge.classes` (so per-class metrics line up)."""
+        return prompted_digits(prompts, metadata)
+
+
+def _nearest_distance(points: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[N] Euclidean distance from each of `points` [N, D] to its nearest row of `reference` [M, D]."""
+    # The direct (not matrix-product) form: exact, so an image that is a reference row is at distance 0.
+    return torch.cdist(points, reference, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values
+
+
+def _rows_by_digit(digits: list[int | None]) -> list[tuple[int, torch.Tensor]]:
+    """(digit, boolean row mask) for every digit named in `digits`, in digit order."""
+    named = sorted({d for d in digits if d is not None})
+    return [(digit, torch.tensor([d == digit for d in digits])) for digit in named]
