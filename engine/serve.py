@@ -32,9 +32,7 @@ import asyncio
 import base64
 import hmac
 import io
-import ipaddress
 import json
-import logging
 import math
 import os
 
@@ -43,13 +41,15 @@ from aiohttp import web
 
 from engine.admission import AdmissionController, AdmissionError
 from engine.async_engine import AsyncEngine, UnknownCardError
+from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
+                                warn_if_exposed)
 from engine.types import MAX_STEPS, SAMPLERS, GenerationRequest
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 TOKEN_KEY = web.AppKey("token", str)
 CARD_KEY = web.AppKey("default_card", str)
-LIMITS_KEY = web.AppKey("limits", dict)
-INFLIGHT_KEY = web.AppKey("inflight_bytes", list)
+MAX_IMAGES_KEY = web.AppKey("max_images", int)
+INFLIGHT_KEY = web.AppKey("inflight_bytes", InflightBudget)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024**2  # a thousand full-size bodies being received at once
@@ -57,7 +57,6 @@ DEFAULT_HEADER_TIMEOUT_S = 20.0
 DEFAULT_BODY_TIMEOUT_S = 20.0  # bodies are small JSON (64 KiB by default)
 MAX_SEED = 2**63 - 1
 MAX_VERSION = 2**63 - 1  # weight versions travel as int64 in checkpoints and tensors
-logger = logging.getLogger(__name__)
 
 # JSON field -> (accepted Python types, description for the error message).
 _FIELDS = {
@@ -159,25 +158,11 @@ def _encode_images(images: torch.Tensor) -> list:
 
 
 async def _read_json(request: web.Request) -> object:
-    limits, inflight = request.app[LIMITS_KEY], request.app[INFLIGHT_KEY]
-    # Bodies being received count against max_inflight_bytes, so many slow clients cannot add up
-    # to more memory than that; a body without a length may grow to the per-body limit.
-    size = request.content_length if request.content_length is not None else limits["max_body_bytes"]
-    if size > limits["max_body_bytes"]:
-        raise BadRequest(f"body exceeds {limits['max_body_bytes']} bytes", status=413)
-    if inflight[0] + size > limits["max_inflight_bytes"]:
-        raise BadRequest(f"server busy: {inflight[0]} bytes of request bodies in flight, "
-                         f"max_inflight_bytes={limits['max_inflight_bytes']}; retry later", status=503)
-    inflight[0] += size  # one event loop: no other request runs between the check and this
-    try:
-        raw = await asyncio.wait_for(request.read(), limits["body_timeout_s"])
-    except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"body exceeds {limits['max_body_bytes']} bytes", status=413) from None
-    except asyncio.TimeoutError:
-        raise BadRequest(f"body not received within body_timeout_s={limits['body_timeout_s']:g} s",
-                         status=408) from None
-    finally:
-        inflight[0] -= size
+    inflight = request.app[INFLIGHT_KEY]
+    # Bodies count against max_inflight_bytes only while being received: once parsed, a request
+    # is bounded by max_images and the admission budget instead.
+    with inflight.reserve(request):
+        raw = await read_body(request, inflight.limits)
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -187,7 +172,7 @@ async def _read_json(request: web.Request) -> object:
 async def generate(request: web.Request) -> web.Response:
     engine: AsyncEngine = request.app[ENGINE_KEY]
     body = await _read_json(request)
-    requests, options = parse_generate(body, request.app[CARD_KEY], request.app[LIMITS_KEY]["max_images"])
+    requests, options = parse_generate(body, request.app[CARD_KEY], request.app[MAX_IMAGES_KEY])
     trajectories = await engine.generate(requests)
     images = torch.cat([t.images for t in trajectories])
     out = {"card": requests[0].card, "weight_version": trajectories[0].weight_version,
@@ -298,7 +283,7 @@ async def errors(request: web.Request, handler):
             return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
     try:
         return await handler(request)
-    except BadRequest as exc:
+    except (BadRequest, LimitExceeded) as exc:
         return _error(exc.status, str(exc))
     except UnknownCardError as exc:
         return _error(404, str(exc))
@@ -321,21 +306,12 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     the moment a connection opens, so it is the header bound); `body_timeout_s`: a body not
     received by then is answered 408.
     """
-    if not 0 < max_body_bytes <= max_inflight_bytes:
-        raise ValueError(f"need 0 < max_body_bytes <= max_inflight_bytes, got {max_body_bytes} and "
-                         f"{max_inflight_bytes}")
-    for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    # lingering_time: after a 408/413 the unread rest of a body is drained this long (so the client
-    # can read the answer instead of a reset), not aiohttp's default 10 s.
-    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes,
-                          handler_args={"keepalive_timeout": header_timeout_s, "lingering_time": 2.0})
+    limits = ServerLimits(max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s)
+    app = web.Application(middlewares=[errors], **limits.app_kwargs())
     app[ENGINE_KEY] = engine
     app[TOKEN_KEY] = token or ""
-    app[LIMITS_KEY] = {"max_body_bytes": max_body_bytes, "max_images": max_images, "body_timeout_s": body_timeout_s,
-                       "max_inflight_bytes": max_inflight_bytes}
-    app[INFLIGHT_KEY] = [0]  # bytes of request bodies being received now
+    app[MAX_IMAGES_KEY] = max_images
+    app[INFLIGHT_KEY] = InflightBudget(limits)
     generators = [m["id"] for m in engine.models() if m["kind"] == "generator"]
     app[CARD_KEY] = default_card or (generators[0] if generators else "")
     app.router.add_post("/v1/generate", generate)
@@ -351,29 +327,6 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     return app
 
 
-def warn_if_exposed(host: str | list[str] | None, token: str | None, what: str, how: str) -> bool:
-    """Log a warning (and return True) when a server without a token binds an address other machines reach."""
-    if token:
-        return False
-    hosts = [host] if host is None or isinstance(host, str) else list(host)
-    exposed = [str(h) for h in hosts if not _is_loopback(h)]
-    if exposed:
-        logger.warning("%s binds %s without a token: anyone who can reach that address can use it; set %s",
-                       what, ", ".join(exposed), how)
-    return bool(exposed)
-
-
-def _is_loopback(host: str | None) -> bool:
-    """Whether `host` is this machine only; None and "" mean every interface, a name other than localhost
-    may resolve anywhere."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host or "0.0.0.0").is_loopback
-    except ValueError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a model card over HTTP.")
     parser.add_argument("--card", default="toy-digits", help="model card id (see engine.list_cards())")
@@ -387,13 +340,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--max-concurrency", type=int, default=2)
     parser.add_argument("--budget-bytes", type=int, default=8 * 1024**3, help="admission memory budget")
-    parser.add_argument("--max-inflight-bytes", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES,
-                        help="request bodies being received at once, all clients together (503 above)")
-    parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="time a connection has to send its request headers (closed after)")
-    parser.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="time a request has to send its body (408 after)")
+    add_limit_args(parser, ServerLimits(DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_HEADER_TIMEOUT_S,
+                                        DEFAULT_BODY_TIMEOUT_S))
     args = parser.parse_args(argv)
+    limits = from_args(args)  # checked before the model loads
     warn_if_exposed(args.host, args.token, "engine server", "--token or $FLYWHEEL_SERVE_TOKEN")
 
     from engine.engine import Engine
@@ -401,8 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = AsyncEngine(Engine.from_card(args.card, path=args.path, device=args.device),
                          max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                          max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes))
-    app = build_app(engine, default_card=args.card, token=args.token, max_inflight_bytes=args.max_inflight_bytes,
-                    header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
+    app = build_app(engine, default_card=args.card, token=args.token, **limits.as_kwargs())
     web.run_app(app, host=args.host, port=args.port)
 
 

@@ -26,7 +26,8 @@ import threading
 
 from aiohttp import web
 
-from engine.serve import warn_if_exposed
+from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
+                                warn_if_exposed)
 from rewards.registry import get
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer
@@ -42,15 +43,10 @@ BODY_TIMEOUT_S = 120.0  # 1 GiB at ~70 Mbit/s
 def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes: int = MAX_BODY,
              max_inflight_bytes: int = MAX_INFLIGHT, header_timeout_s: float = HEADER_TIMEOUT_S,
              body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
-    """The aiohttp application serving `scorer` under the reward name `name`."""
-    if not 0 < max_body_bytes <= max_inflight_bytes:
-        raise ValueError(f"need 0 < max_body_bytes <= max_inflight_bytes, got {max_body_bytes} and "
-                         f"{max_inflight_bytes}")
-    if not (0 < header_timeout_s < float("inf") and 0 < body_timeout_s < float("inf")):
-        raise ValueError(f"header_timeout_s and body_timeout_s must be finite and > 0, got {header_timeout_s} "
-                         f"and {body_timeout_s}")
+    """The aiohttp application serving `scorer` under the reward name `name` (limits: see engine.http_limits)."""
+    limits = ServerLimits(max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s)
     lock = asyncio.Lock()
-    inflight = [0]  # bytes reserved by requests between reading their body and answering (one event loop: no race)
+    inflight = InflightBudget(limits)
 
     @web.middleware
     async def auth(request: web.Request, handler):
@@ -64,26 +60,16 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
         return web.json_response({"status": "ok", "reward": name})
 
     async def score(request: web.Request) -> web.Response:
-        # A body without a length (chunked) may grow to the per-body limit: reserve that.
-        size = request.content_length if request.content_length is not None else max_body_bytes
-        if size > max_body_bytes:
-            return web.json_response({"error": f"body of {size} bytes exceeds max_body_bytes={max_body_bytes}"},
-                                     status=413)
-        if inflight[0] + size > max_inflight_bytes:
-            return web.json_response({"error": f"server busy: {inflight[0]} bytes of requests in flight, "
-                                               f"max_inflight_bytes={max_inflight_bytes}; retry later"}, status=503)
-        inflight[0] += size
+        # The bytes stay reserved until the answer: the decoded batch waiting for the scorer is
+        # memory the body turned into.
         try:
-            return await _score(request)
-        finally:
-            inflight[0] -= size
+            with inflight.reserve(request):
+                return await _score(request)
+        except LimitExceeded as exc:
+            return web.json_response({"error": str(exc)}, status=exc.status)
 
     async def _score(request: web.Request) -> web.Response:
-        try:
-            body = await asyncio.wait_for(request.read(), body_timeout_s)
-        except asyncio.TimeoutError:
-            return web.json_response({"error": f"request body not received within body_timeout_s="
-                                               f"{body_timeout_s:g} s"}, status=408)
+        body = await read_body(request, limits)
         try:
             images, prompts, metadata = decode_request(body, request.content_type)
         except ValueError as exc:
@@ -97,12 +83,7 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
                 return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
         return web.Response(body=encode_scores(scores), content_type="application/json")
 
-    # keepalive_timeout also closes a connection that has not finished its request headers
-    # in that time (aiohttp starts the timer when the connection opens): the header timeout.
-    # lingering_time: after a 408/413 the unread rest of a body is drained this long, so a client
-    # can read the answer instead of a reset, but a slow client is not kept for aiohttp's default 10 s.
-    app = web.Application(middlewares=[auth], client_max_size=max_body_bytes,
-                          handler_args={"keepalive_timeout": header_timeout_s, "lingering_time": 2.0})
+    app = web.Application(middlewares=[auth], **limits.app_kwargs())
     app.router.add_get("/health", health)
     app.router.add_post("/score", score)
     return app
@@ -170,19 +151,12 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${TOKEN_ENV}, "
                              "which keeps the token out of the process list)")
     parser.add_argument("--kwargs", default="{}", help='JSON kwargs for the scorer, e.g. \'{"path": "/models/clip"}\'')
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY, help="largest request body (413 above)")
-    parser.add_argument("--max-inflight-bytes", type=int, default=MAX_INFLIGHT,
-                        help="request bodies held at once across clients (503 above)")
-    parser.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
-                        help="time a connection has to send its request headers")
-    parser.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
-                        help="time a request has to send its body (408 after)")
+    add_limit_args(parser, ServerLimits(MAX_BODY, MAX_INFLIGHT, HEADER_TIMEOUT_S, BODY_TIMEOUT_S))
     args = parser.parse_args(argv)
+    limits = from_args(args)  # checked before the scorer loads
     logging.basicConfig(level=logging.INFO)
     scorer = get(args.reward, **json.loads(args.kwargs))
-    server = ServerThread(scorer, args.reward, args.host, args.port, args.token,
-                          max_body_bytes=args.max_body_bytes, max_inflight_bytes=args.max_inflight_bytes,
-                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
+    server = ServerThread(scorer, args.reward, args.host, args.port, args.token, **limits.as_kwargs())
     print(f"serving reward {args.reward!r} at {server.url}", flush=True)
     try:
         server._thread.join()
