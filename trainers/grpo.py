@@ -475,9 +475,10 @@ def validate_config(cfg: Config) -> None:
 def build_judges(cfg: Config) -> dict:
     """Independent judges for evaluation (never trained on): catch reward hacking."""
     if cfg.model.card == "toy-digits":
-        from rewards.judges import DigitJudge
+        from rewards.judges import DigitJudge, DigitTypicalityJudge
 
-        return {"digit_svc": DigitJudge()}
+        # The SVC first: its verdicts frame the sample grid. Typicality sees the saturated blobs it accepts.
+        return {"digit_svc": DigitJudge(), "digit_typicality": DigitTypicalityJudge()}
     return {}
 
 
