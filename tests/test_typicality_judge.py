@@ -112,6 +112,12 @@ def test_rgb_and_upscaled_images_score_as_their_gray_8x8(judge, split):
     assert torch.allclose(judge(upscaled, prompts, metadata), gray)
 
 
+def test_is_never_a_trainable_reward():
+    import rewards
+
+    assert DigitTypicalityJudge.name == "digit_typicality" and "digit_typicality" not in rewards.available()
+
+
 def test_deterministic_across_instances(judge, split):
     _, x, _, y = split
     assert torch.equal(DigitTypicalityJudge()(x, *_prompted(y)), judge(x, *_prompted(y)))
