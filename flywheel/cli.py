@@ -23,6 +23,10 @@ from collections.abc import Callable
 import torch
 
 from flywheel.config import ConfigError
+from flywheel.rundir import RunDirInUseError
+
+# Errors that say the command line was wrong: shown as a message, not a traceback.
+USAGE_ERRORS = (ConfigError, RunDirInUseError)
 
 CONFIG_ERROR_EXIT = 2  # as argparse: the command line was wrong
 _LAUNCHER_WAIT_S = 60.0
@@ -80,11 +84,12 @@ def sigterm_as_exit():
 
 
 def run_main(main: Callable[[], object]) -> None:
-    """Call a recipe's `main()`; exit 2 with the message alone on a ConfigError; leave gloo ranks cleanly."""
+    """Call a recipe's `main()`; exit 2 with the message alone on a usage error (a bad config, a used run
+    dir); leave gloo ranks cleanly."""
     try:
         with sigterm_as_exit():  # `kill` unwinds like Ctrl-C: the recipe closes its engine process itself
             main()
-    except ConfigError as e:
+    except USAGE_ERRORS as e:
         message = f"error: {e}"
         if _is_rank_zero():
             print(message, file=sys.stderr, flush=True)
