@@ -35,6 +35,16 @@ def serve(toy_model, check, token=None, budget=8 * 1024**3, **app_kwargs):
     return asyncio.run(main())
 
 
+async def post_each(client, path: str, bodies: list) -> list[tuple[int, str]]:
+    """POST each body (a JSON value, or a raw string sent as is) to `path`: [(status, error message)]."""
+    out = []
+    for body in bodies:
+        raw = body if isinstance(body, str) else json.dumps(body)
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        out.append((resp.status, (await resp.json())["error"]))
+    return out
+
+
 def test_generate_returns_pngs_and_safetensors_matching_the_engine(toy_model):
     body = {"prompt": "a handwritten seven", "seed": 5, "n": 2, "steps": 6, "sampler": "sde",
             "return_latents": True, "return_log_probs": True}
@@ -111,11 +121,7 @@ BAD_INPUTS = [
 
 def test_every_bad_input_is_a_clear_4xx_never_a_500(toy_model):
     async def check(client):
-        out = []
-        for body, _, _ in BAD_INPUTS:
-            data = body if isinstance(body, str) else json.dumps(body)
-            resp = await client.post("/v1/generate", data=data, headers={"Content-Type": "application/json"})
-            out.append((resp.status, (await resp.json())["error"]))
+        out = await post_each(client, "/v1/generate", [body for body, _, _ in BAD_INPUTS])
         good = await client.post("/v1/generate", json={"prompt": "a handwritten one", "steps": 2})
         return out, good.status
 
@@ -180,11 +186,7 @@ def test_post_weights_refuses_bad_files_naming_the_file_or_tensor(tmp_path):
               ({"path": str(files["good"]), "version": 1, "card": "sd9"}, 404, ["known: toy-digits"])]
 
     async def check(client):
-        out = []
-        for body, _, _ in bodies:
-            raw = body if isinstance(body, str) else json.dumps(body)
-            resp = await client.post("/v1/weights", data=raw, headers={"Content-Type": "application/json"})
-            out.append((resp.status, (await resp.json())["error"]))
+        out = await post_each(client, "/v1/weights", [body for body, _, _ in bodies])
         return out, await (await client.get("/v1/weights")).json()
 
     results, versions = serve(served_model, check)
