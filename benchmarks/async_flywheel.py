@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(mode_overrides: list[str], steps: int, overrides: list[str]) -> dict:
-    from flywheel.rundir import read_metrics
+    from flywheel.runs.rundir import read_metrics
     from trainers.grpo import main as grpo_main
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     steps = 6 if args.quick else args.steps
 
-    from flywheel.rundir import read_metrics
+    from flywheel.runs.rundir import read_metrics
     from trainers.grpo import main as grpo_main
 
     with tempfile.TemporaryDirectory() as tmp:

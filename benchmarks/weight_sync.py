@@ -39,13 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flywheel.transport import SharedMemorySender, SharedWeightsWriter, save_weights_atomic  # noqa: E402
+from flywheel.sync.transport import SharedMemorySender, SharedWeightsWriter, save_weights_atomic  # noqa: E402
 
 # The receiver holds the tensors the way the engine process does: mapped into a
 # shared block for the sender to write into; buckets are copied into them.
 RECEIVER = r"""
 import json, sys, torch
-from flywheel.transport import SharedWeights, receive_shared_memory_bucket
+from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket
 torch.set_num_threads(1)
 params = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, d, s in json.loads(sys.stdin.readline())}
 block = SharedWeights(params)
@@ -158,8 +158,8 @@ def measure_transports(tensors: dict[str, torch.Tensor], repeats: int, bucket_by
 def measure_engine_sync(repeats: int, batch: int) -> dict[str, float]:
     """A whole sync into the toy engine in another process, and its pause overhead vs a rollout step."""
     from engine import GenerationRequest
-    from flywheel.engine_process import EngineProcess
-    from flywheel.sync import SharedMemoryTransport, WeightSyncController
+    from flywheel.sync.engine_process import EngineProcess
+    from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController
 
     tensors = toy_tensors()
     with EngineProcess.start("toy-digits", threads=1) as handle:

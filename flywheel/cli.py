@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from flywheel.config import ConfigError
-from flywheel.rundir import RunDirInUseError
+from flywheel.runs.config import ConfigError
+from flywheel.runs.rundir import RunDirInUseError
 
 # Errors that say the command line was wrong: shown as a message, not a traceback.
 USAGE_ERRORS = (ConfigError, RunDirInUseError)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from flywheel.rundir import make_image_grid
+from flywheel.runs.rundir import make_image_grid
 
 AGREE = (0, 160, 0)
 DISAGREE = (210, 0, 0)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flywheel.async_rollouts import AsyncCollector
+from flywheel.sync.async_rollouts import AsyncCollector
 
 
 class FakeFlywheel:

@@ -1,4 +1,4 @@
-"""flywheel.checkpoint: bitwise resume, RNG restore, atomicity, pruning, no pickle, manifest checks,
+"""flywheel.runs.checkpoint: bitwise resume, RNG restore, atomicity, pruning, no pickle, manifest checks,
 non-finite refusal, strict names, resume resolution. (Kills and corruption end to end: test_faults_checkpoints.py.)"""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-import flywheel.checkpoint as checkpoint_module
-from flywheel.checkpoint import (
+import flywheel.runs.checkpoint as checkpoint_module
+from flywheel.runs.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     latest_checkpoint,

@@ -60,7 +60,7 @@ def test_rollout_rewrites_keep_the_function_and_leave_no_tanh_gelu_or_biased_lin
 def test_grpo_with_compiled_rollouts_is_on_policy_up_to_float_rounding(tmp_path):
     """model.compile relaxes DESIGN's exact on-policy ratio to float rounding: the compiled rollout's
     log-probs and training's eager recomputation differ only in fused-kernel rounding."""
-    from flywheel.rundir import read_metrics
+    from flywheel.runs.rundir import read_metrics
     from trainers.grpo import main
 
     main([f"run_dir={tmp_path}", "tracker=none", "steps=2", "eval_every=1000", "save_every=1000",

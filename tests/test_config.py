@@ -1,4 +1,4 @@
-"""flywheel.config: defaults < YAML < CLI, coercion, errors that name the valid keys, help, round trip."""
+"""flywheel.runs.config: defaults < YAML < CLI, coercion, errors that name the valid keys, help, round trip."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal, Optional
 import pytest
 import yaml
 
-from flywheel.config import (
+from flywheel.runs.config import (
     ConfigError,
     apply_overrides,
     config_help,

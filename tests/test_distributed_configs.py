@@ -10,8 +10,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from flywheel.checkpoint import latest_checkpoint
-from flywheel.rundir import read_metrics
+from flywheel.runs.checkpoint import latest_checkpoint
+from flywheel.runs.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

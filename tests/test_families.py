@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine import Engine, GenerationRequest, get_card, list_cards, load_model
-from flywheel.checkpoint import latest_checkpoint
-from flywheel.rundir import read_metrics
+from flywheel.runs.checkpoint import latest_checkpoint
+from flywheel.runs.rundir import read_metrics
 from flywheel.lora import adapters_disabled, add_lora
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from flywheel.tracking import log_videos
+from flywheel.runs.tracking import log_videos
 from flywheel.video import MiddleFrameRewards, middle_frame, read_mp4, video_to_uint8, write_mp4
 
 

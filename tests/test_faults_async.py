@@ -24,9 +24,9 @@ import torch
 
 from engine import GenerationRequest, load_model
 from flywheel.cli import sigterm_as_exit
-from flywheel.engine_process import EXIT_ORPHANED, EngineProcess
-from flywheel.rundir import read_metrics
-from flywheel.sync import SharedMemoryTransport, WeightSyncController
+from flywheel.sync.engine_process import EXIT_ORPHANED, EngineProcess
+from flywheel.runs.rundir import read_metrics
+from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController
 
 ROOT = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not Path("/dev/shm").is_dir(),
@@ -40,8 +40,8 @@ GONE_WITHIN_S = 10.0  # the engine polls its parent every 0.2 s; the rest is sla
 TRAINER = r"""
 import json, sys
 from engine import GenerationRequest, load_model
-from flywheel.engine_process import EngineProcess
-from flywheel.sync import SharedMemoryTransport, WeightSyncController
+from flywheel.sync.engine_process import EngineProcess
+from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController
 
 engine = EngineProcess.start("toy-digits", threads=1)
 controller = WeightSyncController(engine, transport=SharedMemoryTransport(mapped=sys.argv[1] == "mapped"))
@@ -125,7 +125,7 @@ def test_an_engine_process_whose_parent_is_already_gone_exits_before_loading_any
     """The race any parent-death watch has: the parent died before the child began to watch."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    result = subprocess.run([sys.executable, "-m", "flywheel.engine_process", "--parent-pid", str(dead.pid)],
+    result = subprocess.run([sys.executable, "-m", "flywheel.sync.engine_process", "--parent-pid", str(dead.pid)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": "00"})
     assert result.returncode == EXIT_ORPHANED, result.stderr[-2000:]

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-import flywheel.checkpoint as checkpoint_module
-from flywheel.checkpoint import (
+import flywheel.runs.checkpoint as checkpoint_module
+from flywheel.runs.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     load_checkpoint,
@@ -37,7 +37,7 @@ from flywheel.guards import NonFiniteError
 CHILD = r'''
 import os, shutil, sys, time
 import torch
-import flywheel.checkpoint as ck
+import flywheel.runs.checkpoint as ck
 
 ckpts, stage = sys.argv[1], sys.argv[2]
 

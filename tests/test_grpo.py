@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 import flywheel.loop
 from engine import list_cards
-from flywheel.config import ConfigError, apply_overrides, parse_config
-from flywheel.rundir import read_metrics
+from flywheel.runs.config import ConfigError, apply_overrides, parse_config
+from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]

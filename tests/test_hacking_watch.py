@@ -9,7 +9,7 @@ import torch
 from flywheel.grids import AGREE, DISAGREE, GAP, NO_VERDICT, judged_sample_grid, make_verdict_grid
 from flywheel.hacking_watch import HackingWatch
 from flywheel.loop import class_means, evaluate
-from flywheel.rundir import make_image_grid
+from flywheel.runs.rundir import make_image_grid
 from flywheel.prompts import PromptItem
 from rewards import RewardSet
 from rewards.digits import DigitAlignment, digit_split

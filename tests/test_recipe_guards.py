@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from engine import load_model
-from flywheel.config import ConfigError, parse_config
+from flywheel.runs.config import ConfigError, parse_config
 from flywheel.guards import NonFiniteError
 from flywheel.loop import sample_seed
 from flywheel.prompts import load_prompts
-from flywheel.rundir import read_metrics
+from flywheel.runs.rundir import read_metrics
 from rewards import registry
 from trainers.grpo import Config, main, validate_config
 
@@ -193,7 +193,7 @@ def test_resume_refuses_a_data_position_that_does_not_match(tmp_path):
 
 
 def test_a_fresh_run_refuses_a_used_run_dir_and_overwrite_starts_over(tmp_path):
-    from flywheel.rundir import RunDirInUseError
+    from flywheel.runs.rundir import RunDirInUseError
 
     run_dir = tmp_path / "used"
     main([f"run_dir={run_dir}", *TINY, "steps=1"])

@@ -1,4 +1,4 @@
-"""flywheel.rundir: run dir layout, one run per directory, metrics.jsonl, image grids, atomic writes."""
+"""flywheel.runs.rundir: run dir layout, one run per directory, metrics.jsonl, image grids, atomic writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import yaml
 from PIL import Image
 
-from flywheel.rundir import (
+from flywheel.runs.rundir import (
     MetricsLog,
     RunDir,
     RunDirInUseError,

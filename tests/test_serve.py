@@ -284,7 +284,7 @@ def test_module_entry_point_serves_on_loopback(tmp_path):
 def test_post_weights_loads_a_safetensors_file_and_later_requests_use_it(tmp_path):
     """Disk weight sync into the HTTP engine: the version moves and outputs follow the new weights."""
     from engine import load_model
-    from flywheel.transport import save_weights_atomic
+    from flywheel.sync.transport import save_weights_atomic
 
     served_model = load_model("toy-digits")  # its own copy: this test changes the weights
     new = {k: v + 0.02 for k, v in served_model.transformer.state_dict().items()}

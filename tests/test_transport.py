@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flywheel.transport import (SharedMemorySender, SharedWeights, SharedWeightsWriter, TensorSlot, pack_bucket,
+from flywheel.sync.transport import (SharedMemorySender, SharedWeights, SharedWeightsWriter, TensorSlot, pack_bucket,
                                 plan_buckets,
                                 save_weights_atomic, tensor_checksums, unpack_bucket,
                                 verify_checksums)
@@ -65,7 +65,7 @@ def test_checksums_catch_a_single_changed_element():
 
 RECEIVER = r"""
 import json, sys
-from flywheel.transport import receive_shared_memory_bucket, tensor_checksums
+from flywheel.sync.transport import receive_shared_memory_bucket, tensor_checksums
 got = {}
 for line in sys.stdin:
     msg = json.loads(line)
@@ -117,7 +117,7 @@ def test_disk_transport_is_atomic_safetensors_with_the_version(tmp_path):
 BROADCAST = r"""
 import json, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
-from flywheel.transport import broadcast_weights, tensor_checksums
+from flywheel.sync.transport import broadcast_weights, tensor_checksums
 rank = dist.get_rank()
 g = torch.Generator().manual_seed(1)
 shapes = {"w1": (128, 64), "w2": (1000,), "w3": (7, 7)}

@@ -9,9 +9,9 @@ import torch
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from engine.loop import guided_velocity
 from engine.sampling import sde_step_log_prob, sde_t_cap
-from flywheel.engine_process import EngineProcess
-from flywheel.sync import (CopyTransport, DiskTransport, SharedMemoryTransport, SyncState, WeightSyncController)
-from flywheel.transport import tensor_checksums
+from flywheel.sync.engine_process import EngineProcess
+from flywheel.sync.controller import (CopyTransport, DiskTransport, SharedMemoryTransport, SyncState, WeightSyncController)
+from flywheel.sync.transport import tensor_checksums
 
 
 def reqs(n=4, steps=10, **kw):

@@ -28,9 +28,9 @@ import torch
 from engine import Engine, PromptEmbeds, Trajectory, get_card, load_model
 from engine.loop import concat_embeds, guided_velocity
 from engine.sampling import sde_t_cap, step_log_prob, transition_std
-from flywheel.async_rollouts import AsyncCollector
-from flywheel.checkpoint import load_checkpoint, load_trainable, resolve_resume, save_checkpoint
-from flywheel.config import (ConfigChecks, ConfigError, apply_overrides, config_to_dict, config_value, load_config,
+from flywheel.sync.async_rollouts import AsyncCollector
+from flywheel.runs.checkpoint import load_checkpoint, load_trainable, resolve_resume, save_checkpoint
+from flywheel.runs.config import (ConfigChecks, ConfigError, apply_overrides, config_to_dict, config_value, load_config,
                              parse_config, save_config)
 from flywheel.cli import run_main
 from flywheel.distributed import all_reduce_mean
@@ -40,10 +40,10 @@ from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import adapters_disabled, add_lora, save_lora_for_diffusers
 from flywheel.loop import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
-from flywheel.rundir import MetricsLog, RunDir
-from flywheel.engine_process import EngineProcess
-from flywheel.sync import SharedMemoryTransport, WeightSyncController
-from flywheel.tracking import log_images, log_videos, prepare_tracker
+from flywheel.runs.rundir import MetricsLog, RunDir
+from flywheel.sync.engine_process import EngineProcess
+from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController
+from flywheel.runs.tracking import log_images, log_videos, prepare_tracker
 from flywheel.video import MiddleFrameRewards, is_video, middle_frame, write_mp4
 from rewards import RewardSet
 

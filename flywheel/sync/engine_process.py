@@ -1,6 +1,6 @@
 """An Engine in its own process, driven over a local authenticated socket.
 
-    handle = EngineProcess.start("toy-digits")       # spawns `python -m flywheel.engine_process`
+    handle = EngineProcess.start("toy-digits")       # spawns `python -m flywheel.sync.engine_process`
     traj = handle.generate([GenerationRequest(...)])  # a Trajectory of host tensors
     WeightSyncController(handle, transport=SharedMemoryTransport()).sync(tensors)
 
@@ -46,7 +46,7 @@ from safetensors.torch import save as save_safetensors
 from engine import Engine, GenerationRequest, Trajectory
 from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.lora import add_lora
-from flywheel.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
+from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
 
 # Trajectory fields that travel as tensors (the optional ones only when present).
 TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
@@ -292,7 +292,7 @@ class EngineProcess:
         """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout,
         `compile` compiles its rollout forward (`Engine(compile=True)`)."""
         authkey = secrets.token_bytes(32)
-        cmd = [sys.executable, "-m", "flywheel.engine_process", "--card", card, "--device", device,
+        cmd = [sys.executable, "-m", "flywheel.sync.engine_process", "--card", card, "--device", device,
                "--threads", str(threads), "--weight-version", str(weight_version), "--parent-pid", str(os.getpid())] \
             + (["--path", path] if path else []) + (["--compile"] if compile else [])
         if lora:

@@ -11,7 +11,7 @@ Transports:
 - colocated: the engine serves the trainer's own module; nothing is copied.
 - copy: the engine holds its own copy in this process (named tensors copied in place).
 - disk: safetensors written atomically, then loaded by the engine from the path.
-- shm: an engine in another process (`flywheel.engine_process`): tensors written
+- shm: an engine in another process (`flywheel.sync.engine_process`): tensors written
   straight into the engine's weights mapped in shared memory, or staged in
   shared-memory buckets for an engine on an accelerator.
 """
@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from engine.engine import PROMPT_ENCODER_COMPONENTS
-from flywheel.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, SharedWeightsWriter, save_weights_atomic, \
+from flywheel.sync.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, SharedWeightsWriter, save_weights_atomic, \
     tensor_checksums, verify_checksums
 
 class SyncState(enum.Enum):

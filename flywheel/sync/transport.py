@@ -9,7 +9,7 @@ Shared-memory segments are named `flywheel_<pid of the creator>_<random>`, so
 it: on `close()`, and, when the creator dies without closing, Python's
 resource tracker (a helper process that outlives it) unlinks the segments the
 creator registered. An engine process also unlinks its own at once when its
-trainer dies (`flywheel.engine_process`).
+trainer dies (`flywheel.sync.engine_process`).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from flywheel.guards import NonFiniteError
-from flywheel.rundir import CONFIG_FILENAME, fsync_dir
+from flywheel.runs.rundir import CONFIG_FILENAME, fsync_dir
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"

@@ -2,10 +2,10 @@
 
 Layout of a run directory:
 
-    <run>/config.yaml        the resolved config (see `flywheel.config`)
+    <run>/config.yaml        the resolved config (see `flywheel.runs.config`)
     <run>/metrics.jsonl      one JSON object per line, one line a step
     <run>/samples/           PNG grids of samples
-    <run>/checkpoints/       step_000123/ dirs (see `flywheel.checkpoint`)
+    <run>/checkpoints/       step_000123/ dirs (see `flywheel.runs.checkpoint`)
     <run>/lora/, wandb/, ...  what the recipe and its trackers write
 
 A run directory belongs to one run: `RunDir` refuses to start a fresh run in
@@ -400,9 +400,9 @@ class RunDir:
     def write_config(self, cfg: Any) -> Path:
         """Write config.yaml atomically from a dict or a config dataclass."""
         if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-            # Imported here, not at the top: flywheel.config imports this module
+            # Imported here, not at the top: flywheel.runs.config imports this module
             # for its atomic writes.
-            from flywheel.config import config_to_dict
+            from flywheel.runs.config import config_to_dict
 
             cfg = config_to_dict(cfg)
         if not isinstance(cfg, dict):

@@ -45,7 +45,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from flywheel.rundir import atomic_write_text
+from flywheel.runs.rundir import atomic_write_text
 
 __all__ = [
     "ConfigError",
@@ -321,7 +321,7 @@ def _coerce(value: Any, tp: Any) -> Any:
         return {_coerce(k, kt): _coerce(v, vt) for k, v in _as_mapping(value).items()}
     if isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise _BadValue(f"fields of type {_type_name(tp)} are not supported by flywheel.config")
+    raise _BadValue(f"fields of type {_type_name(tp)} are not supported by flywheel.runs.config")
 
 
 def _coerce_for_key(value: Any, tp: Any, dotted: str, source: str) -> Any:

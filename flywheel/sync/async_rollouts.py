@@ -1,6 +1,6 @@
 """Asynchronous rollouts: the engine generates step s+1 while the trainer trains on step s.
 
-The engine runs in its own process (`flywheel.engine_process`), so rollout and
+The engine runs in its own process (`flywheel.sync.engine_process`), so rollout and
 training use different cores; a background thread only waits on it. A batch
 generated with weights `staleness` versions older than the trainer's is used
 if staleness <= max_staleness, else thrown away and generated again. The
