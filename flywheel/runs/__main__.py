@@ -1,0 +1,72 @@
+"""`python -m flywheel.runs`: compare runs, list a folder of runs.
+
+    python -m flywheel.runs compare RUN_DIR [RUN_DIR ...] [--out compare.png] [--json table.json] [--judge NAME]
+    python -m flywheel.runs list [ROOT]
+
+The reading, table and plot live in `flywheel.runs.compare`; this is only the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flywheel.runs.compare import (RunDirError, compare, compare_table, list_runs, list_table, load_runs, plot_runs,
+                                   write_json)
+
+USAGE_ERROR_EXIT = 2  # as argparse: what was asked for cannot be done as given
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flywheel.runs",
+                                     description="Compare runs of any recipe, or list a folder of runs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{compare,list}")
+
+    cmp = commands.add_parser("compare", help="a table of final/best eval reward, judge, diversity, wall time and "
+                                              "steps, and a PNG of the curves, one line per run")
+    cmp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (the run_dir=... of a recipe)")
+    cmp.add_argument("--out", default="compare.png", metavar="PNG",
+                     help="where to write the plot (default: compare.png in the current directory)")
+    cmp.add_argument("--json", metavar="PATH", help="also write the table as JSON (a list of objects, one a run)")
+    cmp.add_argument("--judge", metavar="NAME",
+                     help="the judge to report (eval/judge/NAME/mean); default: each run's first judge")
+    cmp.add_argument("--no-plot", action="store_true", help="print the table only (no matplotlib needed)")
+
+    lst = commands.add_parser("list", help="the runs in a folder, most recently modified first")
+    lst.add_argument("root", nargs="?", default="runs", metavar="ROOT",
+                     help="the folder holding run directories (default: runs)")
+    return parser
+
+
+def run_compare(args: argparse.Namespace) -> None:
+    runs = load_runs(args.runs)
+    summaries = compare(runs, judge=args.judge)
+    print(compare_table(summaries))
+    if args.json:
+        print(f"wrote {write_json(summaries, args.json)}")
+    if not args.no_plot:
+        print(f"wrote {plot_runs(runs, summaries, args.out)}")
+
+
+def run_list(args: argparse.Namespace) -> None:
+    runs, notes = list_runs(args.root)
+    if runs:
+        print(list_table(runs))
+    else:
+        print(f"no runs in {args.root}")
+    for note in notes:
+        print(note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"compare": run_compare, "list": run_list}[args.command](args)
+    except (RunDirError, OSError) as e:  # OSError: an output path that cannot be written
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
