@@ -1,0 +1,407 @@
+"""Advantage Weighted Matching (AWM, arXiv 2509.25050): RL with the pretraining loss of a flow-matching model.
+
+AWM trains on the policy's own clean samples x0 with the loss the model was
+pretrained with, conditional flow matching, and weights each sample by its
+group advantage A: a sample better than its group's mean is fitted more
+closely, a worse one is pushed away. The paper's argument (its Section 3) is
+that Flow-GRPO/DDPO's per-step Gaussian likelihood is flow matching with a
+noisy target x_{t-dt}; conditioning on the clean sample x0 instead gives the
+same optimum with less variance, and the rollouts need no log-probabilities
+(any sampler, ODE included).
+
+Per rollout step, for each sample (x0, c, A) and each of K flow times t drawn
+for it (stratified, see `draw_times`), with fresh noise eps ~ N(0, I):
+
+    x_t = (1 - t)·x0 + t·eps                      rectified flow, t = 1 is noise
+    l   = mean over elements |v_theta(x_t, t, c) - (eps - x0)|^2     matching error
+    L   = A·w(l, t)                                advantage-weighted matching
+        + kl_beta     · mean |v_theta - v_ref|^2      velocity MSE to the reference (base) policy
+        + anchor_beta · mean |v_theta - v_ema|^2      velocity MSE to an EMA of the trained weights
+
+averaged over the usable samples of a minibatch (those whose group has a
+spread of rewards), then over the K times and the accumulated minibatches of
+an optimizer step. w(l, t) reshapes the error (`weighted_error`): "uniform" is
+l itself, the plain flow-matching loss; "ghuber", the released configs' choice,
+is t/p·((l + d)^p - d^p), whose gradient t·(l + d)^(p-1)·dl/dtheta gives the
+samples the model already fits well more weight and the large-error ones less.
+
+Where the numbers come from: the paper's text could not be read from here, so
+no equation numbers are quoted; every formula and default below was read from
+the authors' released code (github.com/scxue/advantage_weighted_matching,
+advantage_weighted_matching/scripts/train_sd3_awm.py: compute_log_prob_awm, the
+time_type branches and the loss; config/dgx_awm.py: the GenEval/OCR/PickScore
+SD3.5 settings; README.md "Key Parameters").
+
+Deviations from that code, each on purpose:
+- The policy term is written A·w(l, t). The code writes the same error as a
+  log-probability lp = -w and optimises the PPO surrogate -A·exp(lp - lp_old)
+  with clip_range = 1, taking one optimizer step per rollout, so lp_old = lp and
+  the ratio is exactly 1: its gradient is A·grad w, the same as here. The
+  surrogate's value is the constant -A; A·w's is a number one can watch. No
+  ratio clip is offered: with several optimizer steps per rollout
+  (minibatch_size < samples per rank and gradient_accumulation_steps smaller
+  than the minibatch count) the later steps are off-policy without a trust
+  region, and the two regularisers are the only brakes.
+- Flow times are drawn per minibatch (one t per stratum, shared by the
+  minibatch's rows), as the code draws them per micro-batch; the noise is
+  per row. A shared t keeps one forward per (minibatch, time) and lets
+  classifier-free guidance reuse `engine.loop.guided_velocity`.
+- The schedule strata are computed with integers, (i·span) // K, where the
+  code truncates float32 linspace values (the same cut points unless float
+  rounding moves one down by one index).
+- The KL "ELBO" weighting (division by 2·(0.7·sqrt(t/(1-t)))^2) is left out:
+  every released config uses "Uniform", the plain velocity MSE kept here.
+- The regularisers average over the usable samples, as the policy term; the
+  code averages them over every sample of the micro-batch.
+- The EMA anchor is updated once per `awm_update` (one rollout step), with
+  decay min(anchor_decay, anchor_decay_ramp·steps done). The code updates it
+  once per epoch with the optimizer-step count, the same thing when each
+  rollout makes one optimizer step, as all its configs do.
+- Times are drawn with a torch.Generator seeded from (run seed, step, rank), so
+  a resumed run draws the same times and noise as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from engine import Trajectory
+from engine.loop import guided_velocity
+from flywheel.guards import check_finite, check_finite_weights
+from flywheel.loop import RolloutBatch
+from trainers.grpo import step_conditioning
+
+# Keeps (l + d)^p differentiable at l = 0 (the code's 1e-10).
+HUBER_DELTA = 1e-10
+# Mixed into the training seed so the training noise never equals a rollout's starting noise
+# (flywheel.loop.sample_seed hashes (seed, step, row) with the same SeedSequence).
+_TRAINING_DRAW_TAG = 0x41574D  # "AWM"
+
+
+# ---------------------------------------------------------------------------------------
+# Config: the algorithm's own keys (the optimizer and batching keys come from the shared base)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class AWMConfig:
+    timesteps_per_sample: int = 6
+    """flow times K drawn for each sample at each step, one per stratum (the paper's code: train_timesteps = 6)"""
+    time_sampling: Literal["schedule", "uniform"] = "schedule"
+    """"schedule": one of the rollout schedule's own times from each of K equal strata of its steps (the code's
+    discrete_wo_init); "uniform": one t from each of K equal strata of [uniform_t_min, 1], then time-shifted"""
+    timestep_fraction: float = 0.9
+    """schedule sampling: the strata cover step indices below int(fraction·T) of a T-step rollout"""
+    skip_first_step: bool = True
+    """schedule sampling: leave out step 0 (t = 1, pure noise) as the GenEval and OCR configs; false keeps it
+    (the PickScore config)"""
+    uniform_t_min: float = 0.2
+    """uniform sampling: lower end of t before the shift (the code's 0.2)"""
+    time_shift: float = 1.0
+    """uniform sampling: SD3 shift s·t / (1 + (s - 1)·t) of the drawn times (the code uses the model's 3.0)"""
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
+    """w(l, t) of a row's matching error l: l, t·l, t²·l, t·(sqrt(l + d) - sqrt(d)), or t/p·((l + d)^p - d^p)"""
+    ghuber_power: float = 0.25
+    """power p of the "ghuber" weighting (1 is t·l; smaller trusts the large errors less)"""
+    advantage_max: float | None = 1.0
+    """advantages, already clipped to ±adv_clip_max, are rescaled to ±advantage_max as the code does
+    (A·advantage_max/adv_clip_max); null keeps them as they are"""
+    kl_beta: float = 0.003
+    """weight of the velocity MSE to the reference (base) policy (0 = off; the code: GenEval 0.001, OCR 0.003,
+    PickScore 1e-4)"""
+    anchor_beta: float = 1.0
+    """weight of the velocity MSE to an EMA of the trained weights, the code's "KL-EMA" (0 = off)"""
+    anchor_decay: float = 0.3
+    """EMA anchor: ceiling of the decay (EMA <- decay·EMA + (1 - decay)·weights after each step)"""
+    anchor_decay_ramp: float = 0.001
+    """EMA anchor: the decay is min(anchor_decay, anchor_decay_ramp·steps done), the code's linear warm-up"""
+    cfg_in_train: bool = False
+    """train the guided velocity v_u + g·(v_c - v_u) when rollouts used guidance (the code's train.cfg = False:
+    the conditional velocity is the one pretraining fitted)"""
+
+
+# ---------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------
+
+
+def matching_error(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per-row flow-matching error l = mean over elements of (v - (eps - x0))^2, shape [N]."""
+    target = noise.float() - x0.float()
+    return (v_theta.float() - target).pow(2).flatten(1).mean(1)
+
+
+def weighted_error(error: torch.Tensor, t: torch.Tensor, weighting: str, ghuber_power: float = 0.25) -> torch.Tensor:
+    """w(l, t) per row: how the matching error enters the loss. `t` is [N] or a scalar."""
+    t = torch.as_tensor(t, dtype=error.dtype, device=error.device)
+    if weighting == "uniform":
+        return error
+    if weighting == "t":
+        return t * error
+    if weighting == "t2":
+        return t * t * error
+    if weighting == "huber":
+        return t * (torch.sqrt(error + HUBER_DELTA) - math.sqrt(HUBER_DELTA))
+    if weighting == "ghuber":
+        p = ghuber_power
+        return t / p * ((error + HUBER_DELTA) ** p - HUBER_DELTA**p)
+    raise ValueError(f"unknown AWM weighting {weighting!r}: use one of uniform, t, t2, huber, ghuber")
+
+
+def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor | float,
+             advantages: torch.Tensor, v_ref: torch.Tensor | None = None, *, usable: torch.Tensor | None = None,
+             weighting: str = "ghuber", ghuber_power: float = 0.25, kl_beta: float = 0.0,
+             v_anchor: torch.Tensor | None = None, anchor_beta: float = 0.0
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AWM loss of N rows: mean over usable rows of A·w(l, t) + kl_beta·|v - v_ref|² + anchor_beta·|v - v_anchor|².
+
+    v_theta, x0, noise [N, ...] (the velocity at x_t = (1 - t)·x0 + t·noise);
+    t [N] or a scalar; advantages [N]; usable [N] bool (None = every row).
+    v_ref / v_anchor: the reference's and the EMA anchor's velocities at the
+    same x_t (no gradient flows into them); each term is measured when given
+    and added with its beta. A minibatch with no usable row has loss 0.
+    """
+    n = v_theta.shape[0]
+    mask = torch.ones(n, device=v_theta.device) if usable is None else usable.float().to(v_theta.device)
+    row_weight = mask / mask.sum().clamp(min=1.0)
+    error = matching_error(v_theta, x0, noise)
+    weighted = weighted_error(error, t, weighting, ghuber_power)
+    adv = advantages.float().to(v_theta.device)
+    policy = (adv * weighted * row_weight).sum()
+    loss = policy
+    zero = torch.zeros((), device=v_theta.device)
+    kl, anchor = zero, zero
+    if v_ref is not None:
+        kl = ((v_theta.float() - v_ref.detach().float()).pow(2).flatten(1).mean(1) * row_weight).sum()
+        loss = loss + kl_beta * kl
+    if v_anchor is not None:
+        anchor = ((v_theta.float() - v_anchor.detach().float()).pow(2).flatten(1).mean(1) * row_weight).sum()
+        loss = loss + anchor_beta * anchor
+    detached = error.detach()
+    positive, negative = mask * (adv > 0).float(), mask * (adv < 0).float()
+    stats = {
+        "loss": loss.detach(),
+        "policy_loss": policy.detach(),
+        "kl": kl.detach(),
+        "anchor_kl": anchor.detach(),
+        "matching_error": (detached * row_weight).sum(),
+        # AWM lowers the error of better-than-average samples and raises the others': the gap is the signal.
+        "matching_error/positive": (detached * positive).sum() / positive.sum().clamp(min=1.0),
+        "matching_error/negative": (detached * negative).sum() / negative.sum().clamp(min=1.0),
+    }
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------------------
+# Flow times and noise of one step
+# ---------------------------------------------------------------------------------------
+
+
+def training_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The CPU generator of a step's flow times and noise: the same (seed, step, rank) draws the same numbers."""
+    state = np.random.SeedSequence([seed, step, rank, _TRAINING_DRAW_TAG]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state >> np.uint64(1)))
+
+
+def schedule_strata(num_steps: int, k: int, fraction: float, skip_first: bool) -> list[tuple[int, int]]:
+    """[lower, upper) step-index ranges of the K schedule strata, splitting [start, int(fraction·T)) evenly."""
+    start, end = (1 if skip_first else 0), int(fraction * num_steps)
+    span = end - start
+    if span < k:
+        raise ValueError(f"train.timesteps_per_sample={k} needs at least {k} eligible steps, but a {num_steps}-step "
+                         f"rollout with train.timestep_fraction={fraction} and train.skip_first_step={skip_first} has "
+                         f"{max(span, 0)} (step indices {start}..{end - 1}): lower timesteps_per_sample, raise "
+                         f"timestep_fraction or sampling.steps, or use train.time_sampling=uniform")
+    bounds = [start + (i * span) // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def draw_times(timesteps: torch.Tensor, tc, generator: torch.Generator) -> torch.Tensor:
+    """K flow times [K] (fp32, CPU), one from each stratum, for one minibatch.
+
+    "schedule": index lower + floor(u·(upper - lower)) of each stratum of the
+    rollout's steps, and that step's time `timesteps[index]`;
+    "uniform": t = t_min + (k + u)/K·(1 - t_min), then s·t / (1 + (s - 1)·t).
+    """
+    k = tc.timesteps_per_sample
+    u = torch.rand(k, generator=generator, dtype=torch.float64)
+    if tc.time_sampling == "schedule":
+        strata = schedule_strata(len(timesteps) - 1, k, tc.timestep_fraction, tc.skip_first_step)
+        index = [lo + int(math.floor(float(u[i]) * (hi - lo))) for i, (lo, hi) in enumerate(strata)]
+        return timesteps.detach().float().cpu()[index]
+    if tc.time_sampling == "uniform":
+        t = tc.uniform_t_min + (torch.arange(k, dtype=torch.float64) + u) / k * (1.0 - tc.uniform_t_min)
+        s = tc.time_shift
+        return (s * t / (1 + (s - 1) * t)).float()
+    raise ValueError(f"train.time_sampling={tc.time_sampling!r}: use schedule or uniform")
+
+
+def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, ...], tc,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(times [K], noise [K, rows, *latent]) of one minibatch, both on the CPU: times first, then the noise."""
+    times = draw_times(timesteps, tc, generator)
+    noise = torch.randn((tc.timesteps_per_sample, rows, *latent_shape), generator=generator)
+    return times, noise
+
+
+# ---------------------------------------------------------------------------------------
+# The EMA anchor
+# ---------------------------------------------------------------------------------------
+
+
+class EMAAnchor:
+    """An exponential moving average of the trained weights, the policy the anchor term pulls toward.
+
+    Its velocity is computed with the trained module itself: the EMA tensors are
+    swapped into the trained Parameters for one no-grad forward and swapped
+    back, so LoRA and full fine-tuning need no second copy of the model. (Not
+    for FSDP-sharded parameters.) Checkpoint `state_dict()` for an exact resume.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]):
+        self.shadow = {name: p.detach().clone() for name, p in named_params}
+
+    @staticmethod
+    def decay(steps_done: int, tc) -> float:
+        """min(anchor_decay, anchor_decay_ramp·steps_done): 0 at first, so the anchor starts at the weights."""
+        return min(tc.anchor_decay, tc.anchor_decay_ramp * steps_done)
+
+    @torch.no_grad()
+    def update(self, named_params, decay: float) -> None:
+        """EMA <- decay·EMA + (1 - decay)·weights."""
+        for name, p in named_params:
+            self.shadow[name].mul_(decay).add_(p.detach(), alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self, named_params):
+        """Inside, the trained Parameters hold the EMA values; outside, their own again (bit for bit)."""
+        params = dict(named_params)
+        if params.keys() != self.shadow.keys():
+            raise ValueError("the EMA anchor was built for other parameters: "
+                             f"{sorted(set(params) ^ set(self.shadow))[:5]} differ")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.data, self.shadow[name] = self.shadow[name], p.data
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.data, self.shadow[name] = self.shadow[name], p.data
+
+    def velocity_fn(self, model, transformer, named_params):
+        """A `ref_velocity`-style callable (x, t, cond, uncond_cond, g) -> velocity under the EMA weights."""
+        def velocity(x, t, cond, uncond_cond, guidance_scale):
+            with torch.no_grad(), self.swapped_in(named_params):
+                return guided_velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale)
+        return velocity
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Strict: the same names and shapes as the trained parameters."""
+        if state.keys() != self.shadow.keys():
+            raise ValueError(f"EMA anchor state names differ from the trained parameters: "
+                             f"{sorted(set(state) ^ set(self.shadow))[:5]}")
+        for name, value in state.items():
+            if value.shape != self.shadow[name].shape:
+                raise ValueError(f"EMA anchor {name!r}: shape {tuple(value.shape)} in the state, "
+                                 f"{tuple(self.shadow[name].shape)} trained")
+            self.shadow[name].copy_(value)
+
+
+# ---------------------------------------------------------------------------------------
+# The update
+# ---------------------------------------------------------------------------------------
+
+
+def scaled_advantages(advantages: torch.Tensor, tc) -> torch.Tensor:
+    """The code's rescale A·advantage_max/adv_clip_max (advantages arrive clipped to ±adv_clip_max)."""
+    if tc.advantage_max is None:
+        return advantages
+    return advantages * (tc.advantage_max / tc.adv_clip_max)
+
+
+def awm_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
+               named_params: list[tuple[str, torch.nn.Parameter]], cfg, step: int, anchor: EMAAnchor | None = None,
+               before_each_step=lambda: None) -> dict[str, float]:
+    """One AWM update over this rank's rollouts: minibatches x K flow times, optimizer step(s), `sync()` after each.
+
+    `cfg.seed` and `cfg.train` (this algorithm's keys plus the shared
+    minibatch_size, gradient_accumulation_steps, max_grad_norm and
+    adv_clip_max) are read. `ref_velocity(x, t, cond, uncond_cond, g)` is the
+    reference policy (None: no KL term, nothing measured). `anchor`, when
+    given, adds the EMA term with train.anchor_beta and is updated once at the
+    end. Stops with NonFiniteError before an optimizer step whose gradient
+    norm is not finite, and right after one that leaves a non-finite weight.
+    """
+    tc = cfg.train
+    traj: Trajectory = batch.trajectory
+    params = [p for _, p in named_params]
+    x0_all = traj.latents[:, -1].float()
+    n = len(traj)
+    minibatches = [list(range(i, min(i + tc.minibatch_size, n))) for i in range(0, n, tc.minibatch_size)]
+    if len(minibatches) % tc.gradient_accumulation_steps:
+        raise ValueError(f"{len(minibatches)} minibatches per step on this rank is not a multiple of "
+                         f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps}: change one of them or "
+                         f"train.minibatch_size")
+    accumulation = tc.gradient_accumulation_steps
+    k = tc.timesteps_per_sample
+    generator = training_generator(cfg.seed, step, accelerator.process_index)
+    anchor_velocity = anchor.velocity_fn(model, transformer, named_params) if anchor is not None else None
+    guidance = traj.guidance_scale
+    totals: dict[str, torch.Tensor] = {}
+    sync_metrics: dict[str, float] = {}
+    optimizer_steps = len(minibatches) // accumulation
+    for m, rows in enumerate(minibatches):
+        sub = traj.select(rows)
+        x0 = x0_all[rows]
+        adv = scaled_advantages(batch.advantages[rows], tc)
+        usable = batch.usable[rows]
+        cond, uncond_cond = step_conditioning(sub, tc.cfg_in_train)
+        times, noise = draw_minibatch(traj.timesteps, len(rows), tuple(x0.shape[1:]), tc, generator)
+        for i in range(k):
+            t = times[i].to(x0.device)
+            eps = noise[i].to(x0.device)
+            x_t = (1 - t) * x0 + t * eps
+            last_backward = (m + 1) % accumulation == 0 and i == k - 1
+            # Gradients are all-reduced once per optimizer step, not once per backward.
+            context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
+            before_each_step()
+            with context:
+                with torch.no_grad():
+                    v_ref = None if ref_velocity is None else ref_velocity(x_t, t, cond, uncond_cond, guidance)
+                    v_anchor = None if anchor_velocity is None else anchor_velocity(x_t, t, cond, uncond_cond,
+                                                                                    guidance)
+                v = guided_velocity(model, transformer, x_t, t, cond, uncond_cond, guidance)
+                loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=usable, weighting=tc.weighting,
+                                       ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
+                                       anchor_beta=tc.anchor_beta)
+                accelerator.backward(loss / (k * accumulation))
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value / (k * len(minibatches))
+            totals["t/mean"] = totals.get("t/mean", 0.0) + t.float() / (k * len(minibatches))
+        if (m + 1) % accumulation == 0:
+            grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
+            # Gradients are all-reduced: every rank sees the same norm and stops together.
+            check_finite(grad_norm, "the gradient norm", step + 1, "the AWM loss or the rollouts went NaN/inf")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            check_finite_weights(named_params, step + 1, "lower train.learning_rate or train.max_grad_norm")
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / optimizer_steps
+            sync_metrics = sync()
+    if anchor is not None:
+        decay = EMAAnchor.decay(step + 1, tc)
+        anchor.update(named_params, decay)
+        totals["anchor/decay"] = torch.tensor(decay)
+    metrics = {key: float(value) for key, value in totals.items()}
+    metrics.update({key: value for key, value in sync_metrics.items() if key != "weight_version"})
+    metrics["weight_version_after"] = sync_metrics["weight_version"]
+    return metrics
