@@ -1,0 +1,271 @@
+"""`python -m flywheel.runs compare` and `list`: summaries, the table, its JSON, the PNG, and clear errors.
+
+The hand-written runs below have final, best and wall-time values chosen by
+hand (the numbers in the assertions are worked out from the rows, not read
+back from the code). Two short real GRPO runs check the whole path end to end.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from flywheel.runs import compare as cmp
+from flywheel.runs.__main__ import main
+from flywheel.runs.rundir import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIZE = (1600, 700)  # FIGURE_INCHES (16 x 7) at FIGURE_DPI 100
+
+
+def write_run(path: Path, rows: list[dict] | None, steps: int | None = None, card: str = "toy-digits",
+              info: dict | None = None) -> Path:
+    """A run directory as a recipe leaves it: config.yaml, metrics.jsonl, and run.json when `info` is given."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"run_dir": str(path), "steps": steps, "model": {"card": card}}))
+    if rows is not None:
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if info is not None:
+        (path / "run.json").write_text(json.dumps(info))
+    return path
+
+
+def svc(value):
+    return {"eval/judge/digit_svc/mean": value, "eval/judge/digit_svc/3": 0.0}
+
+
+# A newer run, still in progress (4 of 10 steps): run.json and time/wall_s. Its best eval reward (0.9 at
+# step 2) is not its last (0.8 at step 4): a summary that took the last row as the best would say 0.8.
+NEW_ROWS = [
+    {"step": 0, "weight_version": 0, "eval/reward/mean": 0.4, **svc(0.5), "eval/judge/digit_typicality/mean": 0.125,
+     "time/wall_s": 1.0},
+    {"step": 1, "reward/mean": 0.5, "kl": 0.01, "diversity": 0.2, "time/step_s": 2.0, "time/wall_s": 3.0},
+    {"step": 2, "reward/mean": 0.6, "kl": 0.02, "diversity": 0.18, "eval/reward/mean": 0.9, **svc(0.7),
+     "time/step_s": 2.5, "time/wall_s": 5.5},
+    {"step": 3, "reward/mean": 0.7, "kl": 0.03, "diversity": 0.15, "time/step_s": 1.5, "time/wall_s": 7.0},
+    {"step": 4, "reward/mean": 0.8, "kl": 0.05, "diversity": 0.12, "eval/reward/mean": 0.8, **svc(0.6),
+     "time/step_s": 2.25, "time/wall_s": 75.5},  # a resume: wall time went on while it was stopped
+]
+# An older, finished run: no run.json, no time/wall_s (wall = running sum of time/step_s), eval/diversity
+# logged (preferred over the train rollouts' diversity), and a last evaluation that went NaN (null in the
+# file): its final reward must show as nan, not as the evaluation before it. Its best is a tie (0.5 at steps
+# 0 and 2): the earliest step is reported.
+OLD_ROWS = [
+    {"step": 0, "eval/reward/mean": 0.5, **svc(0.25), "eval/diversity": 0.3},
+    {"step": 1, "kl": 0.5, "diversity": 0.9, "time/step_s": 1.5},
+    {"step": 2, "kl": 0.25, "diversity": 0.9, "eval/reward/mean": 0.5, **svc(0.375), "eval/diversity": 0.25,
+     "time/step_s": 2.25},
+    {"step": 3, "kl": 0.125, "diversity": 0.9, "eval/reward/mean": None, **svc(0.0625), "eval/diversity": None,
+     "time/step_s": 0.25},
+]
+
+NEW_SUMMARY = {"name": "new", "recipe": "nft", "card": "toy-digits", "steps_done": 4, "steps_configured": 10,
+               "reward_final": 0.8, "reward_final_step": 4, "reward_best": 0.9, "reward_best_step": 2,
+               "judge": "digit_svc", "judge_final": 0.6, "judge_at_best_reward": 0.7,
+               "diversity_key": "diversity", "diversity_final": 0.12, "kl_final": 0.05, "wall_s": 75.5}
+OLD_SUMMARY = {"name": "old", "recipe": "?", "card": "number-card", "steps_done": 3, "steps_configured": 3,
+               "reward_final": None, "reward_final_step": 3, "reward_best": 0.5, "reward_best_step": 0,
+               "judge": "digit_svc", "judge_final": 0.0625, "judge_at_best_reward": 0.25,
+               "diversity_key": "eval/diversity", "diversity_final": None, "kl_final": 0.125,
+               "wall_s": 4.0}  # 1.5 + 2.25 + 0.25
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    new = write_run(tmp_path / "runs" / "new", NEW_ROWS, steps=10, info={"recipe": "nft", "card": "toy-digits"})
+    old = write_run(tmp_path / "runs" / "old", OLD_ROWS, steps=3, card="number-card")
+    return new, old
+
+
+def table_line(text: str, name: str) -> list[str]:
+    """The cells of the table line of run `name` (cells are two or more spaces apart)."""
+    import re
+
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_summaries_hold_the_final_and_best_values_worked_out_by_hand(two_runs, tmp_path, capsys):
+    new, old = two_runs
+    out = tmp_path / "table.json"
+    assert main(["compare", str(new), str(old), "--json", str(out), "--no-plot"]) == 0
+    table = json.loads(out.read_text())
+    for got, want, path in zip(table, (NEW_SUMMARY, OLD_SUMMARY), (new, old)):
+        assert got == {**want, "path": str(path)}
+    printed = capsys.readouterr().out
+    assert table_line(printed, "new") == ["new", "nft", "toy-digits", "4/10", "0.800 @4", "0.900 @2", "digit_svc",
+                                          "0.600", "0.700", "0.120", "1m15s"]
+    assert table_line(printed, "old") == ["old", "?", "number-card", "3/3", "nan @3", "0.500 @0", "digit_svc",
+                                          "0.062", "0.250", "nan", "4.0s"]
+    assert not (tmp_path / "compare.png").exists()  # --no-plot
+
+
+def test_wall_time_uses_the_logged_clock_and_sums_step_times_where_there_is_none():
+    rows = [{"step": 0}, {"step": 1, "time/step_s": 1.5}, {"step": 2, "time/wall_s": 10.0, "time/step_s": 9.0},
+            {"step": 3, "time/step_s": 2.0}, {"step": 4, "time/step_s": None}]
+    assert cmp._wall_times(rows) == [0.0, 1.5, 10.0, 12.0, 12.0]
+
+
+def test_a_named_judge_is_reported_and_an_unknown_one_names_those_logged(two_runs, tmp_path, capsys):
+    new, old = two_runs
+    out = tmp_path / "t.json"
+    assert main(["compare", str(new), str(old), "--judge", "digit_typicality", "--json", str(out), "--no-plot"]) == 0
+    got = {r["name"]: r for r in json.loads(out.read_text())}
+    # Only the new run's base evaluation has it; its best reward's step (2) has no typicality score.
+    assert (got["new"]["judge"], got["new"]["judge_final"], got["new"]["judge_at_best_reward"]) == \
+        ("digit_typicality", 0.125, None)
+    assert (got["old"]["judge"], got["old"]["judge_final"]) == (None, None)
+    capsys.readouterr()
+    assert main(["compare", str(new), "--judge", "number_svc", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "number_svc" in err and "digit_svc, digit_typicality" in err
+
+
+def test_duration_and_value_formats():
+    assert [cmp.format_duration(s) for s in (None, 0.04, 59.94, 60.0, 125.9, 3599.0, 7260.0)] == \
+        ["-", "0.0s", "59.9s", "1m00s", "2m05s", "59m59s", "2h01m"]
+    assert [cmp.format_value(v) for v in (None, math.nan, 0.12345, 1.0)] == ["-", "nan", "0.123", "1.000"]
+
+
+def test_a_run_just_started_or_with_empty_metrics_shows_dashes(tmp_path, capsys):
+    started = write_run(tmp_path / "started", None, steps=5)  # config.yaml only: killed before the base eval
+    empty = write_run(tmp_path / "empty", [], steps=5)
+    assert main(["compare", str(started), str(empty), "--json", str(tmp_path / "t.json"), "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("started", "empty"):
+        assert table_line(printed, name) == [name, "?", "toy-digits", "0/5", "-", "-", "-", "-", "-", "-", "-"]
+    assert json.loads((tmp_path / "t.json").read_text())[0]["reward_final"] is None
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: None, "no such directory"),
+    (lambda p: p.write_text("x"), "is not a directory"),
+    (lambda p: (p.mkdir(), (p / "notes.txt").write_text("x")), "is not a run directory"),
+    (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')),
+     "metrics.jsonl: cannot read the metrics"),
+    (lambda p: (p.mkdir(), (p / "config.yaml").write_text("steps: 2\n"), (p / "run.json").write_text("[1]")),
+     "run.json: expected a JSON object"),
+])
+def test_compare_names_a_path_that_is_not_a_readable_run(tmp_path, capsys, make, message):
+    bad = tmp_path / "bad"
+    make(bad)
+    good = write_run(tmp_path / "good", NEW_ROWS, steps=10)
+    assert main(["compare", str(good), str(bad), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(bad) in err and message in err
+
+
+def test_runs_with_the_same_folder_name_are_told_apart(tmp_path):
+    a = write_run(tmp_path / "sweep1" / "run", NEW_ROWS, steps=10)
+    b = write_run(tmp_path / "sweep2" / "run", OLD_ROWS, steps=3)
+    other = write_run(tmp_path / "other", OLD_ROWS, steps=3)
+    assert [r.name for r in cmp.load_runs([a, b, other])] == [str(a), str(b), "other"]
+
+
+def test_list_sorts_newest_first_and_skips_folders_that_are_not_runs(two_runs, tmp_path, capsys):
+    new, old = two_runs
+    root = tmp_path / "runs"
+    (root / "scratch").mkdir()
+    (root / "compare.png").write_bytes(b"")  # plain files are passed over silently
+    # The old run was written last (a minute after the new one): it comes first.
+    for run, mtime in ((new, 1_700_000_000), (old, 1_700_000_060)):
+        for entry in (*run.iterdir(), run):
+            os.utime(entry, (mtime, mtime))
+    assert main(["list", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "recipe", "card", "steps", "last", "eval", "reward", "judge", "modified"]
+    assert table_line("\n".join(lines), "old")[:6] == ["old", "?", "number-card", "3/3", "nan @3", "digit_svc 0.062"]
+    assert table_line("\n".join(lines), "new")[:6] == ["new", "nft", "toy-digits", "4/10", "0.800 @4",
+                                                       "digit_svc 0.600"]
+    assert [line.split()[0] for line in lines[2:4]] == ["old", "new"]
+    assert lines[4].startswith("skipped scratch:") and "not a run directory" in lines[4]
+    assert len(lines) == 5
+
+    # Touch the new run's metrics (a step appended): now it is the newest.
+    os.utime(new / "metrics.jsonl", (1_700_000_120, 1_700_000_120))
+    runs, _ = cmp.list_runs(root)
+    assert [r.name for r in runs] == ["new", "old"]
+
+
+def test_list_of_a_missing_folder_is_an_error(tmp_path, capsys):
+    assert main(["list", str(tmp_path / "nope")]) == 2
+    assert "nope: no such directory" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_table_is_printed_and_the_plot_error_says_what_to_install(two_runs, tmp_path,
+                                                                                           capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    new, old = two_runs
+    assert main(["compare", str(new), str(old), "--out", str(tmp_path / "c.png")]) == 2
+    captured = capsys.readouterr()
+    assert table_line(captured.out, "new")[4] == "0.800 @4"
+    assert "matplotlib" in captured.err and "--no-plot" in captured.err
+    assert not (tmp_path / "c.png").exists()
+
+
+def assert_png(path: Path) -> None:
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == PNG_SIZE
+        image.load()  # decodes the whole file: a truncated PNG fails here
+        # Not a blank canvas: the curves and text put many distinct colours in it.
+        assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
+
+
+def test_the_plot_is_a_png_of_the_documented_size(two_runs, tmp_path):
+    pytest.importorskip("matplotlib", reason="the compare plot needs matplotlib (not a dependency yet)")
+    new, old = two_runs
+    out = tmp_path / "plots" / "cmp.png"
+    assert main(["compare", str(new), str(old), "--out", str(out)]) == 0
+    assert_png(out)
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """Two short real GRPO runs (in process, a few seconds): 2 steps, an eval every step."""
+    pytest.importorskip("matplotlib", reason="the compare plot needs matplotlib (not a dependency yet)")
+    from trainers.grpo import main as grpo_main
+
+    root = tmp_path_factory.mktemp("real_runs")
+    common = ["eval_every=1", "save_every=2", "sample_every=2", "data.prompts_per_step=2", "data.group_size=4",
+              "sampling.eval_seeds=1", "tracker=none", "train.log_kl=false", "steps=2"]
+    grpo_main([f"run_dir={root / 'a'}", *common])
+    grpo_main([f"run_dir={root / 'b'}", *common, "train.learning_rate=1e-3"])
+    return root / "a", root / "b"
+
+
+def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_path):
+    """Acceptance: `python -m flywheel.runs compare` on two short runs writes the table and the PNG."""
+    a, b = real_runs
+    out, table_json = tmp_path / "compare.png", tmp_path / "table.json"
+    proc = subprocess.run([sys.executable, "-m", "flywheel.runs", "compare", str(a), str(b), "--json",
+                           str(table_json)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert_png(out)  # the default --out: compare.png in the current directory
+    summaries = json.loads(table_json.read_text())
+    for run, summary in zip((a, b), summaries):
+        rows = read_metrics(run)
+        evals = [(r["step"], r["eval/reward/mean"]) for r in rows if "eval/reward/mean" in r]
+        assert [s for s, _ in evals] == [0, 1, 2]  # eval_every=1, and the base model at step 0
+        best_step, best = max(evals, key=lambda e: (e[1], -e[0]))
+        info = run / "run.json"
+        assert summary == {
+            "name": run.name, "path": str(run),
+            "recipe": json.loads(info.read_text())["recipe"] if info.exists() else "?",
+            "card": "toy-digits", "steps_done": 2, "steps_configured": 2,
+            "reward_final": evals[-1][1], "reward_final_step": 2, "reward_best": best, "reward_best_step": best_step,
+            "judge": "digit_svc", "judge_final": rows[-1]["eval/judge/digit_svc/mean"],
+            "judge_at_best_reward": rows[best_step]["eval/judge/digit_svc/mean"],
+            "diversity_key": "eval/diversity" if "eval/diversity" in rows[-1] else "diversity",
+            "diversity_final": rows[-1].get("eval/diversity", rows[-1]["diversity"]), "kl_final": rows[-1]["kl"],
+            "wall_s": rows[-1]["time/wall_s"] if "time/wall_s" in rows[-1]
+            else sum(r.get("time/step_s", 0.0) for r in rows),
+        }
+        assert table_line(proc.stdout, run.name)[3:5] == ["2/2", f"{evals[-1][1]:.3f} @2"]
+    assert f"wrote {out.name}" in proc.stdout
