@@ -233,12 +233,13 @@ def real_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("real_runs")
     common = ["eval_every=1", "save_every=2", "sample_every=2", "data.prompts_per_step=2", "data.group_size=4",
-              "sampling.eval_seeds=1", "tracker=none", "train.log_kl=false", "steps=2"]
+              "sampling.eval_seeds=1", "sampling.steps=4", "tracker=none", "train.log_kl=false", "steps=2"]
     grpo_main([f"run_dir={root / 'a'}", *common])
     grpo_main([f"run_dir={root / 'b'}", *common, "train.learning_rate=1e-3"])
     return root / "a", root / "b"
 
 
+@pytest.mark.slow  # ~7 s on a quiet 2-core machine (two runs and a subprocess), over a minute on a loaded one
 def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_path):
     """Acceptance: `python -m flywheel.runs compare` on two short runs writes the table and the PNG."""
     a, b = real_runs
