@@ -1,0 +1,410 @@
+"""DiffusionNFT (arXiv 2509.16117, Zheng et al.): online negative-aware fine-tuning on the forward process.
+
+Each step the sampling policy v_old (weights theta_old) generates G samples per
+prompt with any sampler (ODE by default: no per-step log-probs), the rewards
+become an optimality probability r in [0, 1] per sample, and the trained policy
+v_theta is fitted by flow matching on the clean samples x0, noised afresh:
+x_t = (1 - t)·x0 + t·eps, target u = eps - x0 (rectified flow, paper Sec. 2.1).
+Training is CFG-free: only the conditional velocity is used (Sec. 3.3).
+
+The paper, by equation (numbers of arXiv v2):
+
+- Optimality probability (Algorithm 1, lines 4-5; Sec. 3.3 "Optimality Reward"):
+      r = 1/2 + 1/2·clip((r_raw - mean_group r_raw) / Z_c, -1, 1),
+  Z_c > 0 a normaliser, "which could take the form of a global reward std".
+- Implicit positive and negative policies, mixing coefficient beta (Theorem 3.2):
+      v+ = (1 - beta)·v_old + beta·v_theta,      v- = (1 + beta)·v_old - beta·v_theta.
+- The loss (Eq. 5):  L(theta) = E[ r·||v+ - u||^2 + (1 - r)·||v- - u||^2 ],
+  whose minimiser is v_theta* = v_old + (2 / beta)·Delta (Eq. 6), Delta the
+  reinforcement guidance of Eq. (4) (the direction from the negative to the
+  positive split of the sampling policy's data).
+- Adaptive loss weighting (Sec. 3.3): w(t)·||v - u||^2 of Eq. (1) is replaced
+  by the self-normalised x0 regression ||x_hat - x0||^2 / sg(mean|x_hat - x0|),
+  x_hat = x_t - t·v. Since x_hat - x0 = t·(v - u) this is t·||v - u||^2 / mean|v - u|
+  (per element mean): more weight at large t, which the paper finds stable (Fig. 9).
+- Soft update of the sampling policy (Algorithm 1, line 14):
+      theta_old <- eta_i·theta_old + (1 - eta_i)·theta,
+  eta_i = min(0.001·i, 0.5) by default (App. C); eta = 0 is fully on-policy and
+  unstable, eta -> 1 stable but slow (Fig. 8). For OCR the public code holds
+  eta at 0 for 75 steps, then raises it by 0.0075 a step up to 0.999.
+- Defaults (App. C, config/nft.py of NVlabs/DiffusionNFT): beta = 1 (0.1 for the
+  multi-reward and OCR runs), loss at the rollout's own sampling times, a
+  2nd-order ODE sampler with 10 steps, 48 groups x 24 samples, LoRA r = 32,
+  alpha = 64, learning rate 3e-4.
+
+Where this recipe deviates from the paper's text (each choice follows the public
+code unless it says otherwise):
+
+1. Loss scale. The per-sample loss is (r·l+ + (1 - r)·l-) / beta, and the
+   mean over samples is multiplied by `adv_clip_max` (c), as in the public code;
+   Eq. (5) has neither factor. With r = 1/2 + A / (2c) for the clipped group
+   advantage A, the gradient at v_theta = v_old is then exactly A times the
+   gradient of the weighted flow-matching loss, whatever beta and c are: an
+   advantage-weighted flow-matching step at the start of every update.
+2. Z_c = c·(std + 1e-4): r = 1/2 + 1/2·clip(A / c, -1, 1) for the group
+   advantage A = (R - mean of the prompt's group) / (std + 1e-4) that the
+   flywheel computes over every rank, with the std of all the step's rewards
+   (`global_std`, as the public code's sample.global_std = True) or of the group.
+3. Flow times. Each sample is trained at `timesteps_per_sample` distinct
+   times of the rollout's own time grid, drawn at random per sample (App. C:
+   "exactly on the corresponding sampling timesteps"; the public code trains
+   int(0.99·T) of the T times, 9 of 10). `time_sampling=uniform` draws
+   t ~ U(0, 1] instead (not in the paper).
+4. Masked rewards. A sample whose reward the scorers masked has no r: it is
+   left out of the loss. Samples of a group whose valid rewards are all equal
+   (A = 0, r = 1/2) stay in by default, as in the public code: at r = 1/2 the
+   two branches pull v_theta toward v_old. `keep_flat_groups=false` drops them.
+5. KL. The paper is KL-free; the public code always adds 1e-4·mean||v_theta -
+   v_ref||^2 against the base model. Here `kl_beta` weighs that same term and
+   defaults to 0.
+6. Randomness. Times and noise come from a generator seeded from (seed, step,
+   rank), so a resumed run draws the same ones; the public code uses the global RNG.
+7. Not here: the public code's EMA of theta (decay 0.9) used for evaluation,
+   and its fp16 autocast with a GradScaler (this recipe trains in the model's dtype).
+8. Guidance. Rollouts made with classifier-free guidance (guidance_scale != 1)
+   are refused: v_old must be the velocity of the policy that sampled x0.
+
+The update here is one step's gradient work; the soft update of the sampling
+policy (`soft_update`, `eta_schedule`) runs after it (Algorithm 1, line 14).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from engine import PromptEmbeds, Trajectory
+from flywheel.advantages import group_advantages
+from flywheel.distributed import rank_and_world
+from flywheel.guards import check_finite, check_finite_weights
+from flywheel.loop import RolloutBatch
+
+# A velocity function of (x_t [B, ...], t [B], conditioning) -> v [B, ...], run without grad.
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, PromptEmbeds], torch.Tensor]
+
+# The public code's floor on the adaptive weight, so a sample predicted exactly never divides by zero.
+ADAPTIVE_WEIGHT_FLOOR = 1e-5
+# The public code trains int(0.99·T) of a rollout's T times (its train.timestep_fraction).
+DEFAULT_TIME_FRACTION = 0.99
+# Keeps the update's random stream apart from the rollout seeds (flywheel.loop.sample_seed).
+_UPDATE_STREAM = 0x4E4654
+
+
+# ---------------------------------------------------------------------------------------
+# Config: the algorithm's own keys of the `train` section
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class NFTConfig:
+    beta: float = 1.0
+    """mixing coefficient of the implicit policies v± (Theorem 3.2); 1/beta is the guidance strength"""
+    adv_clip_max: float = 5.0
+    """c: group advantages are clipped to [-c, c] and r = 1/2 + A / (2c); the loss is scaled by c (public code)"""
+    global_std: bool = True
+    """normalise advantages by the std of all the step's rewards (the paper's "global reward std"), not each group's"""
+    keep_flat_groups: bool = True
+    """train samples of groups whose rewards are all equal at r = 1/2 (public code); false leaves them out"""
+    eta_flat_steps: int = 0
+    """soft update: eta = 0 (sampling policy := trained one) for this many optimizer steps"""
+    eta_rate: float = 0.001
+    """soft update: eta grows by this much per optimizer step after the flat ones (paper: 0.001)"""
+    eta_max: float = 0.5
+    """soft update: eta's ceiling (paper: 0.5; 0.999 for OCR)"""
+    time_sampling: Literal["rollout_grid", "uniform"] = "rollout_grid"
+    """flow times of the loss: distinct times of the rollout's own grid per sample (paper), or t ~ U(0, 1]"""
+    timesteps_per_sample: int | None = None
+    """flow times each sample is trained at per step; None = int(0.99·T) of the rollout's T steps (public code)"""
+    loss_weighting: Literal["adaptive", "uniform"] = "adaptive"
+    """"adaptive": ||x_hat - x0||^2 / sg(mean|x_hat - x0|) (Sec. 3.3); "uniform": ||v - u||^2 (w(t) = 1)"""
+    kl_beta: float = 0.0
+    """weight of mean ||v_theta - v_ref||^2 to the reference (base) model; 0 = KL-free as in the paper"""
+
+
+# ---------------------------------------------------------------------------------------
+# Pure functions: optimality probability, the loss, the soft update and its schedule
+# ---------------------------------------------------------------------------------------
+
+
+def optimality_from_advantages(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
+    """r = 1/2 + 1/2·clip(A / c, -1, 1) in [0, 1] for group advantages A (Algorithm 1, line 5, Z_c = c·std)."""
+    if adv_clip_max <= 0:
+        raise ValueError(f"adv_clip_max must be > 0 (the advantage that maps to r = 1), got {adv_clip_max}")
+    return 0.5 + 0.5 * torch.clamp(advantages.float() / adv_clip_max, -1.0, 1.0)
+
+
+def optimality_probability(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None,
+                           adv_clip_max: float = 5.0, global_std: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """Optimality probability r [N] in [0, 1] of raw rewards [N] grouped by prompt (group_ids [N]).
+
+    The reward minus its group's mean, over (the std of all valid rewards, or of
+    the group, + eps) and c = adv_clip_max: r = 1/2 + 1/2·clip(A / c, -1, 1).
+    Masked samples (`valid` false or a non-finite reward) and groups whose
+    valid rewards are all equal get r = 1/2; leave the masked ones out of the loss.
+    """
+    advantages, _ = group_advantages(rewards, group_ids, valid, eps=eps, clip=adv_clip_max, global_std=global_std)
+    return optimality_from_advantages(advantages, adv_clip_max)
+
+
+def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(1).mean(1)
+
+
+def _regression_loss(v: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, target: torch.Tensor,
+                     t_b: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-sample flow-matching loss [B] of velocity v: adaptive x0 regression, or plain velocity MSE."""
+    if weighting == "uniform":
+        return _per_sample_mean((v - target) ** 2)
+    x_hat = x_t - t_b * v  # the x0 prediction of rectified flow
+    error = x_hat - x0
+    with torch.no_grad():  # sg(mean|x_hat - x0|), in float64 as the public code
+        weight = _per_sample_mean(error.double().abs()).clamp(min=ADAPTIVE_WEIGHT_FLOOR)
+    return _per_sample_mean(error**2) / weight.to(error.dtype)
+
+
+def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+             r: torch.Tensor, beta: float, weighting: str = "adaptive", sample_weight: torch.Tensor | None = None,
+             scale: float = 1.0, v_ref: torch.Tensor | None = None,
+             kl_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionNFT loss (Eq. 5) of one batch at flow times t [B]; returns (loss, stats).
+
+        x_t = (1 - t)·x0 + t·noise,  u = noise - x0,
+        v+ = (1 - beta)·v_old + beta·v_theta,  v- = (1 + beta)·v_old - beta·v_theta,
+        per sample: (r·l(v+) + (1 - r)·l(v-)) / beta,
+        loss = scale · sum_i w_i·per_sample_i + kl_beta · sum_i w_i·mean||v_theta - v_ref||^2,
+
+    l the adaptive x0 regression (or the plain velocity MSE with weighting="uniform"),
+    w = sample_weight (default: uniform 1/B). v_old (and v_ref) carry no gradient.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0 (the implicit policies mix v_old and v_theta by it), got {beta}")
+    if weighting not in ("adaptive", "uniform"):
+        raise ValueError(f"loss weighting {weighting!r} is not known; valid: adaptive, uniform")
+    b = v_theta.shape[0]
+    t_b = t.reshape(b, *([1] * (v_theta.dim() - 1))).to(v_theta.dtype)
+    x_t = (1 - t_b) * x0 + t_b * noise
+    target = noise - x0
+    v_old = v_old.detach()
+    v_pos = (1 - beta) * v_old + beta * v_theta
+    v_neg = (1 + beta) * v_old - beta * v_theta
+    positive = _regression_loss(v_pos, x_t, x0, target, t_b, weighting)
+    negative = _regression_loss(v_neg, x_t, x0, target, t_b, weighting)
+    per_sample = (r * positive + (1 - r) * negative) / beta
+    w = torch.full((b,), 1.0 / b, device=v_theta.device) if sample_weight is None else sample_weight
+    loss = scale * (w * per_sample).sum()
+    kl = torch.zeros((), device=v_theta.device)
+    if v_ref is not None:
+        kl = (w * _per_sample_mean((v_theta - v_ref.detach()) ** 2)).sum()
+        loss = loss + kl_beta * kl
+    elif kl_beta > 0:
+        raise ValueError(f"kl_beta={kl_beta} needs v_ref, the reference model's velocity")
+    stats = {
+        "loss": loss.detach(),
+        "kl": kl.detach(),
+        "nft/positive_loss": (w * positive).sum().detach(),
+        "nft/negative_loss": (w * negative).sum().detach(),
+        # How far the trained policy has moved from the sampling one on these inputs (0 before the first step).
+        "nft/old_deviation": (w * _per_sample_mean((v_theta.detach() - v_old) ** 2)).sum(),
+    }
+    return loss, stats
+
+
+def eta_schedule(step: int, flat_steps: int = 0, rate: float = 0.001, eta_max: float = 0.5) -> float:
+    """Soft-update factor after `step` optimizer steps: 0 for the first `flat_steps`, then
+    min((step - flat_steps)·rate, eta_max) (paper App. C: min(0.001·i, 0.5))."""
+    if step < 0 or flat_steps < 0:
+        raise ValueError(f"eta_schedule needs step >= 0 and flat_steps >= 0, got step={step}, flat_steps={flat_steps}")
+    if rate < 0 or not 0 <= eta_max <= 1:
+        raise ValueError(f"eta_schedule needs rate >= 0 and eta_max in [0, 1], got rate={rate}, eta_max={eta_max}")
+    if step < flat_steps:
+        return 0.0
+    return min((step - flat_steps) * rate, eta_max)
+
+
+@torch.no_grad()
+def soft_update(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.Tensor], eta: float) -> None:
+    """theta_old <- eta·theta_old + (1 - eta)·theta, in place (Algorithm 1, line 14).
+
+    eta = 0 copies theta exactly (the sampling policy becomes the trained one, bit for bit).
+    """
+    if not 0 <= eta <= 1:
+        raise ValueError(f"soft update factor eta must be in [0, 1], got {eta}")
+    old, new = list(old_params), list(new_params)
+    if len(old) != len(new):
+        raise ValueError(f"soft update needs one sampling-policy tensor per trained one: got {len(old)} and {len(new)}")
+    for i, (o, n) in enumerate(zip(old, new)):
+        if o.shape != n.shape:
+            raise ValueError(f"soft update: tensor {i} is {tuple(o.shape)} in the sampling policy and "
+                             f"{tuple(n.shape)} in the trained one")
+        if eta == 0:
+            o.copy_(n)
+        else:
+            o.mul_(eta).add_(n.detach().to(o.dtype), alpha=1 - eta)
+
+
+def sampling_params(named_params: list[tuple[str, torch.nn.Parameter]],
+                    sampling_transformer: torch.nn.Module) -> list[torch.Tensor]:
+    """The sampling policy's tensors paired by name with the trained ones (for `soft_update`).
+
+    `sampling_transformer` is a copy of the trained transformer (with its LoRA
+    adapter, if any) made before training started.
+    """
+    theirs = dict(sampling_transformer.named_parameters())
+    missing = [n for n, _ in named_params if n not in theirs]
+    if missing:
+        raise ValueError(f"the sampling policy has no tensor named {missing[0]!r} ({len(missing)} missing): it must "
+                         "be a copy of the trained transformer, with the same LoRA adapter if any")
+    return [theirs[n] for n, _ in named_params]
+
+
+def sampling_velocity(model, sampling_transformer: torch.nn.Module) -> VelocityFn:
+    """old_velocity for `nft_update`: the sampling policy's conditional velocity, without grad."""
+    def old_velocity(x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+        with torch.no_grad():
+            return model.velocity(sampling_transformer, x, t, cond)
+    return old_velocity
+
+
+# ---------------------------------------------------------------------------------------
+# The update
+# ---------------------------------------------------------------------------------------
+
+
+def update_generator(seed: int, step: int, rank: int = 0) -> torch.Generator:
+    """The generator of a step's flow times and noise: a function of (seed, step, rank) only."""
+    state = np.random.SeedSequence([seed, step, _UPDATE_STREAM, rank]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state >> np.uint64(1)))
+
+
+def times_per_sample(traj: Trajectory, cfg: NFTConfig) -> int:
+    """K: flow times each sample is trained at this step."""
+    if cfg.timesteps_per_sample is not None:
+        k = cfg.timesteps_per_sample
+        if k < 1:
+            raise ValueError(f"train.timesteps_per_sample must be >= 1 or null, got {k}")
+        return k
+    return max(1, int(DEFAULT_TIME_FRACTION * traj.num_steps))
+
+
+def update_draws(traj: Trajectory, cfg: NFTConfig, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flow times [B, K], noise [B, K, *latent]) of one update, drawn on the CPU in a fixed order.
+
+    rollout_grid: each sample gets K distinct times of the rollout's grid (its
+    start times t_0 = 1 > ... > t_{T-1} > 0; the final t = 0 is the clean sample).
+    uniform: K independent times in (0, 1].
+    """
+    b, k = len(traj), times_per_sample(traj, cfg)
+    if cfg.time_sampling == "rollout_grid":
+        grid = traj.timesteps[:-1].detach().float().cpu()
+        grid = grid[grid > 0]
+        if k > grid.numel():
+            raise ValueError(f"train.timesteps_per_sample={k} distinct flow times per sample, but the rollouts' grid "
+                             f"has {grid.numel()}: use at most {grid.numel()}, more sampling.steps, or "
+                             "train.time_sampling=uniform")
+        order = torch.rand(b, grid.numel(), generator=generator).argsort(dim=1)[:, :k]
+        times = grid[order]
+    elif cfg.time_sampling == "uniform":
+        times = 1.0 - torch.rand(b, k, generator=generator)
+    else:
+        raise ValueError(f"train.time_sampling={cfg.time_sampling!r} is not known; valid: rollout_grid, uniform")
+    noise = torch.randn((b, k, *traj.latents.shape[2:]), generator=generator)
+    return times, noise
+
+
+def trained_samples(batch: RolloutBatch, keep_flat_groups: bool) -> torch.Tensor:
+    """Which samples enter the loss [B]: the valid ones (or only those of groups with a spread of rewards)."""
+    if not keep_flat_groups:
+        return batch.usable.bool()
+    if batch.rewards is None:  # no scorer masks (hand-built batches): every sample has a reward
+        return torch.ones_like(batch.usable, dtype=torch.bool)
+    return batch.rewards.valid.to(batch.usable.device).bool()
+
+
+def nft_update(batch: RolloutBatch, model, transformer, old_velocity: VelocityFn, optimizer, accelerator,
+               sync: Callable[[], dict] | None, named_params: list[tuple[str, torch.nn.Parameter]], cfg, step: int,
+               ref_velocity: VelocityFn | None = None) -> dict[str, float]:
+    """One DiffusionNFT update over this rank's rollouts: minibatches x K flow times, then optimizer step(s).
+
+    `cfg.train` holds the NFTConfig keys and the optimizer's (minibatch_size,
+    gradient_accumulation_steps, max_grad_norm); `cfg.seed` seeds the draws.
+    `old_velocity(x_t, t, cond)` is the sampling policy's velocity (see
+    `sampling_velocity`); `ref_velocity`, the same for the reference model, is
+    needed when train.kl_beta > 0 and logged ("kl") whenever given.
+    `sync()` runs after every optimizer step, as in GRPO; its "weight_version"
+    becomes "weight_version_after". Pass sync=None when the engine serves the
+    sampling policy: that moves only with the soft update after this call, which
+    is where main syncs it.
+    Stops with NonFiniteError before an optimizer step whose gradient norm is
+    not finite, and right after one that leaves a non-finite weight.
+    """
+    tc = cfg.train
+    traj = batch.trajectory
+    if traj.guidance_scale != 1.0:
+        raise ValueError(f"DiffusionNFT trains CFG-free (paper Sec. 3.3): these rollouts used guidance_scale="
+                         f"{traj.guidance_scale}, so the sampling policy's velocity is not the conditional one the "
+                         "loss uses. Sample with sampling.guidance_scale=1")
+    if tc.kl_beta > 0 and ref_velocity is None:
+        raise ValueError(f"train.kl_beta={tc.kl_beta} needs ref_velocity (the reference model's velocity)")
+    params = [p for _, p in named_params]
+    device = traj.latents.device
+    rank, _ = rank_and_world()
+    times, noise = update_draws(traj, tc, update_generator(cfg.seed, step, rank))
+    k = times.shape[1]
+    x0_all = traj.latents[:, -1]
+    r_all = optimality_from_advantages(batch.advantages, tc.adv_clip_max).to(device)
+    included = trained_samples(batch, tc.keep_flat_groups).to(device)
+
+    n = len(traj)
+    minibatches = [list(range(i, min(i + tc.minibatch_size, n))) for i in range(0, n, tc.minibatch_size)]
+    accumulation = tc.gradient_accumulation_steps
+    if len(minibatches) % accumulation:
+        raise ValueError(f"{len(minibatches)} minibatches per step is not a multiple of "
+                         f"train.gradient_accumulation_steps={accumulation}: change it or train.minibatch_size")
+    backwards_per_update = k * accumulation
+    totals: dict[str, torch.Tensor] = {}
+    sync_metrics: dict = {}
+    for m, rows in enumerate(minibatches):
+        idx = torch.tensor(rows, device=device)
+        mask = None if traj.prompt_mask is None else traj.prompt_mask[idx]
+        cond = PromptEmbeds(traj.prompt_embeds[idx], traj.pooled_prompt_embeds[idx], mask)
+        x0, r = x0_all[idx], r_all[idx]
+        weight = included[idx].float() / included[idx].float().sum().clamp(min=1.0)
+        for j in range(k):
+            t = times[rows, j].to(device)
+            eps = noise[rows, j].to(device)
+            t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
+            x_t = (1 - t_b) * x0 + t_b * eps
+            last_backward = (m + 1) % accumulation == 0 and j == k - 1
+            # Gradients are all-reduced once per optimizer step, not once per backward.
+            context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
+            with context:
+                v_old = old_velocity(x_t, t, cond)
+                v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
+                v_theta = model.velocity(transformer, x_t, t, cond)
+                loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
+                                       scale=tc.adv_clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
+                accelerator.backward(loss / backwards_per_update)
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value / (k * len(minibatches))
+        if (m + 1) % accumulation == 0:
+            grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
+            # Gradients are all-reduced: every rank sees the same norm and stops together.
+            check_finite(grad_norm, "the gradient norm", step + 1, "the loss or the rollouts went NaN/inf")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            check_finite_weights(named_params, step + 1, "lower train.learning_rate or train.max_grad_norm")
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / (len(minibatches) // accumulation)
+            if sync is not None:
+                sync_metrics = sync()
+    metrics = {key: float(value) for key, value in totals.items()}
+    metrics["nft/r_mean"] = float((r_all * included).sum() / included.sum().clamp(min=1))
+    metrics["nft/trained_samples"] = float(included.sum())
+    if sync is not None:
+        metrics.update({key: v for key, v in sync_metrics.items() if key != "weight_version"})
+        metrics["weight_version_after"] = sync_metrics["weight_version"]
+    return metrics
