@@ -1,0 +1,1 @@
+"""Runs: configs, the run directory, checkpoints, trackers, and `python -m flywheel.runs` (list, compare)."""
