@@ -239,10 +239,10 @@ def toy():
 
 def run_update(model, traj, cfg, reference=None, anchor=None, step=0, advantages=TOY_ADV, usable=TOY_USABLE, lr=LR):
     transformer = model.transformer
-    ref_velocity = None
-    if reference is not None:
-        def ref_velocity(x, t, cond, uncond_cond, g):
-            return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
+    def reference_velocity(x, t, cond, uncond_cond, g):
+        return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
+
+    ref_velocity = None if reference is None else reference_velocity
     named = list(transformer.named_parameters())
     batch = RolloutBatch(traj, None, advantages.clone(), usable.clone(), torch.arange(ROWS) // 4)
     versions = iter(range(1, 100))

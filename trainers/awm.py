@@ -3,9 +3,9 @@
 AWM trains on the policy's own clean samples x0 with the loss the model was
 pretrained with, conditional flow matching, and weights each sample by its
 group advantage A: a sample better than its group's mean is fitted more
-closely, a worse one is pushed away. The paper's argument (its Section 3) is
-that Flow-GRPO/DDPO's per-step Gaussian likelihood is flow matching with a
-noisy target x_{t-dt}; conditioning on the clean sample x0 instead gives the
+closely, a worse one is pushed away. The paper's argument is that
+Flow-GRPO/DDPO's per-step Gaussian likelihood is flow matching with a noisy
+target x_{t-dt}; conditioning on the clean sample x0 instead gives the
 same optimum with less variance, and the rollouts need no log-probabilities
 (any sampler, ODE included).
 
