@@ -37,7 +37,8 @@ code unless it says otherwise):
 
 1. Loss scale. The per-sample loss is (r·l+ + (1 - r)·l-) / beta, and the
    mean over samples is multiplied by `adv_clip_max` (c), as in the public code;
-   Eq. (5) has neither factor. With r = 1/2 + A / (2c) for the clipped group
+   Eq. (5) has neither factor, and its squared norms are sums where the code
+   (and this recipe) takes means over the latent's elements (a constant factor). With r = 1/2 + A / (2c) for the clipped group
    advantage A, the gradient at v_theta = v_old is then exactly A times the
    gradient of the weighted flow-matching loss, whatever beta and c are: an
    advantage-weighted flow-matching step at the start of every update.
