@@ -164,11 +164,3 @@ def _rows_by_digit(digits: list[int | None]) -> list[tuple[int, torch.Tensor]]:
     """(digit, boolean row mask) for every digit named in `digits`, in digit order."""
     named = sorted({d for d in digits if d is not None})
     return [(digit, torch.tensor([d == digit for d in digits])) for digit in named]
-
-
-def judges_for_card(card_id: str) -> dict:
-    """The independent evaluation judges of a card (never a reward): {} for cards without one."""
-    if card_id == "toy-digits":
-        # The SVC first: its verdicts frame the sample grid. Typicality sees the saturated blobs it accepts.
-        return {"digit_svc": DigitJudge(), "digit_typicality": DigitTypicalityJudge()}
-    return {}
