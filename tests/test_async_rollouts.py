@@ -60,7 +60,7 @@ def test_negative_staleness_bound_is_an_error():
 def test_the_trainer_gives_the_engine_a_core_only_while_a_rollout_runs():
     import torch
 
-    from trainers.grpo import cpu_core_sharing
+    from flywheel.recipe.rollouts import cpu_core_sharing
 
     release = threading.Event()
     fake = FakeFlywheel()

@@ -96,11 +96,11 @@ def test_unguided_training_of_guided_rollouts_is_refused():
 
 
 def test_time_shift_on_a_card_with_its_own_schedule_is_an_error(tmp_path, monkeypatch):
-    import trainers.grpo as grpo
+    import flywheel.recipe.policy as policy
 
     toy = load_model("toy-digits")
     toy.schedule = lambda steps, shape: torch.linspace(1, 0, steps + 1)  # as SD3, FLUX and Wan have
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: toy)
+    monkeypatch.setattr(policy, "load_model", lambda *a, **k: toy)
     with pytest.raises(ConfigError, match="sampling.time_shift=3.0: the toy-digits card takes its schedule"):
         main([f"run_dir={tmp_path / 'r'}", *TINY, "steps=1", "sampling.time_shift=3.0"])
 

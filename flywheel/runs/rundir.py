@@ -292,7 +292,7 @@ class RunDirInUseError(FileExistsError):
 # What a run writes into its directory, and so what overwrite=true may delete. Anything
 # else found there is not ours and is left alone. config.yaml is deleted last: an
 # overwrite killed half-way still leaves the directory recognisable as a run's.
-RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "wandb", CONFIG_FILENAME)
+RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "wandb", "run.json", CONFIG_FILENAME)
 RUN_DIR_MODES = ("new", "resume", "overwrite")
 _CREATED_EMPTY = ("checkpoints", "samples")  # made by RunDir itself before a run writes anything
 

@@ -1,0 +1,222 @@
+"""The config sections every recipe shares, their checks, and resolving a recipe's config from the command line.
+
+A recipe's config is `class Config(RunConfig)` (the run keys at the top level:
+`steps=`, `run_dir=`, `seed=`...) with the sections `model`, `data`,
+`sampling` and `train`; its `train` section is its own dataclass built on
+`OptimConfig`, so the optimizer keys read the same in every recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from engine import get_card
+from flywheel.prompts import load_prompts
+from flywheel.runs.checkpoint import resolve_resume
+from flywheel.runs.config import ConfigChecks, ConfigError, apply_overrides, config_value, load_config, parse_config
+
+
+@dataclass
+class ModelConfig:
+    card: str = "toy-digits"
+    """model card id (see `engine.list_cards()`)"""
+    path: str | None = None
+    """local weights folder; None uses the weights the project ships (toy cards only)"""
+    finetune: Literal["full", "lora"] = "full"
+    """train every transformer weight, or a LoRA adapter (peft)"""
+    lora_rank: int = 8
+    """LoRA rank r"""
+    lora_alpha: float = 8.0
+    """LoRA alpha (scale = alpha / r)"""
+    lora_targets: list[str] | None = None
+    """Linear layers to adapt; None uses the card's default"""
+    lora_init: Literal["default", "gaussian"] = "default"
+    """LoRA A init: peft's Kaiming-uniform, or gaussian N(0, 1/r) as Flow-GRPO (B = 0 either way)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """transformer weight dtype; latents and log-probs stay fp32"""
+    compile: bool = False
+    """torch.compile the rollout forward (engine/compiling.py): the first rollout pays for compiling, training
+    stays eager, and the on-policy ratio is 1 up to rounding (fp32 ~5e-7, bf16 ~1e-5) instead of exactly"""
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "toy-digits"
+    """training prompts: a built-in dataset name or a .txt / .jsonl file"""
+    eval_prompts: str = "toy-digits-heldout"
+    """held-out evaluation prompts (same forms as `prompts`)"""
+    prompts_per_step: int = 8
+    """distinct prompts per step (over all ranks)"""
+    group_size: int = 16
+    """samples per prompt (G); advantages are normalised within each group"""
+
+
+@dataclass
+class SamplingConfig:
+    steps: int = 10
+    """denoising steps of a rollout"""
+    sampler: Literal["sde", "cps", "ode"] = "sde"
+    """rollout sampler: Flow-SDE, coefficients-preserving sampling (noise_level is then eta), or the ODE"""
+    noise_level: float = 0.7
+    """Flow-SDE noise level a (CPS: eta in [0, 1); unused by the ODE)"""
+    guidance_scale: float = 1.0
+    """classifier-free guidance of rollouts (1 = no unconditional branch)"""
+    sde_window: tuple[int, int] | None = None
+    """[start, end) of the stochastic (trained) steps; None = all steps"""
+    time_shift: float = 1.0
+    """SD3-style time shift of the schedule"""
+    eval_guidance_scale: float = 1.0
+    """guidance of the ODE evaluation samples"""
+    eval_seeds: int = 4
+    """samples per evaluation prompt (fixed seeds)"""
+    eval_steps: int | None = None
+    """denoising steps of the ODE evaluation samples; None = `steps`"""
+    height: int | None = None
+    """image / video height in pixels; None uses the card's native size"""
+    width: int | None = None
+    """image / video width in pixels; None uses the card's native size"""
+    frames: int | None = None
+    """video frames (video cards only; None uses the card's default)"""
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 3e-4
+    """AdamW learning rate"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to [-adv_clip_max, adv_clip_max]"""
+    global_std: bool = False
+    """normalise advantages by the std of all the step's rewards (Flow-GRPO's sample.global_std), not each group's"""
+    minibatch_size: int = 128
+    """samples per training forward"""
+    gradient_accumulation_steps: int = 1
+    """minibatches accumulated into one optimizer step"""
+    updates_per_rollout: int | None = None
+    """optimizer steps per rollout batch (the minibatches split evenly); None = set by gradient_accumulation_steps"""
+    max_masked_steps: int = 3
+    """stop with an error after this many consecutive steps whose every sample the rewards masked"""
+    gradient_checkpointing: bool = False
+    """recompute the transformer's activations in backward (less memory, ~30% slower; diffusers models)"""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/toy"
+    """where config, metrics, samples and checkpoints go"""
+    seed: int = 0
+    """seed of prompts, rollouts and the update's random draws"""
+    steps: int = 80
+    """training steps (rollout + update)"""
+    rewards: str = "digit_alignment:1.0"
+    """reward spec: name:weight,name:weight (remote:http://host:port[:weight] for a served reward)"""
+    rewards_mode: Literal["weighted_sum", "sum_of_advantages"] = "weighted_sum"
+    """advantages of the weighted sum of raw scores, or the weighted sum of per-reward group advantages"""
+    reward_timeout_s: float = 60.0
+    """remote rewards: wall-clock bound (s) of one HTTP call to a remote:<url> server, connect to last byte"""
+    reward_budget_s: float = 120.0
+    """remote rewards: wall-clock bound (s) of all attempts (retries, backoff) to score one batch"""
+    async_rollouts: bool = False
+    """roll out step s+1 in an engine process while training on step s (one trainer process)"""
+    max_staleness: int = 1
+    """async rollouts: a batch may lag the trainer by this many weight versions; older ones are regenerated"""
+    overlap_scoring: bool = False
+    """score each rollout chunk on a background thread while the engine generates the next one"""
+    eval_every: int = 20
+    """evaluate every N steps (and at the start and end)"""
+    sample_every: int = 20
+    """save a sample grid every N steps"""
+    save_every: int = 20
+    """checkpoint every N steps (and at the end)"""
+    keep_checkpoints: int = 2
+    """checkpoints kept on disk"""
+    resume: str | None = None
+    """run dir or checkpoint dir to continue from"""
+    overwrite: bool = False
+    """start a fresh run in a run dir that holds an earlier run, deleting that run's files"""
+    tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
+    """experiment tracker (wandb runs offline when no account is configured)"""
+    project: str = "flywheel"
+    """tracker project name"""
+
+
+def resolve_config(config_class: type, argv: list[str]):
+    """The CLI config; with resume=RUN, the run's saved config.yaml is the base and the CLI overrides it."""
+    cfg = parse_config(config_class, argv)
+    if cfg.resume:
+        if cfg.overwrite:
+            raise ConfigError("resume= continues a run and overwrite=true deletes one: give only one of them")
+        # The newest checkpoint that verifies (a corrupt newer one is skipped with a warning);
+        # a run dir without its config.yaml is refused rather than resumed with defaults.
+        run_dir, ckpt = resolve_resume(cfg.resume)
+        overrides = [a for a in argv if "=" in a and not a.startswith("--")]
+        cfg = apply_overrides(load_config(config_class, run_dir / "config.yaml"), overrides)
+        cfg.run_dir, cfg.resume, cfg.overwrite = str(run_dir), str(ckpt), False
+    return cfg
+
+
+def check_shared_sections(cfg) -> ConfigChecks:
+    """Check the shared keys (run, model, data, sampling, optimizer); the recipe adds its own, then raises.
+
+    Returns the ConfigChecks so that every bad key, shared or the recipe's, comes in one ConfigError.
+    """
+    checks = ConfigChecks(cfg)
+    positive = "must be an integer >= 1"
+    for key in ("steps", "eval_every", "sample_every", "save_every", "keep_checkpoints", "data.prompts_per_step",
+                "sampling.steps", "sampling.eval_seeds", "train.minibatch_size", "train.gradient_accumulation_steps",
+                "train.max_masked_steps", "model.lora_rank"):
+        checks.require(key, lambda v: v >= 1, positive)
+    for key in ("sampling.eval_steps", "sampling.height", "sampling.width", "sampling.frames",
+                "train.updates_per_rollout"):
+        checks.require(key, lambda v: v >= 1, positive + " or null", allow_none=True)
+    checks.require("seed", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("max_staleness", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("data.group_size", lambda v: v >= 2, "must be >= 2: advantages compare the samples of a group")
+    sampler = cfg.sampling.sampler
+    if sampler == "cps":
+        checks.require("sampling.noise_level", lambda v: 0 < v < 1, "is CPS's eta for sampler=cps: in (0, 1)")
+    elif sampler == "sde":
+        checks.require("sampling.noise_level", lambda v: 0 < v <= 10, "is Flow-SDE's a: in (0, 10] (0 is the ODE)")
+    for key in ("sampling.guidance_scale", "sampling.eval_guidance_scale"):
+        checks.require(key, lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
+    checks.require("sampling.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
+    checks.require("sampling.sde_window", lambda w: 0 <= w[0] < w[1] <= cfg.sampling.steps,
+                   f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
+                   allow_none=True)
+    checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    for key in ("reward_timeout_s", "reward_budget_s"):
+        checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
+    checks.require("train.weight_decay", lambda v: v >= 0, "must be >= 0")
+    checks.require("train.adam_betas", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
+                   "must be two numbers in [0, 1)")
+    for key in ("train.max_grad_norm", "train.adv_clip_max", "model.lora_alpha"):
+        checks.require(key, lambda v: v > 0, "must be > 0")
+    try:
+        get_card(cfg.model.card)
+    except (KeyError, ValueError) as e:
+        checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    for key in ("data.prompts", "data.eval_prompts"):
+        try:
+            load_prompts(config_value(cfg, key))
+        except (OSError, ValueError) as e:
+            checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
+    return checks
+
+
+def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
+    """The GenerationRequest fields of a training rollout, from the sampling section."""
+    return dict(steps=sampling.steps, sampler=sampling.sampler, noise_level=sampling.noise_level,
+                guidance_scale=sampling.guidance_scale, sde_window=sampling.sde_window,
+                height=sampling.height, width=sampling.width, frames=sampling.frames)
+
+
+def eval_request_kwargs(sampling: SamplingConfig) -> dict:
+    """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time."""
+    return {"sampler": "ode", "guidance_scale": sampling.eval_guidance_scale,
+            "steps": sampling.eval_steps or sampling.steps}
