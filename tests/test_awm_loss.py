@@ -11,6 +11,7 @@ generator seeded by (seed, step, rank).
 import copy
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from accelerate import Accelerator
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from engine.loop import guided_velocity
 from flywheel.loop import RolloutBatch
-from trainers.awm import (AWMConfig, EMAAnchor, awm_loss, awm_update, draw_minibatch, draw_times, schedule_strata,
-                          training_generator, weighted_error)
+from flywheel.recipe.policy import Policy
+from trainers.awm import (AWMConfig, EMAAnchor, awm_loss, awm_update, draw_generator, draw_minibatch, draw_times,
+                          schedule_strata, weighted_error)
 
 D = 1e-10  # the weightings' delta, written out again here
 
@@ -167,7 +169,7 @@ def test_draws_depend_only_on_seed_step_and_rank():
     timesteps = torch.linspace(1, 0, 11)
 
     def draw(seed, step, rank):
-        return draw_minibatch(timesteps, 2, (1, 8, 8), tc, training_generator(seed, step, rank))
+        return draw_minibatch(timesteps, 2, (1, 8, 8), tc, draw_generator(seed, step, rank))
 
     a, b = draw(0, 5, 0), draw(0, 5, 0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -194,10 +196,13 @@ def test_ema_anchor_update_decay_and_swap():
     anchor.update(named, 0.25)  # 0.25·[1, 2] + 0.75·[3, -2] = [2.5, -1]
     torch.testing.assert_close(anchor.shadow["weight"], torch.tensor([[2.5, -1.0]]))
     torch.testing.assert_close(anchor.shadow["bias"], torch.tensor([0.5]))
-    x = torch.tensor([[1.0, 1.0]])
-    with anchor.swapped_in(named):
-        assert float(layer(x).detach()) == pytest.approx(2.5 - 1.0 + 0.5)
+    # The anchor's velocity runs the trained module with the EMA values, then leaves the trained ones in place.
+    model = SimpleNamespace(transformer=layer, velocity=lambda transformer, x, t, cond: transformer(x))
+    policy = Policy(model, named, None, {})
+    v = anchor.velocity(policy, torch.tensor([[1.0, 1.0]]), 0.5, None, None, 1.0)
+    assert float(v) == pytest.approx(2.5 - 1.0 + 0.5) and not v.requires_grad
     assert torch.equal(layer.weight, torch.tensor([[3.0, -2.0]])) and layer.weight.requires_grad
+    assert torch.equal(layer.bias, torch.tensor([0.5]))
     with pytest.raises(ValueError, match="names differ"):
         anchor.load_state_dict({"weight": torch.zeros(1, 2)})
     with pytest.raises(ValueError, match="shape"):
@@ -213,12 +218,10 @@ TOY_USABLE = torch.tensor([True, True, False, True, True, True, True, True])
 
 @dataclass
 class TrainSection(AWMConfig):
-    """AWMConfig plus the shared keys awm_update reads (the recipe's base classes provide them)."""
+    """The recipe's train section with the test's minibatches and no clipping: the oracle is plain SGD."""
 
     minibatch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float = 1e9  # no clipping: the oracle is plain SGD
-    adv_clip_max: float = 5.0
+    max_grad_norm: float = 1e9
 
 
 @dataclass
@@ -239,16 +242,15 @@ def toy():
 
 def run_update(model, traj, cfg, reference=None, anchor=None, step=0, advantages=TOY_ADV, usable=TOY_USABLE, lr=LR):
     transformer = model.transformer
+
     def reference_velocity(x, t, cond, uncond_cond, g):
         return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
 
-    ref_velocity = None if reference is None else reference_velocity
-    named = list(transformer.named_parameters())
+    policy = Policy(model, list(transformer.named_parameters()), None if reference is None else reference_velocity, {})
     batch = RolloutBatch(traj, None, advantages.clone(), usable.clone(), torch.arange(ROWS) // 4)
     versions = iter(range(1, 100))
-    return awm_update(batch, model, transformer, ref_velocity, torch.optim.SGD(transformer.parameters(), lr=lr),
-                      Accelerator(cpu=True), lambda: {"weight_version": next(versions)}, named, cfg, step,
-                      anchor=anchor)
+    return awm_update(batch, policy, transformer, torch.optim.SGD(transformer.parameters(), lr=lr),
+                      Accelerator(cpu=True), lambda: {"weight_version": next(versions)}, cfg, step, anchor=anchor)
 
 
 def oracle_update(model, reference, anchor_model, traj, cfg, step):
@@ -256,7 +258,7 @@ def oracle_update(model, reference, anchor_model, traj, cfg, step):
     tc = cfg.train
     transformer = model.transformer
     opt = torch.optim.SGD(transformer.parameters(), lr=LR)
-    generator = training_generator(cfg.seed, step, 0)
+    generator = draw_generator(cfg.seed, step, 0)
     x0_all = traj.latents[:, -1]
     scale = tc.advantage_max / tc.adv_clip_max
     for start in range(0, ROWS, tc.minibatch_size):
@@ -353,7 +355,7 @@ def test_positive_advantages_lower_the_matching_error_and_negative_ones_raise_it
 
     def error():
         tc = cfg.train
-        times, noise = draw_minibatch(traj.timesteps, ROWS, (1, 8, 8), tc, training_generator(0, 0, 0))
+        times, noise = draw_minibatch(traj.timesteps, ROWS, (1, 8, 8), tc, draw_generator(0, 0, 0))
         x0 = traj.latents[:, -1]
         cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask)
         with torch.no_grad():

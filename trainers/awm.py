@@ -1,5 +1,9 @@
 """Advantage Weighted Matching (AWM, arXiv 2509.25050): RL with the pretraining loss of a flow-matching model.
 
+    accelerate launch trainers/awm.py                     # the built-in toy task (toy-digits)
+    python trainers/awm.py --config configs/toy_numbers_awm.yaml
+    python trainers/awm.py model.finetune=lora train.learning_rate=1e-3
+
 AWM trains on the policy's own clean samples x0 with the loss the model was
 pretrained with, conditional flow matching, and weights each sample by its
 group advantage A: a sample better than its group's mean is fitted more
@@ -63,34 +67,39 @@ Deviations from that code, each on purpose:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 
 from engine import Trajectory
-from engine.loop import guided_velocity
-from flywheel.guards import check_finite, check_finite_weights
+from flywheel.cli import run_main
 from flywheel.loop import RolloutBatch
-from trainers.grpo import step_conditioning
+from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.rollouts import Rollouts
+from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
+                                      check_shared_sections, resolve_config)
+from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # Keeps (l + d)^p differentiable at l = 0 (the code's 1e-10).
 HUBER_DELTA = 1e-10
-# Mixed into the training seed so the training noise never equals a rollout's starting noise
-# (flywheel.loop.sample_seed hashes (seed, step, row) with the same SeedSequence).
-_TRAINING_DRAW_TAG = 0x41574D  # "AWM"
+# The stream of update_generator for AWM's flow times and noise: its draws never equal another
+# user's of the same (seed, step, rank), such as a rollout's starting noise.
+DRAW_STREAM = 0x41574D  # "AWM"
+# The EMA anchor's tensors in a checkpoint (beside the trained weights, see RecipeRun.save).
+ANCHOR_PREFIX = "ema_anchor/"
 
 
 # ---------------------------------------------------------------------------------------
-# Config: the algorithm's own keys (the optimizer and batching keys come from the shared base)
+# Config: the algorithm's own keys (the optimizer and batching keys come from OptimConfig)
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass
-class AWMConfig:
+class AWMConfig(OptimConfig):
     timesteps_per_sample: int = 6
     """flow times K drawn for each sample at each step, one per stratum (the paper's code: train_timesteps = 6)"""
     time_sampling: Literal["schedule", "uniform"] = "schedule"
@@ -113,8 +122,8 @@ class AWMConfig:
     """advantages, already clipped to ±adv_clip_max, are rescaled to ±advantage_max as the code does
     (A·advantage_max/adv_clip_max); null keeps them as they are"""
     kl_beta: float = 0.003
-    """weight of the velocity MSE to the reference (base) policy (0 = off; the code: GenEval 0.001, OCR 0.003,
-    PickScore 1e-4)"""
+    """weight of the velocity MSE to the reference (base) policy (0 = off, and no reference is built; the code:
+    GenEval 0.001, OCR 0.003, PickScore 1e-4)"""
     anchor_beta: float = 1.0
     """weight of the velocity MSE to an EMA of the trained weights, the code's "KL-EMA" (0 = off)"""
     anchor_decay: float = 0.3
@@ -124,6 +133,17 @@ class AWMConfig:
     cfg_in_train: bool = False
     """train the guided velocity v_u + g·(v_c - v_u) when rollouts used guidance (the code's train.cfg = False:
     the conditional velocity is the one pretraining fitted)"""
+
+
+@dataclass
+class Config(RunConfig):
+    run_dir: str = "runs/awm-toy"
+    """where config, metrics, samples and checkpoints go"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # AWM trains on clean samples, not on per-step log-probabilities: the deterministic sampler will do.
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
+    train: AWMConfig = field(default_factory=AWMConfig)
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,10 +223,9 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: to
 # ---------------------------------------------------------------------------------------
 
 
-def training_generator(seed: int, step: int, rank: int) -> torch.Generator:
+def draw_generator(seed: int, step: int, rank: int) -> torch.Generator:
     """The CPU generator of a step's flow times and noise: the same (seed, step, rank) draws the same numbers."""
-    state = np.random.SeedSequence([seed, step, rank, _TRAINING_DRAW_TAG]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state >> np.uint64(1)))
+    return update_generator(seed, step, rank, stream=DRAW_STREAM)
 
 
 def schedule_strata(num_steps: int, k: int, fraction: float, skip_first: bool) -> list[tuple[int, int]]:
@@ -222,7 +241,7 @@ def schedule_strata(num_steps: int, k: int, fraction: float, skip_first: bool) -
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def draw_times(timesteps: torch.Tensor, tc, generator: torch.Generator) -> torch.Tensor:
+def draw_times(timesteps: torch.Tensor, tc: AWMConfig, generator: torch.Generator) -> torch.Tensor:
     """K flow times [K] (fp32, CPU), one from each stratum, for one minibatch.
 
     "schedule": index lower + floor(u·(upper - lower)) of each stratum of the
@@ -242,7 +261,7 @@ def draw_times(timesteps: torch.Tensor, tc, generator: torch.Generator) -> torch
     raise ValueError(f"train.time_sampling={tc.time_sampling!r}: use schedule or uniform")
 
 
-def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, ...], tc,
+def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, ...], tc: AWMConfig,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(times [K], noise [K, rows, *latent]) of one minibatch, both on the CPU: times first, then the noise."""
     times = draw_times(timesteps, tc, generator)
@@ -258,17 +277,17 @@ def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, 
 class EMAAnchor:
     """An exponential moving average of the trained weights, the policy the anchor term pulls toward.
 
-    Its velocity is computed with the trained module itself: the EMA tensors are
-    swapped into the trained Parameters for one no-grad forward and swapped
-    back, so LoRA and full fine-tuning need no second copy of the model. (Not
-    for FSDP-sharded parameters.) Checkpoint `state_dict()` for an exact resume.
+    Its velocity is the trained module's with the EMA values swapped in for one
+    no-grad forward (`Policy.weights_swapped`), so neither LoRA nor full
+    fine-tuning keeps a second copy of the model. (Not for FSDP-sharded
+    parameters.) Its tensors are checkpointed for an exact resume.
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]):
         self.shadow = {name: p.detach().clone() for name, p in named_params}
 
     @staticmethod
-    def decay(steps_done: int, tc) -> float:
+    def decay(steps_done: int, tc: AWMConfig) -> float:
         """min(anchor_decay, anchor_decay_ramp·steps_done): 0 at first, so the anchor starts at the weights."""
         return min(tc.anchor_decay, tc.anchor_decay_ramp * steps_done)
 
@@ -278,29 +297,10 @@ class EMAAnchor:
         for name, p in named_params:
             self.shadow[name].mul_(decay).add_(p.detach(), alpha=1.0 - decay)
 
-    @contextlib.contextmanager
-    def swapped_in(self, named_params):
-        """Inside, the trained Parameters hold the EMA values; outside, their own again (bit for bit)."""
-        params = dict(named_params)
-        if params.keys() != self.shadow.keys():
-            raise ValueError("the EMA anchor was built for other parameters: "
-                             f"{sorted(set(params) ^ set(self.shadow))[:5]} differ")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.data, self.shadow[name] = self.shadow[name], p.data
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.data, self.shadow[name] = self.shadow[name], p.data
-
-    def velocity_fn(self, model, transformer, named_params):
-        """A `ref_velocity`-style callable (x, t, cond, uncond_cond, g) -> velocity under the EMA weights."""
-        def velocity(x, t, cond, uncond_cond, guidance_scale):
-            with torch.no_grad(), self.swapped_in(named_params):
-                return guided_velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale)
-        return velocity
+    def velocity(self, policy: Policy, x, t, cond, uncond_cond, guidance: float) -> torch.Tensor:
+        """The (guided) velocity of the EMA weights at x, t; the trained weights are back, bit for bit, after."""
+        with torch.no_grad(), policy.weights_swapped(self.shadow):
+            return policy.velocity(policy.transformer, x, t, cond, uncond_cond, guidance)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.shadow)
@@ -317,91 +317,132 @@ class EMAAnchor:
             self.shadow[name].copy_(value)
 
 
+def ema_anchor(policy: Policy, tc: AWMConfig, checkpointed: dict[str, torch.Tensor]) -> EMAAnchor | None:
+    """The run's EMA anchor (None when train.anchor_beta = 0): the trained weights at the start of a fresh run,
+    the checkpoint's EMA on resume (`checkpointed` is `RecipeRun.recipe_tensors`)."""
+    if tc.anchor_beta == 0:
+        return None
+    anchor = EMAAnchor(policy.named_params)
+    saved = {k[len(ANCHOR_PREFIX):]: v for k, v in checkpointed.items() if k.startswith(ANCHOR_PREFIX)}
+    if checkpointed and not saved:
+        raise ValueError("resume: the checkpoint holds no EMA anchor (its run had train.anchor_beta=0); resume "
+                         "with train.anchor_beta=0, or start a fresh run")
+    if saved:
+        anchor.load_state_dict(saved)
+    return anchor
+
+
 # ---------------------------------------------------------------------------------------
 # The update
 # ---------------------------------------------------------------------------------------
 
 
-def scaled_advantages(advantages: torch.Tensor, tc) -> torch.Tensor:
+def scaled_advantages(advantages: torch.Tensor, tc: AWMConfig) -> torch.Tensor:
     """The code's rescale A·advantage_max/adv_clip_max (advantages arrive clipped to ±adv_clip_max)."""
     if tc.advantage_max is None:
         return advantages
     return advantages * (tc.advantage_max / tc.adv_clip_max)
 
 
-def awm_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
-               named_params: list[tuple[str, torch.nn.Parameter]], cfg, step: int, anchor: EMAAnchor | None = None,
-               before_each_step=lambda: None) -> dict[str, float]:
+def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, sync, cfg, step: int,
+               anchor: EMAAnchor | None = None) -> dict[str, float]:
     """One AWM update over this rank's rollouts: minibatches x K flow times, optimizer step(s), `sync()` after each.
 
-    `cfg.seed` and `cfg.train` (this algorithm's keys plus the shared
-    minibatch_size, gradient_accumulation_steps, max_grad_norm and
-    adv_clip_max) are read. `ref_velocity(x, t, cond, uncond_cond, g)` is the
-    reference policy (None: no KL term, nothing measured). `anchor`, when
-    given, adds the EMA term with train.anchor_beta and is updated once at the
-    end. Stops with NonFiniteError before an optimizer step whose gradient
-    norm is not finite, and right after one that leaves a non-finite weight.
+    `transformer` is the trained module as prepared (DDP-wrapped on several
+    ranks); `policy` gives the model, the trained parameters and the reference
+    velocity (None: no KL term, nothing measured). `cfg.seed` and `cfg.train`
+    are read. `anchor`, when given, adds the EMA term with train.anchor_beta and
+    moves once, at the end.
     """
     tc = cfg.train
     traj: Trajectory = batch.trajectory
-    params = [p for _, p in named_params]
     x0_all = traj.latents[:, -1].float()
-    n = len(traj)
-    minibatches = [list(range(i, min(i + tc.minibatch_size, n))) for i in range(0, n, tc.minibatch_size)]
-    if len(minibatches) % tc.gradient_accumulation_steps:
-        raise ValueError(f"{len(minibatches)} minibatches per step on this rank is not a multiple of "
-                         f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps}: change one of them or "
-                         f"train.minibatch_size")
-    accumulation = tc.gradient_accumulation_steps
     k = tc.timesteps_per_sample
-    generator = training_generator(cfg.seed, step, accelerator.process_index)
-    anchor_velocity = anchor.velocity_fn(model, transformer, named_params) if anchor is not None else None
-    guidance = traj.guidance_scale
-    totals: dict[str, torch.Tensor] = {}
-    sync_metrics: dict[str, float] = {}
-    optimizer_steps = len(minibatches) // accumulation
-    for m, rows in enumerate(minibatches):
-        sub = traj.select(rows)
+    generator = draw_generator(cfg.seed, step, accelerator.process_index)
+    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, sync, tc, step)
+    for m, rows in enumerate(grads.minibatches(len(traj))):
         x0 = x0_all[rows]
         adv = scaled_advantages(batch.advantages[rows], tc)
-        usable = batch.usable[rows]
-        cond, uncond_cond = step_conditioning(sub, tc.cfg_in_train)
+        cond, uncond_cond = trajectory_conditioning(traj.select(rows), tc.cfg_in_train)
         times, noise = draw_minibatch(traj.timesteps, len(rows), tuple(x0.shape[1:]), tc, generator)
         for i in range(k):
-            t = times[i].to(x0.device)
-            eps = noise[i].to(x0.device)
+            # One t for the minibatch's rows (a scalar t keeps guided_velocity's batched CFG forward valid).
+            t, eps = times[i].to(x0.device), noise[i].to(x0.device)
             x_t = (1 - t) * x0 + t * eps
-            last_backward = (m + 1) % accumulation == 0 and i == k - 1
-            # Gradients are all-reduced once per optimizer step, not once per backward.
-            context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
-            before_each_step()
-            with context:
-                with torch.no_grad():
-                    v_ref = None if ref_velocity is None else ref_velocity(x_t, t, cond, uncond_cond, guidance)
-                    v_anchor = None if anchor_velocity is None else anchor_velocity(x_t, t, cond, uncond_cond,
-                                                                                    guidance)
-                v = guided_velocity(model, transformer, x_t, t, cond, uncond_cond, guidance)
-                loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=usable, weighting=tc.weighting,
-                                       ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
-                                       anchor_beta=tc.anchor_beta)
-                accelerator.backward(loss / (k * accumulation))
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value / (k * len(minibatches))
-            totals["t/mean"] = totals.get("t/mean", 0.0) + t.float() / (k * len(minibatches))
-        if (m + 1) % accumulation == 0:
-            grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
-            # Gradients are all-reduced: every rank sees the same norm and stops together.
-            check_finite(grad_norm, "the gradient norm", step + 1, "the AWM loss or the rollouts went NaN/inf")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            check_finite_weights(named_params, step + 1, "lower train.learning_rate or train.max_grad_norm")
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / optimizer_steps
-            sync_metrics = sync()
+            with torch.no_grad():
+                v_ref = (None if policy.ref_velocity is None
+                         else policy.ref_velocity(x_t, t, cond, uncond_cond, traj.guidance_scale))
+                v_anchor = (None if anchor is None
+                            else anchor.velocity(policy, x_t, t, cond, uncond_cond, traj.guidance_scale))
+            v = policy.velocity(transformer, x_t, t, cond, uncond_cond, traj.guidance_scale)
+            loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=batch.usable[rows], weighting=tc.weighting,
+                                   ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
+                                   anchor_beta=tc.anchor_beta)
+            grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+            grads.record({**stats, "t/mean": t.float()})
+        grads.maybe_step(m)
+    metrics = grads.metrics()
     if anchor is not None:
         decay = EMAAnchor.decay(step + 1, tc)
-        anchor.update(named_params, decay)
-        totals["anchor/decay"] = torch.tensor(decay)
-    metrics = {key: float(value) for key, value in totals.items()}
-    metrics.update({key: value for key, value in sync_metrics.items() if key != "weight_version"})
-    metrics["weight_version_after"] = sync_metrics["weight_version"]
+        anchor.update(policy.named_params, decay)
+        metrics["anchor/decay"] = decay
     return metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Config checks
+# ---------------------------------------------------------------------------------------
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
+    checks = check_shared_sections(cfg)
+    tc = cfg.train
+    checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")
+    checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    checks.require("train.uniform_t_min", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    checks.require("train.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
+    checks.require("train.ghuber_power", lambda v: v > 0, "must be > 0 (1 is the t weighting)")
+    checks.require("train.advantage_max", lambda v: v > 0, "must be > 0, or null to keep the advantages",
+                   allow_none=True)
+    for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
+        checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
+    checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    if tc.time_sampling == "schedule" and cfg.sampling.steps >= 1 and tc.timesteps_per_sample >= 1:
+        try:
+            schedule_strata(cfg.sampling.steps, tc.timesteps_per_sample, tc.timestep_fraction, tc.skip_first_step)
+        except ValueError as e:
+            checks.fail(f"{e} (sampling.steps={cfg.sampling.steps})")
+    if cfg.async_rollouts:
+        checks.fail("async_rollouts=true: AWM trains on-policy (its loss has no correction for rollouts made by "
+                    "older weights); set async_rollouts=false")
+    checks.raise_if_any()
+
+
+# ---------------------------------------------------------------------------------------
+# Main: setup, loop, save
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    validate_config(cfg)
+    run = RecipeRun(cfg, recipe="awm")
+    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
+    optimizer = make_optimizer(policy, cfg.train)
+    run.resume(policy, optimizer)
+    anchor = ema_anchor(policy, cfg.train, run.recipe_tensors)
+    transformer, optimizer = run.prepare(policy, optimizer)
+    rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
+
+    def update(batch: RolloutBatch, step: int) -> dict:
+        return awm_update(batch, policy, transformer, optimizer, run.accelerator, rollouts.sync, cfg, step, anchor)
+
+    def recipe_state() -> dict:
+        return {} if anchor is None else {ANCHOR_PREFIX + n: v for n, v in anchor.state_dict().items()}
+
+    return run.train(rollouts, update, recipe_state)
+
+
+if __name__ == "__main__":
+    run_main(main)
