@@ -322,14 +322,16 @@ def _base(config: Any) -> DictConfig:
 
 
 def _finish(root: DictConfig) -> Any:
-    missing = sorted(OmegaConf.missing_keys(root))
-    if missing:
-        raise ConfigError(f"missing required config keys: {', '.join(missing)} "
-                          "(set them in a --config YAML file or as key=value)")
+    """The config dataclass of a finished tree: every required key set, interpolations resolved."""
     try:
-        return OmegaConf.to_object(root)
-    except (ValueError, OmegaConfBaseException) as e:  # a __post_init__ check, or an interpolation
-        raise ConfigError(f"invalid config: {str(e).splitlines()[0]}") from e
+        missing = sorted(OmegaConf.missing_keys(root))
+        if not missing:
+            return OmegaConf.to_object(root)
+    except (ValueError, OmegaConfBaseException) as e:  # a __post_init__ check, or a bad ${interpolation}
+        where = f" at {e.full_key!r}" if getattr(e, "full_key", None) else ""
+        raise ConfigError(f"invalid config{where}: {str(e).splitlines()[0]}") from e
+    raise ConfigError(f"missing required config keys: {', '.join(missing)} "
+                      "(set them in a --config YAML file or as key=value)")
 
 
 def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
