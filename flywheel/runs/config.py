@@ -20,6 +20,10 @@ section, addressed with dotted keys:
     # python train.py --config configs/x.yaml optim.lr=3e-4 seed=1
 
 Precedence: dataclass defaults < YAML files (in the order given) < key=value.
+A recipe's Config may inherit shared fields from a base dataclass, and a
+section's default_factory may give that recipe's own defaults for the section.
+Values may use OmegaConf's interpolation, `run_dir=runs/seed${seed}` (a
+backslash before `${` keeps the text as written); `???` marks a key to be set.
 
 OmegaConf structured configs do the typing: `OmegaConf.structured` builds the
 defaults (inherited fields and default_factory sections included),
@@ -280,13 +284,14 @@ def _assign(root: DictConfig, cls: type, parts: list[str], value: Any, source: s
     if section is None:
         if not rest:
             return _update(root, key, value, tp, source, key)
-        dict_type = [a for a in typing.get_args(tp) if typing.get_origin(a) is dict] if _is_union(tp) else [tp]
-        if not (dict_type and typing.get_origin(dict_type[0]) is dict):
+        dict_tp = next((a for a in (typing.get_args(tp) if _is_union(tp) else [tp])
+                        if (typing.get_origin(a) or a) is dict), None)
+        if dict_tp is None:
             raise ConfigError(f"unknown config key {full_key!r} ({source}): {key!r} is a value of type "
                               f"{_type_name(tp)}, not a section, so it has no sub-keys")
         # weights.judge=0.5 sets one entry of a dict field, keeping the others (`\.`: a dot in the entry)
-        entry = "\\.".join(rest)
-        return _update(root, f"{key}.{entry}", value, typing.get_args(dict_type[0])[1], source, full_key)
+        entry_tp = (typing.get_args(dict_tp) or (Any, Any))[1]
+        return _update(root, f"{key}." + "\\.".join(rest), value, entry_tp, source, full_key)
     sec_cls, optional = section
     if not rest and ((optional and _is_none(value)) or isinstance(value, sec_cls)):
         return _update(root, key, value, tp, source, key)  # off (None), or a whole section given as an instance
@@ -314,11 +319,13 @@ def _assign(root: DictConfig, cls: type, parts: list[str], value: Any, source: s
 
 def _base(config: Any) -> DictConfig:
     """The OmegaConf tree of a config class's defaults, or of a config instance."""
-    _hints(config if isinstance(config, type) else type(config))
+    cls = config if isinstance(config, type) else type(config)
+    _hints(cls)  # our message for annotations that do not resolve, before OmegaConf's
     try:
         return OmegaConf.structured(config)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"config {config!r} cannot be typed by OmegaConf: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"config class {cls.__qualname__} cannot be typed by OmegaConf: "
+                          f"{str(e).splitlines()[0]}") from e
 
 
 def _finish(root: DictConfig) -> Any:
@@ -487,7 +494,7 @@ def config_help(cls: type, prog: str | None = None) -> str:
         f"usage: {prog} [--config FILE.yaml ...] [key=value ...] [section.key=value ...]",
         "",
         "Precedence: defaults < --config YAML files (in order) < key=value overrides.",
-        "Lists: a,b or [a, b]. Optional values: none. Booleans: true/false.",
+        "Lists: a,b or [a, b]. Optional values: none. Booleans: true/false. Another key's value: ${key}.",
         "",
     ]
     doc = inspect.getdoc(cls) or ""
