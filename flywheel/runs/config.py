@@ -473,7 +473,7 @@ def _help_lines(cls: type, node: DictConfig, prefix: str, lines: list[str]) -> N
         missing = OmegaConf.is_missing(node, name)
         value = None if missing else node[name]
         if section is not None and (missing or value is not None):
-            lines.append(f"  {prefix}{name}: section {type_str}")
+            lines.append(f"  {prefix}{name}: section {type_str}" + (" (required)" if missing else ""))
         elif missing:
             lines.append(f"  {prefix}{name}: {type_str} (required)")
         else:
