@@ -1,8 +1,14 @@
-"""flywheel.runs.config: defaults < YAML < CLI, coercion, errors that name the valid keys, help, round trip."""
+"""flywheel.runs.config: defaults < YAML < CLI, coercion, errors that name the valid keys, help, round trip.
+
+OmegaConf does the typing underneath; these tests pin the behaviour a user sees,
+including the cases where the wrapper fills a gap of OmegaConf 2.4.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -21,6 +27,9 @@ from flywheel.runs.config import (
     save_config,
 )
 
+# OmegaConf 2.4 deprecates (FutureWarning) the converting item assignment: the module must not rely on it.
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
+
 
 @dataclass
 class OptimConfig:
@@ -38,6 +47,8 @@ class SamplerConfig:
     """Sampler of the rollouts."""
     steps: int = 10
     """Denoising steps per rollout."""
+    order: Literal[1, 2] = 1
+    """Solver order."""
 
 
 @dataclass
@@ -60,6 +71,10 @@ class TrainConfig:
     """Image height and width."""
     prompts: list[str] = field(default_factory=lambda: ["a", "b"])
     """Training prompts."""
+    targets: list[str] | None = None
+    """Layers to adapt (none: the model's default)."""
+    window: tuple[int, int] | None = None
+    """[start, end) of the trained steps (none: all)."""
     out_dir: Path = Path("runs")
     """Where run directories go."""
     reward_weights: dict[str, float] = field(default_factory=lambda: {"digit": 1.0})
@@ -126,6 +141,17 @@ def test_yaml_dotted_top_level_keys(tmp_path):
     ("run_name=NULL", "run_name", None),
     ("optim.clip=none", "optim.clip", None),
     ("optim.clip=0.5", "optim.clip", 0.5),
+    ("seed=1000.0", "seed", 1000),
+    ("targets=[to_q,to_k]", "targets", ["to_q", "to_k"]),
+    ("targets=to_q", "targets", ["to_q"]),
+    ("targets=none", "targets", None),
+    ("window=[0,5]", "window", (0, 5)),
+    ("window=0,5", "window", (0, 5)),
+    ("window=[1e0, 5.0]", "window", (1, 5)),  # each item as its own type: int, from 1e0
+    ("window=null", "window", None),
+    ("sampler.order=2", "sampler.order", 2),
+    ("optim={lr: 2, clip: none}", "optim", OptimConfig(lr=2.0, clip=None)),
+    ("reward_weights.a.b=2", "reward_weights", {"digit": 1.0, "a.b": 2.0}),
     ("size=16,32", "size", (16, 32)),
     ("size=[16, 32]", "size", (16, 32)),
     ("size=(4,4)", "size", (4, 4)),
@@ -174,6 +200,10 @@ def test_optional_section_can_be_set_back_to_none():
     ("seed=1.5", "int"),
     ("optim.lr=fast", "float"),
     ("compile=maybe", "bool"),
+    ("compile=2", "bool"),  # OmegaConf alone reads any non-zero integer as true
+    ("window=[0,5,6]", "tuple[int, int] | None"),
+    ("sampler.order=3", "Literal"),
+    ("reward_weights.judge=high", "float"),  # the entry's type
     ("size=1,2,3", "tuple[int, int]"),
     ("size=a,b", "tuple[int, int]"),
     ("sampler.kind=euler", "Literal"),
@@ -336,3 +366,163 @@ def test_apply_overrides_returns_new_config():
 def test_non_dataclass_is_rejected():
     with pytest.raises(TypeError):
         parse_config(dict, [])
+
+
+# ---- what the OmegaConf layer adds or changes ----------------------------------------------
+
+
+def test_yaml_unquoted_yes_no_for_a_string_is_refused(tmp_path):
+    # YAML 1.1 reads `no` as false; stored as the string 'False' the run name would silently change.
+    path = write_yaml(tmp_path / "c.yaml", "run_name: no\n")
+    with pytest.raises(ConfigError, match=r"'run_name'.*c\.yaml.*quote"):
+        load_config(TrainConfig, path)
+    with pytest.raises(ConfigError, match="'prompts'"):
+        load_config(TrainConfig, write_yaml(tmp_path / "d.yaml", "prompts: [a, yes]\n"))
+    assert load_config(TrainConfig, write_yaml(tmp_path / "e.yaml", "run_name: 'no'\n")).run_name == "no"
+    # on the command line every scalar is text: the field type decides, so yes/no stay strings
+    assert parse_config(TrainConfig, ["run_name=no", "prompts=[yes, on]"]).prompts == ["yes", "on"]
+
+
+def test_interpolation_of_other_keys():
+    # OmegaConf's ${key} interpolation works in values; \${ keeps the text as written.
+    cfg = parse_config(TrainConfig, ["run_name=runs/s${seed}-${sampler.kind}", "seed=3"])
+    assert cfg.run_name == "runs/s3-sde"
+    assert parse_config(TrainConfig, [r"run_name=\${seed}"]).run_name == "${seed}"
+    with pytest.raises(ConfigError, match="'run_name'.*nope"):
+        parse_config(TrainConfig, ["run_name=${nope}"])
+
+
+@dataclass
+class RangeConfig:
+    lo: int = 0
+    """Lower bound."""
+    hi: int = 1
+    """Upper bound."""
+
+    def __post_init__(self):
+        if self.lo > self.hi:
+            raise ValueError(f"lo ({self.lo}) must be <= hi ({self.hi})")
+
+
+def test_post_init_check_becomes_a_config_error():
+    assert parse_config(RangeConfig, ["lo=1", "hi=2"]) == RangeConfig(1, 2)
+    with pytest.raises(ConfigError, match=r"lo \(3\) must be <= hi \(1\)"):
+        parse_config(RangeConfig, ["lo=3"])
+
+
+@dataclass
+class SectionWithoutDefault:
+    optim: OptimConfig
+    """Optimizer settings (no default: required, as for the dataclass itself)."""
+    ema: EmaConfig | None
+    """EMA (required too; none turns it off)."""
+
+
+def test_section_without_default_is_required_and_starts_from_its_class_defaults():
+    with pytest.raises(ConfigError, match="missing required config keys: ema, optim"):
+        parse_config(SectionWithoutDefault, [])
+    cfg = parse_config(SectionWithoutDefault, ["optim.lr=0.5", "ema=none"])
+    assert cfg.optim == OptimConfig(lr=0.5) and cfg.ema is None
+
+
+def test_apply_overrides_takes_a_section_instance():
+    new = apply_overrides(TrainConfig(), {"optim": OptimConfig(lr=0.3), "ema": EmaConfig(0.5)})
+    assert new.optim == OptimConfig(lr=0.3) and new.ema == EmaConfig(0.5)
+    assert apply_overrides(new, ["ema=none"]).ema is None
+    with pytest.raises(ConfigError, match="'optim'"):
+        apply_overrides(TrainConfig(), {"optim": EmaConfig()})
+
+
+# ---- recipes that share sections: inheritance and recipe-specific section defaults ---------
+
+SHARED = """
+from __future__ import annotations
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class SamplingConfig:
+    sampler: Literal["ode", "sde", "cps"] = "sde"
+    \"\"\"Rollout sampler.\"\"\"
+    steps: int = 10
+    \"\"\"Denoising steps.\"\"\"
+    sde_window: tuple[int, int] | None = None
+    \"\"\"[start, end) of the stochastic steps.\"\"\"
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/x"
+    \"\"\"Where the run goes.\"\"\"
+    seed: int = 0
+    \"\"\"Seed of everything.\"\"\"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    \"\"\"Rollout sampling.\"\"\"
+"""
+
+# Another module, as a recipe under trainers/ is: its annotations name SamplingConfig only
+# through the import, and RunConfig's name types (Literal) this module does not import.
+RECIPE = """
+from __future__ import annotations
+from dataclasses import dataclass, field
+from {shared} import RunConfig, SamplingConfig
+
+
+@dataclass
+class LossConfig:
+    beta: float = 0.1
+    \"\"\"KL weight.\"\"\"
+
+
+@dataclass
+class Config(RunConfig):
+    \"\"\"A recipe whose rollouts are deterministic by default.\"\"\"
+
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode", steps=4))
+    loss: LossConfig = field(default_factory=LossConfig)
+    \"\"\"The recipe's own section.\"\"\"
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path, monkeypatch, request):
+    shared = f"shared_{request.node.name}"  # a fresh module name per test: no stale import
+    (tmp_path / f"{shared}.py").write_text(SHARED)
+    (tmp_path / f"recipe_{request.node.name}.py").write_text(RECIPE.format(shared=shared))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(shared), importlib.import_module(f"recipe_{request.node.name}")
+
+
+def test_recipe_config_inherits_the_shared_fields_and_keeps_its_section_defaults(recipe, tmp_path):
+    shared, mod = recipe
+    cfg = parse_config(mod.Config, [])
+    assert cfg == mod.Config() and isinstance(cfg, shared.RunConfig)
+    assert (cfg.run_dir, cfg.seed, cfg.loss.beta) == ("runs/x", 0, 0.1)
+    assert (cfg.sampling.sampler, cfg.sampling.steps) == ("ode", 4)  # the recipe's, not the class's
+    assert parse_config(shared.RunConfig, []).sampling.sampler == "sde"
+    # Setting one key of the section keeps the recipe's other defaults (YAML and CLI alike).
+    path = write_yaml(tmp_path / "c.yaml", {"seed": 2, "sampling": {"sde_window": [0, 2]}})
+    cfg = parse_config(mod.Config, ["--config", str(path), "loss.beta=0.5"])
+    assert cfg.sampling == shared.SamplingConfig(sampler="ode", steps=4, sde_window=(0, 2))
+    assert (cfg.seed, cfg.loss.beta) == (2, 0.5)
+    assert load_config(mod.Config, save_config(cfg, tmp_path / "config.yaml")) == cfg
+
+
+def test_recipe_config_errors_and_help_cover_inherited_keys(recipe):
+    _, mod = recipe
+    with pytest.raises(ConfigError) as info:
+        parse_config(mod.Config, ["sed=1"])
+    msg = str(info.value)
+    assert "Did you mean 'seed'?" in msg and all(k in msg for k in ("run_dir", "seed", "sampling", "loss"))
+    with pytest.raises(ConfigError, match="Did you mean 'sampling.sampler'"):
+        parse_config(mod.Config, ["sampling.samplr=sde"])
+    with pytest.raises(ConfigError, match="'ode', 'sde', 'cps'"):
+        parse_config(mod.Config, ["sampling.sampler=euler"])
+    text = config_help(mod.Config, prog="recipe.py")
+    assert "A recipe whose rollouts are deterministic by default." in text
+    assert "seed: int = 0\n      Seed of everything." in text  # inherited field and docstring
+    assert "sampling: section SamplingConfig\n      Rollout sampling." in text  # the base's docstring
+    assert "sampling.sampler: Literal['ode', 'sde', 'cps'] = 'ode'" in text  # the recipe's default
+    assert "sampling.sde_window: tuple[int, int] | None = None" in text
+    assert "loss.beta: float = 0.1\n      KL weight." in text

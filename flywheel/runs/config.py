@@ -1,4 +1,4 @@
-"""Config dataclasses, YAML files and dotted `key=value` command-line overrides.
+"""Config dataclasses, YAML files and dotted `key=value` command-line overrides, on OmegaConf.
 
 A config is a dataclass whose every field has a one-line docstring on the line
 after it (cleanrl style); a field whose type is itself a dataclass is a
@@ -20,14 +20,25 @@ section, addressed with dotted keys:
     # python train.py --config configs/x.yaml optim.lr=3e-4 seed=1
 
 Precedence: dataclass defaults < YAML files (in the order given) < key=value.
-Values are coerced from the field's annotation; an unknown key or a value that
-does not fit is a `ConfigError` naming the dotted key and what is valid.
+A recipe's Config may inherit shared fields from a base dataclass, and a
+section's default_factory may give that recipe's own defaults for the section.
+Values may use OmegaConf's interpolation, `run_dir=runs/seed${seed}` (a
+backslash before `${` keeps the text as written); `???` marks a key to be set.
+
+OmegaConf structured configs do the typing: `OmegaConf.structured` builds the
+defaults (inherited fields and default_factory sections included),
+`OmegaConf.update` converts and checks each value against its annotation (int,
+float, bool, str, Path, Enum, Literal, X | None, tuple, list, dict, sections)
+and `OmegaConf.to_object` builds the dataclasses (running __post_init__). This
+module is the thin layer around it: it walks dotted keys so that an unknown one
+is named with the valid keys of its section and the closest one, fills the few
+gaps listed at `_prepare`, and turns OmegaConf's errors into `ConfigError`s
+that name the key, the value, the expected type and where the value came from.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import difflib
 import enum
@@ -39,29 +50,23 @@ import sys
 import textwrap
 import types
 import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePath
-from collections.abc import Callable
 from typing import Any, Literal, Union
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from flywheel.runs.rundir import atomic_write_text
 
 __all__ = [
-    "ConfigError",
-    "apply_overrides",
-    "config_help",
-    "config_to_dict",
-    "field_docstrings",
-    "load_config",
-    "parse_config",
-    "save_config",
+    "ConfigChecks", "ConfigError", "apply_overrides", "config_help", "config_to_dict", "config_value",
+    "field_docstrings", "load_config", "non_finite_fields", "parse_config", "save_config",
 ]
 
 _NoneType = type(None)
 _NONE_WORDS = {"none", "null", "~"}
-_TRUE_WORDS = {"true", "1", "yes", "y", "on"}
-_FALSE_WORDS = {"false", "0", "no", "n", "off"}
 _CLI = "command line"
 
 
@@ -74,7 +79,7 @@ class _BadValue(Exception):
 
 
 # ---------------------------------------------------------------------------
-# Introspection of config classes
+# Introspection of config classes: what the messages and --help need
 # ---------------------------------------------------------------------------
 
 
@@ -83,23 +88,20 @@ def _check_config_class(cls: Any) -> None:
         raise TypeError(f"expected a dataclass type as the config class, got {cls!r}")
 
 
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    """The fields a config sets: those that go through __init__."""
-    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+def _fields(cls: type) -> list[str]:
+    """The keys a config sets: the fields that go through __init__ (inherited ones first)."""
+    return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
-@functools.lru_cache(maxsize=None)  # resolved once per class, not once per key
+@functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
-    # get_type_hints resolves string annotations (from __future__ import annotations)
-    # in the class's module; a class whose annotations name locals of a function
-    # cannot be resolved, so say so instead of failing obscurely later.
+    # String annotations (from __future__ import annotations) resolve in the class's module;
+    # names local to a function do not, so say so instead of failing obscurely later.
     try:
         return typing.get_type_hints(cls)
     except Exception as e:  # NameError, TypeError from odd annotations
-        raise ConfigError(
-            f"cannot resolve the field types of config class {cls.__qualname__}: {e}. "
-            "Define config classes (and the types they name) at module level."
-        ) from e
+        raise ConfigError(f"cannot resolve the field types of config class {cls.__qualname__}: {e}. "
+                          "Define config classes (and the types they name) at module level.") from e
 
 
 def _is_union(tp: Any) -> bool:
@@ -108,26 +110,16 @@ def _is_union(tp: Any) -> bool:
 
 def _section_type(tp: Any) -> tuple[type, bool] | None:
     """(dataclass, optional) when a field of type `tp` is a section, else None."""
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return tp, False
-    if _is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not _NoneType]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2 and isinstance(args[0], type) \
-                and dataclasses.is_dataclass(args[0]):
-            return args[0], True
+    args = [a for a in typing.get_args(tp) if a is not _NoneType] if _is_union(tp) else [tp]
+    if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0], args[0] is not tp
     return None
 
 
-def _is_dict_type(tp: Any) -> bool:
-    return tp is dict or typing.get_origin(tp) is dict
-
-
 def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is _NoneType:
         return "None"
-    if tp is Any:
-        return "Any"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return "Literal[" + ", ".join(repr(a) for a in args) + "]"
     if _is_union(tp):
@@ -135,9 +127,7 @@ def _type_name(tp: Any) -> str:
     if origin is not None:
         name = getattr(origin, "__name__", str(origin))
         return f"{name}[" + ", ".join("..." if a is Ellipsis else _type_name(a) for a in args) + "]"
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -152,14 +142,11 @@ def field_docstrings(cls: type) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass):
             continue
         try:
-            source = textwrap.dedent(inspect.getsource(klass))
-            tree = ast.parse(source)
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError, SyntaxError):
             continue
         classdef = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-        if classdef is None:
-            continue
-        body = classdef.body
+        body = classdef.body if classdef else []
         for node, nxt in zip(body, body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                     and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
@@ -169,7 +156,7 @@ def field_docstrings(cls: type) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------
-# Value coercion
+# Values: what OmegaConf does not do by itself
 # ---------------------------------------------------------------------------
 
 
@@ -177,295 +164,184 @@ def _is_none(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)
 
 
-# Text from the command line is parsed with YAML's BaseLoader, which keeps every
-# scalar a string: `prompts=[yes, 1]` must stay ["yes", "1"] for a list[str], and
-# the field type (not YAML 1.1's guesses) decides what the items become.
+# Command-line text is never YAML-parsed as a whole: OmegaConf's dotlist reads each value
+# with a YAML 1.1 loader, which made `run_name=no` the string 'False' and `prompts=[yes]`
+# ['True'] (checked with omegaconf 2.4.0), and chokes on a plain string such as `*x`.
+# Only a field that wants a list or a mapping parses its text, with YAML's BaseLoader,
+# which keeps every scalar a string so the field type decides what the items become.
 
 
-def _as_mapping(value: Any) -> dict:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str):  # e.g. section={lr: 1e-3} on the command line
-        try:
-            parsed = yaml.load(value, Loader=yaml.BaseLoader)
-        except yaml.YAMLError as e:
-            raise _BadValue("not a YAML mapping") from e
-        if isinstance(parsed, dict):
-            return parsed
-    raise _BadValue("expected a mapping")
-
-
-def _as_sequence(value: Any) -> list:
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, str):
-        s = value.strip()
-        if not s:
-            return []
-        if (s[0], s[-1]) in (("[", "]"), ("(", ")")):  # YAML flow list: [1, 2]
-            try:
-                parsed = yaml.load("[" + s[1:-1] + "]", Loader=yaml.BaseLoader)
-            except yaml.YAMLError as e:
-                raise _BadValue("not a YAML list") from e
-            return list(parsed)
-        return [part.strip() for part in s.split(",")]  # plain: 1,2
-    raise _BadValue("expected a list")
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """Convert `value` (a command-line string or a YAML-typed value) to type `tp`.
-
-    Raises _BadValue (with a reason where a bare "expected <type>" is not enough).
-    """
-    if tp is Any or tp is object:
-        return value
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-
-    if _is_union(tp):
-        if _NoneType in args and _is_none(value):
-            return None
-        for arg in args:  # first alternative that fits, in the order written
-            if arg is _NoneType:
-                continue
-            try:
-                return _coerce(value, arg)
-            except _BadValue:
-                pass
-        raise _BadValue()
-    if tp is _NoneType:
-        if _is_none(value):
-            return None
-        raise _BadValue()
-    if origin is Literal:
-        for allowed in args:
-            try:
-                if _coerce(value, type(allowed)) == allowed:
-                    return allowed
-            except _BadValue:
-                pass
-        raise _BadValue("must be one of " + ", ".join(repr(a) for a in args))
-    if value is None:
-        raise _BadValue()
-
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str):
-            word = value.strip().lower()
-            if word in _TRUE_WORDS:
-                return True
-            if word in _FALSE_WORDS:
-                return False
-        raise _BadValue("use true/false, yes/no or 1/0")
-    if tp is int:
-        if isinstance(value, bool):  # bool is an int subclass; `lr: yes` is a mistake
-            raise _BadValue()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-            try:  # "1e3" for a step count
-                f = float(value.strip())
-            except ValueError:
-                raise _BadValue() from None
-            if f.is_integer():
-                return int(f)
-        raise _BadValue()
-    if tp is float:
-        if isinstance(value, bool):
-            raise _BadValue()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` as a string, so parse it here
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise _BadValue() from None
-        raise _BadValue()
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # `name: 2024` in YAML
-        raise _BadValue()
-    if isinstance(tp, type) and issubclass(tp, PurePath):
-        if isinstance(value, (str, PurePath)):
-            return tp(value)
-        raise _BadValue()
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, tp):
-            return value
-        for member in tp:
-            if value == member.value or (isinstance(value, str) and value == member.name):
-                return member
-        raise _BadValue("must be one of " + ", ".join(m.name for m in tp))
-
-    container = origin or tp
-    if container in (list, tuple, set, frozenset):
-        items = _as_sequence(value)
-        if container is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(items) != len(args):
-                raise _BadValue(f"expected {len(args)} items, got {len(items)}")
-            return tuple(_coerce(v, a) for v, a in zip(items, args))
-        elem = args[0] if args else Any
-        return container(_coerce(v, elem) for v in items)
-    if container is dict:
-        kt, vt = args if args else (Any, Any)
-        return {_coerce(k, kt): _coerce(v, vt) for k, v in _as_mapping(value).items()}
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise _BadValue(f"fields of type {_type_name(tp)} are not supported by flywheel.runs.config")
-
-
-def _coerce_for_key(value: Any, tp: Any, dotted: str, source: str) -> Any:
+def _yaml_text(text: str) -> Any:
     try:
-        return _coerce(value, tp)
-    except _BadValue as e:
-        reason = f" ({e})" if str(e) else ""
-        raise ConfigError(
-            f"bad value for {dotted!r} ({source}): expected {_type_name(tp)}, got {value!r}{reason}"
-        ) from None
+        return yaml.load(text, Loader=yaml.BaseLoader)
+    except yaml.YAMLError as e:
+        raise _BadValue(f"not valid YAML: {' '.join(str(e).split())}") from None
+
+
+def _as_sequence(text: str) -> list:
+    """`a,b`, `[a, b]` or `(a, b)` as a list of strings; the empty string is the empty list."""
+    s = text.strip()
+    if not s:
+        return []
+    if (s[0], s[-1]) in (("[", "]"), ("(", ")")):
+        return list(_yaml_text("[" + s[1:-1] + "]"))
+    return [part.strip() for part in s.split(",")]
+
+
+def _prepare(value: Any, tp: Any) -> Any:
+    """`value` in a form OmegaConf converts to `tp` as meant; OmegaConf checks the rest.
+
+    Each case is one that omegaconf 2.4.0 gets wrong or refuses (checked):
+    `none` for an optional value (it knows only null and ~, and keeps `none` a
+    string); comma lists such as `size=16,32` (a list or tuple field refuses any
+    string); `1e3` or `1000.0` for an int (IntegerNode refuses both); `2` for a
+    Literal[1, 2] (LiteralNode compares the text '2' with 2); `2` or `-1` for a
+    bool (BooleanNode takes any non-zero integer as true); and a YAML file's
+    unquoted yes/no, which YAML 1.1 reads as booleans and StringNode would keep
+    as 'True'/'False' without a word.
+    """
+    if _is_union(tp):
+        options = [a for a in typing.get_args(tp) if a is not _NoneType]
+        if len(options) < len(typing.get_args(tp)) and _is_none(value):
+            return None
+        return _prepare(value, options[0]) if len(options) == 1 else value
+    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if origin in (list, tuple):
+        items = _as_sequence(value) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            return value
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            # A wrong length is left for OmegaConf to name.
+            return [_prepare(v, a) for v, a in zip(items, args)] if len(items) == len(args) else list(items)
+        return [_prepare(v, args[0] if args else Any) for v in items]
+    if origin is dict:
+        mapping = _yaml_text(value) if isinstance(value, str) else value
+        if isinstance(mapping, Mapping) and args:
+            return {k: _prepare(v, args[1]) for k, v in mapping.items()}
+        return mapping
+    if origin is Literal and isinstance(value, str):
+        return next((choice for choice in args if str(choice) == value.strip()), value)
+    if tp is bool and str(value).strip().lstrip("+-").isdigit() and str(value).strip() not in ("0", "1"):
+        raise _BadValue("use true/false, yes/no, on/off or 1/0")
+    if tp is str and isinstance(value, bool):
+        raise _BadValue("YAML reads unquoted yes/no/on/off/true/false as booleans: quote the string")
+    if tp is int and isinstance(value, (str, float)):
+        return _integral(value)
+    return value
+
+
+def _integral(value: str | float) -> int | str | float:
+    """`12`, `1e3`, `1000.0` or 1000.0 as an int; anything else unchanged, for OmegaConf to refuse."""
+    if isinstance(value, str):
+        try:
+            return int(value)  # exact, where float() would round a long one
+        except ValueError:
+            pass
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if number.is_integer() else value
 
 
 # ---------------------------------------------------------------------------
-# The state: a nested dict of coerced values that becomes the dataclass at the end
+# Walking dotted keys into the OmegaConf tree
 # ---------------------------------------------------------------------------
-# Working on dicts (not instances) lets a config class have required fields:
-# they are simply absent until a YAML file or an override sets them.
-
-
-def _to_state(value: Any, tp: Any) -> Any:
-    if _section_type(tp) is not None and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _state_from_instance(value)
-    return copy.deepcopy(value)  # the new config must not share lists with the old one
-
-
-def _state_from_instance(obj: Any) -> dict:
-    hints = _hints(type(obj))
-    return {name: _to_state(getattr(obj, name), hints[name]) for name in _fields(type(obj))}
-
-
-def _default_state(cls: type) -> dict:
-    hints = _hints(cls)
-    state: dict[str, Any] = {}
-    for name, f in _fields(cls).items():
-        if f.default is not dataclasses.MISSING:
-            state[name] = _to_state(f.default, hints[name])
-        elif f.default_factory is not dataclasses.MISSING:
-            state[name] = _to_state(f.default_factory(), hints[name])
-        elif (sec := _section_type(hints[name])) is not None and not sec[1]:
-            state[name] = _default_state(sec[0])  # a section without default: its own defaults
-        # else: required, absent until set
-    return state
 
 
 def _unknown_key(cls: type, name: str, full_key: str, prefix: str, source: str) -> ConfigError:
-    valid = list(_fields(cls))
+    valid = _fields(cls)
     where = f"section {prefix[:-1]!r}" if prefix else "the top level"
     msg = (f"unknown config key {full_key!r} ({source}): {name!r} is not a key of {where}. "
            f"Valid keys there: {', '.join(prefix + v for v in valid) or '(none)'}.")
     close = difflib.get_close_matches(name, valid, n=1)
-    if close:
-        msg += f" Did you mean {prefix + close[0]!r}?"
-    return ConfigError(msg)
+    return ConfigError(msg + (f" Did you mean {prefix + close[0]!r}?" if close else ""))
 
 
-def _set(cls: type, state: dict, parts: list[str], value: Any, prefix: str, source: str,
-         full_key: str | None = None) -> None:
+def _update(root: DictConfig, path: str, value: Any, tp: Any, source: str, key: str) -> None:
+    """OmegaConf.update (OmegaConf 2.4 deprecates converting item assignment) with errors that name `key`."""
+    try:
+        OmegaConf.update(root, path, _prepare(value, tp), merge=False)
+    except (_BadValue, OmegaConfBaseException) as e:
+        reason = str(e).splitlines()[0] if str(e) else ""
+        # OmegaConf's bare "could not be converted" says no more than our message (and in a list
+        # it is a template left unfilled); its other reasons (choices, lengths) are kept.
+        if reason.startswith(("Value '", "Cannot assign")):
+            reason = ""
+        raise ConfigError(f"bad value for {key!r} ({source}): expected {_type_name(tp)}, got {value!r}"
+                          + (f" ({reason})" if reason else "")) from None
+
+
+def _assign(root: DictConfig, cls: type, parts: list[str], value: Any, source: str, prefix: str = "",
+            full_key: str | None = None) -> None:
     """Set the dotted key `parts` (relative to section `cls` at `prefix`) to `value`."""
     name, rest = parts[0], parts[1:]
-    dotted = prefix + name
-    full_key = full_key or prefix + ".".join(parts)
+    key, full_key = prefix + name, full_key or prefix + ".".join(parts)
     if name not in _fields(cls):
         raise _unknown_key(cls, name, full_key, prefix, source)
     tp = _hints(cls)[name]
-
-    sec = _section_type(tp)
-    if sec is not None:
-        sec_cls, optional = sec
-        if not rest and optional and _is_none(value):
-            state[name] = None
-            return
-        if not rest and isinstance(value, sec_cls):
-            state[name] = _state_from_instance(value)
-            return
-        sub = state.get(name)
-        if not isinstance(sub, dict):  # unset, or an optional section that was None
-            sub = _default_state(sec_cls)
-        if rest:
-            _set(sec_cls, sub, rest, value, dotted + ".", source, full_key)
-        else:  # a mapping merges into the section, key by key
-            try:
-                mapping = _as_mapping(value)
-            except _BadValue:
-                raise ConfigError(
-                    f"bad value for {dotted!r} ({source}): it is a section ({sec_cls.__name__}); "
-                    f"give a mapping or set its keys as {dotted}.<key>=value, "
-                    f"valid keys: {', '.join(_fields(sec_cls))}; got {value!r}"
-                ) from None
-            for k, v in mapping.items():
-                _set(sec_cls, sub, str(k).split("."), v, dotted + ".", source)
-        state[name] = sub
-        return
-
+    section = _section_type(tp)
+    if section is None:
+        if not rest:
+            return _update(root, key, value, tp, source, key)
+        dict_tp = next((a for a in (typing.get_args(tp) if _is_union(tp) else [tp])
+                        if (typing.get_origin(a) or a) is dict), None)
+        if dict_tp is None:
+            raise ConfigError(f"unknown config key {full_key!r} ({source}): {key!r} is a value of type "
+                              f"{_type_name(tp)}, not a section, so it has no sub-keys")
+        # weights.judge=0.5 sets one entry of a dict field, keeping the others (`\.`: a dot in the entry)
+        entry_tp = (typing.get_args(dict_tp) or (Any, Any))[1]
+        return _update(root, f"{key}." + "\\.".join(rest), value, entry_tp, source, full_key)
+    sec_cls, optional = section
+    if not rest and ((optional and _is_none(value)) or isinstance(value, sec_cls)):
+        return _update(root, key, value, tp, source, key)  # off (None), or a whole section given as an instance
     if rest:
-        if _is_dict_type(tp):  # weights.clip=0.5 sets one entry of a dict field
-            kt, vt = typing.get_args(tp) or (Any, Any)
-            entries = dict(state.get(name) or {})
-            entry_key = _coerce_for_key(".".join(rest), kt, full_key, source)
-            entries[entry_key] = _coerce_for_key(value, vt, full_key, source)
-            state[name] = entries
-            return
-        raise ConfigError(
-            f"unknown config key {full_key!r} ({source}): {dotted!r} is a value of type "
-            f"{_type_name(tp)}, not a section, so it has no sub-keys"
-        )
-    state[name] = _coerce_for_key(value, tp, dotted, source)
+        items = [(rest, value)]
+    else:  # a mapping merges into the section, key by key
+        mapping = value
+        if isinstance(value, str):
+            try:
+                mapping = _yaml_text(value)
+            except _BadValue:
+                pass
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"bad value for {key!r} ({source}): it is a section ({sec_cls.__name__}); give a "
+                              f"mapping or set its keys as {key}.<key>=value, valid keys: "
+                              f"{', '.join(_fields(sec_cls))}; got {value!r}")
+        items = [(str(k).split("."), v) for k, v in mapping.items()]
+    if OmegaConf.is_missing(root, key) or OmegaConf.select(root, key) is None:
+        # A section that is off (None) or required and unset: its keys start from its class defaults
+        # (OmegaConf refuses to set a key under None, and fails on one under a missing section).
+        _update(root, key, OmegaConf.structured(sec_cls), tp, source, key)
+    for sub_parts, sub_value in items:
+        _assign(root, sec_cls, sub_parts, sub_value, source, key + ".", full_key if rest else None)
 
 
-def _build(cls: type, state: dict, prefix: str, missing: list[str]) -> Any:
-    hints = _hints(cls)
-    kwargs = {}
-    n_missing = len(missing)
-    for name in _fields(cls):
-        if name not in state:
-            missing.append(prefix + name)
-            continue
-        value = state[name]
-        sec = _section_type(hints[name])
-        if sec is not None and isinstance(value, dict):
-            value = _build(sec[0], value, f"{prefix}{name}.", missing)
-        kwargs[name] = value
-    if len(missing) > n_missing:
-        return None
+def _base(config: Any) -> DictConfig:
+    """The OmegaConf tree of a config class's defaults, or of a config instance."""
+    cls = config if isinstance(config, type) else type(config)
+    _hints(cls)  # our message for annotations that do not resolve, before OmegaConf's
     try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except ValueError as e:  # a __post_init__ check of the config class
-        where = f"section {prefix[:-1]!r}" if prefix else cls.__name__
-        raise ConfigError(f"invalid config ({where}): {e}") from e
+        return OmegaConf.structured(config)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config class {cls.__qualname__} cannot be typed by OmegaConf: "
+                          f"{str(e).splitlines()[0]}") from e
 
 
-def _finish(cls: type, state: dict) -> Any:
-    missing: list[str] = []
-    cfg = _build(cls, state, "", missing)
-    if missing:
-        raise ConfigError(
-            f"missing required config keys: {', '.join(missing)} "
-            "(set them in a --config YAML file or as key=value)"
-        )
-    return cfg
+def _finish(root: DictConfig) -> Any:
+    """The config dataclass of a finished tree: every required key set, interpolations resolved."""
+    try:
+        missing = sorted(OmegaConf.missing_keys(root))
+        if not missing:
+            return OmegaConf.to_object(root)
+    except (ValueError, OmegaConfBaseException) as e:  # a __post_init__ check, or a bad ${interpolation}
+        where = f" at {e.full_key!r}" if getattr(e, "full_key", None) else ""
+        raise ConfigError(f"invalid config{where}: {str(e).splitlines()[0]}") from e
+    raise ConfigError(f"missing required config keys: {', '.join(missing)} "
+                      "(set them in a --config YAML file or as key=value)")
 
 
-def _apply_yaml(cls: type, state: dict, path: str | os.PathLike) -> None:
+def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -473,25 +349,18 @@ def _apply_yaml(cls: type, state: dict, path: str | os.PathLike) -> None:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-    if data is None:  # an empty file changes nothing
-        return
-    if not isinstance(data, dict):
+    if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-    for k, v in data.items():
-        # `optim.lr: 1e-3` at the top of a file works like the nested form.
-        _set(cls, state, str(k).split("."), v, "", f"in {path}")
+    for k, v in (data or {}).items():  # `optim.lr: 1e-3` at the top of a file works like the nested form
+        _assign(root, cls, str(k).split("."), v, f"in {path}")
 
 
 def _split_override(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
-    key = key.strip()
-    if key.startswith("--"):  # tolerate --optim.lr=1e-3
-        key = key[2:]
+    key = key.strip().removeprefix("--")  # tolerate --optim.lr=1e-3
     if not sep or not key or any(c.isspace() for c in key) or "" in key.split("."):
-        raise ConfigError(
-            f"cannot read command-line argument {item!r}: expected key=value or section.key=value "
-            "(e.g. optim.lr=3e-4), --config FILE.yaml, or --help"
-        )
+        raise ConfigError(f"cannot read command-line argument {item!r}: expected key=value or section.key=value "
+                          "(e.g. optim.lr=3e-4), --config FILE.yaml, or --help")
     return key, value
 
 
@@ -512,31 +381,25 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
     if "-h" in argv or "--help" in argv:
         print(config_help(cls, prog))
         sys.exit(0)
-
-    config_files: list[str] = []
-    overrides: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    config_files, overrides = [], []
+    args = iter(argv)
+    for arg in args:
         if arg == "--config":
-            if i + 1 >= len(argv):
+            path = next(args, None)
+            if path is None:
                 raise ConfigError("--config needs a YAML file path after it: --config FILE.yaml")
-            config_files.append(argv[i + 1])
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            config_files.append(arg[len("--config="):])
+            config_files.append(path)
+        elif arg.startswith("--config="):
+            config_files.append(arg.removeprefix("--config="))
         else:
             overrides.append(arg)
-        i += 1
-
-    state = _default_state(cls)
+    root = _base(cls)
     for path in config_files:
-        _apply_yaml(cls, state, path)
+        _apply_yaml(root, cls, path)
     for item in overrides:
         key, value = _split_override(item)
-        _set(cls, state, key.split("."), value, "", _CLI)
-    return _finish(cls, state)
+        _assign(root, cls, key.split("."), value, _CLI)
+    return _finish(root)
 
 
 def apply_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> Any:
@@ -547,16 +410,11 @@ def apply_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> Any:
     """
     if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
         raise TypeError(f"apply_overrides expects a config dataclass instance, got {type(cfg).__name__}")
-    cls = type(cfg)
-    state = _state_from_instance(cfg)
-    if isinstance(overrides, dict):
-        for key, value in overrides.items():
-            _set(cls, state, str(key).split("."), value, "", "overrides")
-    else:
-        for item in overrides:
-            key, value = _split_override(item)
-            _set(cls, state, key.split("."), value, "", "overrides")
-    return _finish(cls, state)
+    root = _base(cfg)
+    pairs = overrides.items() if isinstance(overrides, dict) else map(_split_override, overrides)
+    for key, value in pairs:
+        _assign(root, type(cfg), str(key).split("."), value, "overrides")
+    return _finish(root)
 
 
 def _plain(value: Any, key: str) -> Any:
@@ -593,9 +451,9 @@ def save_config(cfg: Any, path: str | os.PathLike) -> Path:
 def load_config(cls: type, path: str | os.PathLike) -> Any:
     """Read a YAML file (e.g. a run's config.yaml) on top of `cls`'s defaults."""
     _check_config_class(cls)
-    state = _default_state(cls)
-    _apply_yaml(cls, state, path)
-    return _finish(cls, state)
+    root = _base(cls)
+    _apply_yaml(root, cls, path)
+    return _finish(root)
 
 
 def _raw_annotation(cls: type, name: str) -> str | None:
@@ -607,25 +465,25 @@ def _raw_annotation(cls: type, name: str) -> str | None:
     return None
 
 
-def _help_lines(cls: type, state: dict, prefix: str, lines: list[str]) -> None:
-    hints = _hints(cls)
+def _help_lines(cls: type, node: DictConfig, prefix: str, lines: list[str]) -> None:
     docs = field_docstrings(cls)
     for name in _fields(cls):
-        tp = hints[name]
-        type_str = _raw_annotation(cls, name) or _type_name(tp)
-        sec = _section_type(tp)
-        value = state.get(name, dataclasses.MISSING)
-        if sec is not None and (isinstance(value, dict) or value is dataclasses.MISSING):
-            lines.append(f"  {prefix}{name}: section {type_str}")
+        tp = _hints(cls)[name]
+        type_str, section = _raw_annotation(cls, name) or _type_name(tp), _section_type(tp)
+        missing = OmegaConf.is_missing(node, name)
+        value = None if missing else node[name]
+        if section is not None and (missing or value is not None):
+            lines.append(f"  {prefix}{name}: section {type_str}" + (" (required)" if missing else ""))
+        elif missing:
+            lines.append(f"  {prefix}{name}: {type_str} (required)")
         else:
-            default = "(required)" if value is dataclasses.MISSING else \
-                f"= {str(value) if isinstance(value, PurePath) else repr(value)}"
-            lines.append(f"  {prefix}{name}: {type_str} {default}")
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            lines.append(f"  {prefix}{name}: {type_str} = {str(value) if isinstance(value, PurePath) else repr(value)}")
         if docs.get(name):
             lines.append(f"      {docs[name]}")
-        if sec is not None:
-            sub = value if isinstance(value, dict) else _default_state(sec[0])
-            _help_lines(sec[0], sub, f"{prefix}{name}.", lines)
+        if section is not None:  # the section's own defaults (the recipe's, from its default_factory)
+            sub = value if isinstance(value, DictConfig) else OmegaConf.structured(section[0])
+            _help_lines(section[0], sub, f"{prefix}{name}.", lines)
 
 
 def config_help(cls: type, prog: str | None = None) -> str:
@@ -636,14 +494,14 @@ def config_help(cls: type, prog: str | None = None) -> str:
         f"usage: {prog} [--config FILE.yaml ...] [key=value ...] [section.key=value ...]",
         "",
         "Precedence: defaults < --config YAML files (in order) < key=value overrides.",
-        "Lists: a,b or [a, b]. Optional values: none. Booleans: true/false.",
+        "Lists: a,b or [a, b]. Optional values: none. Booleans: true/false. Another key's value: ${key}.",
         "",
     ]
     doc = inspect.getdoc(cls) or ""
     if doc and not doc.startswith(cls.__name__ + "("):  # skip dataclass's generated signature
         lines += [doc.splitlines()[0], ""]
     lines.append(f"{cls.__name__} keys:")
-    _help_lines(cls, _default_state(cls), "", lines)
+    _help_lines(cls, _base(cls), "", lines)
     return "\n".join(lines) + "\n"
 
 
