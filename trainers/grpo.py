@@ -63,9 +63,13 @@ class Config(RunConfig):
     run_dir: str = "runs/grpo-toy"
     """where config, metrics, samples and checkpoints go"""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """the model card, its weights and what is trained"""
     data: DataConfig = field(default_factory=DataConfig)
+    """training and evaluation prompts, prompts per step and group size"""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """the rollout sampler (Flow-SDE by default) and the evaluation samples"""
     train: GRPOConfig = field(default_factory=GRPOConfig)
+    """the optimizer and the GRPO loss"""
 
 
 # ---------------------------------------------------------------------------------------
