@@ -14,7 +14,8 @@ from typing import Literal
 from engine import get_card
 from flywheel.prompts import load_prompts
 from flywheel.runs.checkpoint import resolve_resume
-from flywheel.runs.config import ConfigChecks, ConfigError, apply_overrides, config_value, load_config, parse_config
+from flywheel.runs.checks import ConfigChecks, config_value
+from flywheel.runs.config import ConfigError, apply_overrides, load_config, parse_config
 
 
 @dataclass
