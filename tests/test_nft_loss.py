@@ -19,10 +19,11 @@ from accelerate import Accelerator
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from flywheel.loop import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
+from flywheel.recipe.update import update_generator
 from rewards import RewardBatch, RewardSet
-from trainers.nft import (NFTConfig, eta_schedule, nft_loss, nft_update, optimality_from_advantages,
-                          optimality_probability, sampling_params, sampling_velocity, soft_update, update_draws,
-                          update_generator)
+from flywheel.recipe.policy import Policy
+from trainers.nft import (UPDATE_STREAM, NFTConfig, SamplingPolicy, eta_schedule, initial_sampling_weights, nft_loss,
+                          nft_update, optimality_from_advantages, optimality_probability, soft_update, update_draws)
 
 # ---- two samples of two elements, worked by hand -------------------------------------------
 # Sample A: x0 = [1, -1], noise = [0.5, 0.5], t = 1/2, v_theta = [0, 1], v_old = [-1, 1], r = 3/4.
@@ -157,12 +158,60 @@ def test_soft_update_golden_values_and_exact_copy_at_zero():
         soft_update([torch.zeros(2)], [torch.zeros(3)], 0.5)
 
 
+class RecordingRollouts:
+    """Stands in for Rollouts: records what each sync serves and bumps the version."""
+
+    def __init__(self, version: int):
+        self.version, self.served = version, []
+
+    def sync(self, weights):
+        self.served.append({n: w.clone() for n, w in weights.items()})
+        self.version += 1
+        return {"weight_version": self.version, "sync/total_s": 0.5}
+
+
+def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule_and_serves_the_result():
+    # named_params in another order than the sampling weights: pairing is by name, not position.
+    trained = [("b", torch.nn.Parameter(torch.tensor([3.0, 6.0]))), ("a", torch.nn.Parameter(torch.tensor([[0.0]])))]
+    weights = {"a": torch.tensor([[4.0]]), "b": torch.tensor([1.0, 2.0])}
+    rollouts = RecordingRollouts(version=4)
+    sampling = SamplingPolicy(weights, rollouts, model=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25,
+                                                                           eta_max=0.6))
+    # Step 0 is flat: eta = 0 copies theta.
+    metrics = sampling.follow(trained, step=0)
+    assert weights["a"].tolist() == [[0.0]] and weights["b"].tolist() == [3.0, 6.0]
+    assert metrics == {"sync/total_s": 0.5, "nft/eta": 0.0, "weight_version_after": 5}
+    with torch.no_grad():
+        trained[0][1].copy_(torch.tensor([5.0, 2.0]))
+        trained[1][1].fill_(8.0)
+    # Step 2: eta = (2 - 1)·0.25 = 0.25; b = 0.25·[3, 6] + 0.75·[5, 2] = [4.5, 3], a = 0.25·0 + 0.75·8 = 6.
+    metrics = sampling.follow(trained, step=2)
+    assert weights["b"].tolist() == [4.5, 3.0] and weights["a"].tolist() == [[6.0]]
+    assert metrics["nft/eta"] == 0.25 and metrics["weight_version_after"] == 6
+    assert rollouts.served[-1]["b"].tolist() == [4.5, 3.0]  # what the engine got is what was soft-updated
+    # Step 10: (10 - 1)·0.25 is over the ceiling 0.6; b = 0.6·[4.5, 3] + 0.4·[5, 2] = [4.7, 2.6].
+    metrics = sampling.follow(trained, step=10)
+    assert metrics["nft/eta"] == 0.6
+    torch.testing.assert_close(weights["b"], torch.tensor([4.7, 2.6]))
+    assert sampling.state_dict() is weights  # what a checkpoint keeps
+
+
+def test_initial_sampling_weights_are_the_trained_ones_or_the_checkpoints_with_the_same_names():
+    named = [("w", torch.nn.Parameter(torch.tensor([1.0, 2.0])))]
+    policy = Policy(model=None, named_params=named, ref_velocity=None, card_defaults={})
+    fresh = initial_sampling_weights(policy, {})
+    assert fresh["w"].tolist() == [1.0, 2.0] and fresh["w"].data_ptr() != named[0][1].data_ptr()
+    assert initial_sampling_weights(policy, {"w": torch.tensor([7.0, 8.0])})["w"].tolist() == [7.0, 8.0]
+    with pytest.raises(ValueError, match="name different tensors.*'lora_A'"):
+        initial_sampling_weights(policy, {"lora_A": torch.zeros(2)})
+
+
 # ---- the update on the toy model ------------------------------------------------------------
 
 
 @dataclass
 class TrainKeys(NFTConfig):
-    """NFTConfig plus the optimizer keys the shared base section will bring."""
+    """NFTConfig (with the shared optimizer keys) set for small hand-checkable updates."""
 
     minibatch_size: int = 2
     gradient_accumulation_steps: int = 2
@@ -229,6 +278,19 @@ def oracle_update(model, transformer, old, reference, traj, cfg, times, noise):
             opt.zero_grad()
 
 
+def frozen_velocity(model, transformer):
+    """old_velocity / ref_velocity for `nft_update`: a frozen module's conditional velocity."""
+    def velocity(x, t, cond):
+        with torch.no_grad():
+            return model.velocity(transformer, x, t, cond)
+    return velocity
+
+
+def counting_sync():
+    versions = iter(range(1, 100))
+    return lambda: {"weight_version": next(versions)}
+
+
 @pytest.fixture
 def toy():
     return load_model("toy-digits")
@@ -249,14 +311,12 @@ def test_nft_update_equals_sgd_on_the_hand_written_loss(toy, keep_flat_groups):
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     start = copy.deepcopy(model.transformer.state_dict())
     named = list(model.transformer.named_parameters())
-    versions = iter(range(1, 100))
-    metrics = nft_update(hand_batch(traj), model, model.transformer, sampling_velocity(model, old),
+    metrics = nft_update(hand_batch(traj), model, model.transformer, frozen_velocity(model, old),
                          torch.optim.SGD(model.transformer.parameters(), lr=LR), Accelerator(cpu=True),
-                         lambda: {"weight_version": next(versions)}, named, cfg, step=5,
-                         ref_velocity=sampling_velocity(model, reference))
+                         counting_sync(), named, cfg, step=5, ref_velocity=frozen_velocity(model, reference))
     after = copy.deepcopy(model.transformer.state_dict())
 
-    times, noise = update_draws(traj, cfg.train, update_generator(cfg.seed, 5))
+    times, noise = update_draws(traj, cfg.train, update_generator(cfg.seed, 5, stream=UPDATE_STREAM))
     grid = traj.timesteps[:-1].tolist()
     assert times.shape == (ROWS, 2) and all(float(t) in grid for t in times.flatten())
     assert all(times[i, 0] != times[i, 1] for i in range(ROWS))  # distinct times per sample
@@ -284,7 +344,7 @@ def test_nft_update_on_flywheel_rollouts_is_finite_moves_the_weights_and_is_dete
     model = toy
     batch = make_flywheel_batch(model)
     sampling = copy.deepcopy(model.transformer).requires_grad_(False)
-    old_velocity = sampling_velocity(model, sampling)
+    old_velocity = frozen_velocity(model, sampling)
     named = [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad]
     start = copy.deepcopy(model.transformer.state_dict())
     sampling_start = copy.deepcopy(sampling.state_dict())
@@ -293,13 +353,13 @@ def test_nft_update_on_flywheel_rollouts_is_finite_moves_the_weights_and_is_dete
     def run(step):
         model.transformer.load_state_dict(start)
         optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-4)
-        metrics = nft_update(batch, model, model.transformer, old_velocity, optimizer, Accelerator(cpu=True), None,
-                             named, cfg, step)
+        metrics = nft_update(batch, model, model.transformer, old_velocity, optimizer, Accelerator(cpu=True),
+                             counting_sync(), named, cfg, step)
         return metrics, copy.deepcopy(model.transformer.state_dict())
 
     metrics, first = run(step=3)
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
-    assert "weight_version_after" not in metrics  # sync=None: main syncs after the soft update
+    assert metrics["weight_version_after"] == 1  # one optimizer step, one sync
     # One optimizer step, after every forward: the trained and the sampling policy agree bit for bit throughout.
     assert metrics["nft/old_deviation"] == 0.0
     assert any(not torch.equal(first[n], start[n]) for n in start)
@@ -309,22 +369,17 @@ def test_nft_update_on_flywheel_rollouts_is_finite_moves_the_weights_and_is_dete
     _, other = run(step=4)  # another step draws other times and noise
     assert any(not torch.equal(first[n], other[n]) for n in first)
 
-    # The soft update by name: eta = 0 makes the sampling policy the trained one exactly.
-    model.transformer.load_state_dict(first)
-    soft_update(sampling_params(named, sampling), [p for _, p in named], 0.0)
-    assert all(torch.equal(sampling.state_dict()[n], first[n]) for n in first)
-
 
 def test_nft_update_refuses_guided_rollouts_missing_reference_and_too_many_times(toy):
     model = toy
     named = list(model.transformer.named_parameters())
-    old_velocity = sampling_velocity(model, copy.deepcopy(model.transformer))
+    old_velocity = frozen_velocity(model, copy.deepcopy(model.transformer))
     optimizer = torch.optim.SGD(model.transformer.parameters(), lr=0.0)
 
     def update(traj, **train):
         cfg = RecipeKeys(train=TrainKeys(**train))
         return nft_update(hand_batch(traj), model, model.transformer, old_velocity, optimizer,
-                          Accelerator(cpu=True), None, named, cfg, 0)
+                          Accelerator(cpu=True), counting_sync(), named, cfg, 0)
 
     with pytest.raises(ValueError, match="CFG-free.*guidance_scale=2.0"):
         update(toy_rollouts(model, steps=2, guidance=2.0))
@@ -337,5 +392,3 @@ def test_nft_update_refuses_guided_rollouts_missing_reference_and_too_many_times
     assert update_draws(traj, TrainKeys(), torch.Generator())[0].shape == (ROWS, 1)
     uniform = update_draws(traj, TrainKeys(time_sampling="uniform", timesteps_per_sample=5), torch.Generator())[0]
     assert uniform.shape == (ROWS, 5) and bool(((uniform > 0) & (uniform <= 1)).all())
-    with pytest.raises(ValueError, match="no tensor named"):
-        sampling_params([("not.a.weight", named[0][1])], model.transformer)

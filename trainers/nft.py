@@ -1,11 +1,18 @@
 """DiffusionNFT (arXiv 2509.16117, Zheng et al.): online negative-aware fine-tuning on the forward process.
 
+    accelerate launch trainers/nft.py                       # the built-in toy task (toy-digits)
+    python trainers/nft.py --config configs/toy_numbers_nft.yaml
+    python trainers/nft.py model.finetune=lora train.learning_rate=1e-3 train.kl_beta=1e-4
+
 Each step the sampling policy v_old (weights theta_old) generates G samples per
 prompt with any sampler (ODE by default: no per-step log-probs), the rewards
 become an optimality probability r in [0, 1] per sample, and the trained policy
 v_theta is fitted by flow matching on the clean samples x0, noised afresh:
 x_t = (1 - t)·x0 + t·eps, target u = eps - x0 (rectified flow, paper Sec. 2.1).
-Training is CFG-free: only the conditional velocity is used (Sec. 3.3).
+Training is CFG-free: only the conditional velocity is used (Sec. 3.3). After
+the update theta_old moves toward theta by the soft update, and the engine
+serves it: the weight version names the sampling policy, and evaluation samples
+the trained one.
 
 The paper, by equation (numbers of arXiv v2):
 
@@ -64,26 +71,33 @@ code unless it says otherwise):
    and its fp16 autocast with a GradScaler (this recipe trains in the model's dtype).
 8. Guidance. Rollouts made with classifier-free guidance (guidance_scale != 1)
    are refused: v_old must be the velocity of the policy that sampled x0.
+9. The eta schedule counts training steps (Algorithm 1's iterations i, one
+   rollout batch each), whatever the number of optimizer steps per batch.
 
-The update here is one step's gradient work; the soft update of the sampling
-policy (`soft_update`, `eta_schedule`) runs after it (Algorithm 1, line 14).
+TOY_DEFAULTS
 """
 
 from __future__ import annotations
 
-import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 
 from engine import PromptEmbeds, Trajectory
 from flywheel.advantages import group_advantages
+from flywheel.cli import run_main
 from flywheel.distributed import rank_and_world
-from flywheel.guards import check_finite, check_finite_weights
 from flywheel.loop import RolloutBatch
+from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.rollouts import Rollouts
+from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
+                                      check_shared_sections, resolve_config)
+from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # A velocity function of (x_t [B, ...], t [B], conditioning) -> v [B, ...], run without grad.
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, PromptEmbeds], torch.Tensor]
@@ -92,17 +106,16 @@ VelocityFn = Callable[[torch.Tensor, torch.Tensor, PromptEmbeds], torch.Tensor]
 ADAPTIVE_WEIGHT_FLOOR = 1e-5
 # The public code trains int(0.99·T) of a rollout's T times (its train.timestep_fraction).
 DEFAULT_TIME_FRACTION = 0.99
-# Keeps the update's random stream apart from the rollout seeds (flywheel.loop.sample_seed).
-_UPDATE_STREAM = 0x4E4654
-
+# Keeps the update's random stream apart from other users of the run's seed.
+UPDATE_STREAM = 0x4E4654
 
 # ---------------------------------------------------------------------------------------
-# Config: the algorithm's own keys of the `train` section
+# Config: the algorithm's own keys of the `train` section, and the recipe's config
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass
-class NFTConfig:
+class NFTConfig(OptimConfig):
     beta: float = 1.0
     """mixing coefficient of the implicit policies v± (Theorem 3.2); 1/beta is the guidance strength"""
     adv_clip_max: float = 5.0
@@ -112,9 +125,9 @@ class NFTConfig:
     keep_flat_groups: bool = True
     """train samples of groups whose rewards are all equal at r = 1/2 (public code); false leaves them out"""
     eta_flat_steps: int = 0
-    """soft update: eta = 0 (sampling policy := trained one) for this many optimizer steps"""
+    """soft update: eta = 0 (sampling policy := trained one) for this many training steps"""
     eta_rate: float = 0.001
-    """soft update: eta grows by this much per optimizer step after the flat ones (paper: 0.001)"""
+    """soft update: eta grows by this much per training step after the flat ones (paper: 0.001)"""
     eta_max: float = 0.5
     """soft update: eta's ceiling (paper: 0.5; 0.999 for OCR)"""
     time_sampling: Literal["rollout_grid", "uniform"] = "rollout_grid"
@@ -125,6 +138,18 @@ class NFTConfig:
     """"adaptive": ||x_hat - x0||^2 / sg(mean|x_hat - x0|) (Sec. 3.3); "uniform": ||v - u||^2 (w(t) = 1)"""
     kl_beta: float = 0.0
     """weight of mean ||v_theta - v_ref||^2 to the reference (base) model; 0 = KL-free as in the paper"""
+
+
+@dataclass
+class Config(RunConfig):
+    run_dir: str = "runs/nft-toy"
+    """where config, metrics, samples and checkpoints go"""
+    steps: int = 80
+    """training steps (rollout + update + soft update)"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
+    train: NFTConfig = field(default_factory=NFTConfig)
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,8 +241,8 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise
 
 
 def eta_schedule(step: int, flat_steps: int = 0, rate: float = 0.001, eta_max: float = 0.5) -> float:
-    """Soft-update factor after `step` optimizer steps: 0 for the first `flat_steps`, then
-    min((step - flat_steps)·rate, eta_max) (paper App. C: min(0.001·i, 0.5))."""
+    """Soft-update factor after training step `step` (0-based): 0 for the first `flat_steps`, then
+    min((step - flat_steps)·rate, eta_max) (paper App. C: min(0.001·i, 0.5), i the iteration)."""
     if step < 0 or flat_steps < 0:
         raise ValueError(f"eta_schedule needs step >= 0 and flat_steps >= 0, got step={step}, flat_steps={flat_steps}")
     if rate < 0 or not 0 <= eta_max <= 1:
@@ -248,38 +273,65 @@ def soft_update(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.T
             o.mul_(eta).add_(n.detach().to(o.dtype), alpha=1 - eta)
 
 
-def sampling_params(named_params: list[tuple[str, torch.nn.Parameter]],
-                    sampling_transformer: torch.nn.Module) -> list[torch.Tensor]:
-    """The sampling policy's tensors paired by name with the trained ones (for `soft_update`).
 
-    `sampling_transformer` is a copy of the trained transformer (with its LoRA
-    adapter, if any) made before training started.
+# ---------------------------------------------------------------------------------------
+# The sampling policy theta_old: what the engine serves
+# ---------------------------------------------------------------------------------------
+
+
+class SamplingPolicy:
+    """theta_old, the policy that rolls out: its weights, the engine's copy that serves them, and its soft update.
+
+    `weights` (name -> tensor, the trainable ones: all of the transformer or the
+    LoRA adapter) are what the soft update moves and what a checkpoint keeps; the
+    engine's own copy of the transformer holds the same values after every sync,
+    and gives v_old. The trained weights never leave the trainer's module.
     """
-    theirs = dict(sampling_transformer.named_parameters())
-    missing = [n for n, _ in named_params if n not in theirs]
-    if missing:
-        raise ValueError(f"the sampling policy has no tensor named {missing[0]!r} ({len(missing)} missing): it must "
-                         "be a copy of the trained transformer, with the same LoRA adapter if any")
-    return [theirs[n] for n, _ in named_params]
 
+    def __init__(self, weights: dict[str, torch.Tensor], rollouts: Rollouts, model, tc: NFTConfig):
+        self.weights, self.rollouts, self.model, self.tc = weights, rollouts, model, tc
 
-def sampling_velocity(model, sampling_transformer: torch.nn.Module) -> VelocityFn:
-    """old_velocity for `nft_update`: the sampling policy's conditional velocity, without grad."""
-    def old_velocity(x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.rollouts.engine.model.transformer
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+        """v_old: the conditional velocity of the served weights (no grad)."""
         with torch.no_grad():
-            return model.velocity(sampling_transformer, x, t, cond)
-    return old_velocity
+            return self.model.velocity(self.transformer, x, t, cond)
+
+    def serving_unchanged(self) -> dict:
+        """The sync an optimizer step triggers: none, since the engine serves theta_old, not theta."""
+        return {"weight_version": self.rollouts.version}
+
+    def follow(self, named_params: list[tuple[str, torch.nn.Parameter]], step: int) -> dict:
+        """After step `step`'s update: theta_old <- eta·theta_old + (1 - eta)·theta, then serve it (version + 1)."""
+        tc = self.tc
+        eta = eta_schedule(step, tc.eta_flat_steps, tc.eta_rate, tc.eta_max)
+        soft_update([self.weights[name] for name, _ in named_params], [p for _, p in named_params], eta)
+        synced = self.rollouts.sync(self.weights)
+        metrics = {key: value for key, value in synced.items() if key != "weight_version"}
+        return {**metrics, "nft/eta": eta, "weight_version_after": synced["weight_version"]}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.weights
+
+
+def initial_sampling_weights(policy: Policy, checkpointed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """theta_old at the start: the trained weights of a fresh run, the checkpoint's on resume (strict names)."""
+    if not checkpointed:
+        return policy.snapshot()
+    trained = {name for name, _ in policy.named_params}
+    if set(checkpointed) != trained:
+        odd = sorted(set(checkpointed) ^ trained)
+        raise ValueError(f"resume: the checkpoint's sampling policy and the trained weights name different tensors "
+                         f"({len(odd)} differ, e.g. {odd[0]!r}); was model.finetune or the LoRA changed?")
+    return {name: checkpointed[name].to(p.device, p.dtype).clone() for name, p in policy.named_params}
 
 
 # ---------------------------------------------------------------------------------------
 # The update
 # ---------------------------------------------------------------------------------------
-
-
-def update_generator(seed: int, step: int, rank: int = 0) -> torch.Generator:
-    """The generator of a step's flow times and noise: a function of (seed, step, rank) only."""
-    state = np.random.SeedSequence([seed, step, _UPDATE_STREAM, rank]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state >> np.uint64(1)))
 
 
 def times_per_sample(traj: Trajectory, cfg: NFTConfig) -> int:
@@ -326,22 +378,22 @@ def trained_samples(batch: RolloutBatch, keep_flat_groups: bool) -> torch.Tensor
     return batch.rewards.valid.to(batch.usable.device).bool()
 
 
+
 def nft_update(batch: RolloutBatch, model, transformer, old_velocity: VelocityFn, optimizer, accelerator,
-               sync: Callable[[], dict] | None, named_params: list[tuple[str, torch.nn.Parameter]], cfg, step: int,
+               sync: Callable[[], dict], named_params: list[tuple[str, torch.nn.Parameter]], cfg, step: int,
                ref_velocity: VelocityFn | None = None) -> dict[str, float]:
     """One DiffusionNFT update over this rank's rollouts: minibatches x K flow times, then optimizer step(s).
 
     `cfg.train` holds the NFTConfig keys and the optimizer's (minibatch_size,
     gradient_accumulation_steps, max_grad_norm); `cfg.seed` seeds the draws.
-    `old_velocity(x_t, t, cond)` is the sampling policy's velocity (see
-    `sampling_velocity`); `ref_velocity`, the same for the reference model, is
-    needed when train.kl_beta > 0 and logged ("kl") whenever given.
-    `sync()` runs after every optimizer step, as in GRPO; its "weight_version"
-    becomes "weight_version_after". Pass sync=None when the engine serves the
-    sampling policy: that moves only with the soft update after this call, which
-    is where main syncs it.
-    Stops with NonFiniteError before an optimizer step whose gradient norm is
-    not finite, and right after one that leaves a non-finite weight.
+    `old_velocity(x_t, t, cond)` is the sampling policy's velocity;
+    `ref_velocity`, the same for the reference model, is needed when
+    train.kl_beta > 0 and logged ("kl") whenever given. `sync()` runs after
+    every optimizer step and returns a dict with "weight_version" (main's does
+    nothing: the engine serves the sampling policy, which moves only with the
+    soft update after this call). Stops with NonFiniteError before an
+    optimizer step whose gradient norm is not finite, and right after one that
+    leaves a non-finite weight.
     """
     tc = cfg.train
     traj = batch.trajectory
@@ -351,61 +403,98 @@ def nft_update(batch: RolloutBatch, model, transformer, old_velocity: VelocityFn
                          "loss uses. Sample with sampling.guidance_scale=1")
     if tc.kl_beta > 0 and ref_velocity is None:
         raise ValueError(f"train.kl_beta={tc.kl_beta} needs ref_velocity (the reference model's velocity)")
-    params = [p for _, p in named_params]
     device = traj.latents.device
     rank, _ = rank_and_world()
-    times, noise = update_draws(traj, tc, update_generator(cfg.seed, step, rank))
+    times, noise = update_draws(traj, tc, update_generator(cfg.seed, step, rank, stream=UPDATE_STREAM))
     k = times.shape[1]
-    x0_all = traj.latents[:, -1]
+    # r from the flywheel's group advantages (normalised over every rank), not from the raw rewards here.
     r_all = optimality_from_advantages(batch.advantages, tc.adv_clip_max).to(device)
     included = trained_samples(batch, tc.keep_flat_groups).to(device)
 
-    n = len(traj)
-    minibatches = [list(range(i, min(i + tc.minibatch_size, n))) for i in range(0, n, tc.minibatch_size)]
-    accumulation = tc.gradient_accumulation_steps
-    if len(minibatches) % accumulation:
-        raise ValueError(f"{len(minibatches)} minibatches per step is not a multiple of "
-                         f"train.gradient_accumulation_steps={accumulation}: change it or train.minibatch_size")
-    backwards_per_update = k * accumulation
-    totals: dict[str, torch.Tensor] = {}
-    sync_metrics: dict = {}
-    for m, rows in enumerate(minibatches):
-        idx = torch.tensor(rows, device=device)
-        mask = None if traj.prompt_mask is None else traj.prompt_mask[idx]
-        cond = PromptEmbeds(traj.prompt_embeds[idx], traj.pooled_prompt_embeds[idx], mask)
-        x0, r = x0_all[idx], r_all[idx]
-        weight = included[idx].float() / included[idx].float().sum().clamp(min=1.0)
+    grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
+    for m, rows in enumerate(grads.minibatches(len(traj))):
+        sub = traj.select(rows)
+        cond, _ = trajectory_conditioning(sub, use_cfg=False)
+        x0, r = sub.latents[:, -1], r_all[rows]
+        weight = included[rows].float() / included[rows].float().sum().clamp(min=1.0)
         for j in range(k):
-            t = times[rows, j].to(device)
-            eps = noise[rows, j].to(device)
+            t, eps = times[rows, j].to(device), noise[rows, j].to(device)
             t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
             x_t = (1 - t_b) * x0 + t_b * eps
-            last_backward = (m + 1) % accumulation == 0 and j == k - 1
-            # Gradients are all-reduced once per optimizer step, not once per backward.
-            context = accelerator.no_sync(transformer) if not last_backward else contextlib.nullcontext()
-            with context:
-                v_old = old_velocity(x_t, t, cond)
-                v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
-                v_theta = model.velocity(transformer, x_t, t, cond)
-                loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
-                                       scale=tc.adv_clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
-                accelerator.backward(loss / backwards_per_update)
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value / (k * len(minibatches))
-        if (m + 1) % accumulation == 0:
-            grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
-            # Gradients are all-reduced: every rank sees the same norm and stops together.
-            check_finite(grad_norm, "the gradient norm", step + 1, "the loss or the rollouts went NaN/inf")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            check_finite_weights(named_params, step + 1, "lower train.learning_rate or train.max_grad_norm")
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm.detach() / (len(minibatches) // accumulation)
-            if sync is not None:
-                sync_metrics = sync()
-    metrics = {key: float(value) for key, value in totals.items()}
+            v_old = old_velocity(x_t, t, cond)
+            v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
+            v_theta = model.velocity(transformer, x_t, t, cond)
+            loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
+                                   scale=tc.adv_clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
+            grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=j == k - 1)
+            grads.record(stats)
+        grads.maybe_step(m)
+    metrics = grads.metrics()
     metrics["nft/r_mean"] = float((r_all * included).sum() / included.sum().clamp(min=1))
     metrics["nft/trained_samples"] = float(included.sum())
-    if sync is not None:
-        metrics.update({key: v for key, v in sync_metrics.items() if key != "weight_version"})
-        metrics["weight_version_after"] = sync_metrics["weight_version"]
     return metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Config checks
+# ---------------------------------------------------------------------------------------
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
+    checks = check_shared_sections(cfg)
+    checks.require("sampling.guidance_scale", lambda v: v == 1.0,
+                   "must be 1: DiffusionNFT trains the conditional velocity (CFG-free, paper Sec. 3.3), so v_old "
+                   "must be the velocity that sampled; eval guidance is sampling.eval_guidance_scale")
+    checks.require("train.beta", lambda v: v > 0, "must be > 0 (the implicit policies mix v_old and v_theta by it)")
+    checks.require("train.eta_flat_steps", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("train.eta_rate", lambda v: v >= 0, "must be >= 0 (eta's growth per training step)")
+    checks.require("train.eta_max", lambda v: 0 <= v <= 1, "must be in [0, 1] (0: on-policy, 1: never moves)")
+    checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = KL-free, as in the paper)")
+    grid = cfg.sampling.steps
+    if cfg.train.time_sampling == "rollout_grid":
+        checks.require("train.timesteps_per_sample", lambda v: 1 <= v <= grid,
+                       f"must be in [1, sampling.steps={grid}] (distinct times of the rollout's grid), or null",
+                       allow_none=True)
+    else:
+        checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1 or null",
+                       allow_none=True)
+    if cfg.async_rollouts:
+        checks.fail("async_rollouts=true: not supported by DiffusionNFT here (the engine serves the sampling "
+                    "policy theta_old, a soft-updated copy, from this process); set async_rollouts=false")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
+                    "FSDP shards; launch with DDP (or one process)")
+    checks.raise_if_any()
+
+
+# ---------------------------------------------------------------------------------------
+# Main: setup, loop, save
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    validate_config(cfg)
+    run = RecipeRun(cfg, recipe="nft")
+    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
+    optimizer = make_optimizer(policy, cfg.train)
+    run.resume(policy, optimizer)
+    transformer, optimizer = run.prepare(policy, optimizer)
+    sampling_weights = initial_sampling_weights(policy, run.recipe_tensors)
+    # The engine serves theta_old from its own copy of the transformer, made here with theta_old's values
+    # (those of a fresh run are the trained ones); evaluation samples the trained module.
+    with policy.weights_swapped(sampling_weights):
+        rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state, serve="copy")
+    sampling = SamplingPolicy(sampling_weights, rollouts, policy.model, cfg.train)
+
+    def update(batch: RolloutBatch, step: int) -> dict:
+        metrics = nft_update(batch, policy.model, transformer, sampling.velocity, optimizer, run.accelerator,
+                             sampling.serving_unchanged, policy.named_params, cfg, step, policy.ref_velocity)
+        return {**metrics, **sampling.follow(policy.named_params, step)}
+
+    return run.train(rollouts, update, recipe_state=sampling.state_dict)
+
+
+if __name__ == "__main__":
+    run_main(main)
