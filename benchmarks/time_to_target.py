@@ -1,0 +1,485 @@
+"""Wall time (and rollout samples) until each recipe's eval reward first reaches a target on toy-numbers.
+
+    python benchmarks/time_to_target.py --json out.json            # grpo, nft, awm; target 0.8
+    python benchmarks/time_to_target.py --quick                    # under 3 minutes (see QUICK below)
+    python benchmarks/time_to_target.py --recipes grpo,nft --out-dir runs/ttt    # keep the run dirs
+    python benchmarks/time_to_target.py --configs 'configs/toy_{recipe}.yaml' -- steps=40   # toy-digits
+
+What runs: each recipe as its own process (`python trainers/<recipe>.py --config
+configs/toy_numbers_<recipe>.yaml ...`), one after another so each has every
+core, with its own documented default config for this task (how each was tuned
+is written in that file), the same `seed`, an evaluation every `--eval-every`
+steps, no tracker, and sample grids and checkpoints only at the end (harness
+settings that cost every recipe the same). Overrides after `--` go to every
+recipe. Before anything runs, the configs are resolved and must agree on what
+makes the runs comparable (`COMPARABLE_KEYS`: card, prompts, prompts per step x
+group size, seed, evaluation prompts, seeds, steps and guidance); a
+disagreement is an error naming the keys.
+
+What is measured, from each run's metrics.jsonl (read with flywheel.runs.compare):
+
+- time to target: `time/wall_s` of the first evaluation whose
+  `eval/reward/mean` (ODE samples of the held-out prompts, at the eval
+  guidance, 1 in these configs) is >= `--target`. `time/wall_s` counts from
+  just before the base evaluation: rollouts, rewards, updates and the
+  evaluations themselves, not process start and model loading (the same for
+  every recipe). It is only known at evaluations, so it is resolved to
+  `--eval-every` steps. Steps and rollout samples to target (step x
+  prompts_per_step x group_size; evaluation samples are not counted) are
+  taken at the same row, and so are the judge (`number_svc` where logged,
+  else the run's first judge: an independent classifier never used as a
+  reward) and the training rollouts' diversity.
+- final and best eval reward, final judge, the run's wall time.
+- best recipe: the fastest to the target among those whose judge at target is
+  >= `--min-judge` (a recipe that games the reward classifier does not count);
+  best_speedup_over_grpo = GRPO's time to target / the best recipe's.
+
+JSON (flat, `--json PATH`): per recipe `<recipe>_time_to_target_s`,
+`_samples_to_target`, `_steps_to_target` (the string "inf" when the target was
+never reached: JSON has no infinity, and float("inf") reads it back),
+`_judge_at_target`, `_diversity_at_target`, `_reward_at_target` (null when
+never reached), `_final_reward`, `_final_judge`, `_best_reward`, `_wall_s`,
+`_judge_ok`; then `best_recipe` (null when no recipe counts),
+`best_speedup_over_grpo` (null without a GRPO run or a best recipe, "inf" when
+GRPO never reached the target), `best_judge_at_target`, `target`,
+`min_judge`, `quick`, `judge`, `samples_per_step`, `eval_every`. A PNG
+(`--plot`) shows eval reward and judge against wall time, one line per recipe,
+the target and the judge bar drawn, each recipe's crossing marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flywheel.runs.compare import (REWARD_KEY, FIGURE_DPI, Run, _import_pyplot, format_duration,  # noqa: E402
+                                   format_value, judge_key, load_runs, render_table, summarize)
+from flywheel.runs.rundir import atomic_write_bytes, atomic_write_text  # noqa: E402
+
+DEFAULT_RECIPES = ("grpo", "nft", "awm")
+BASELINE = "grpo"
+DEFAULT_CONFIGS = "configs/toy_numbers_{recipe}.yaml"
+PREFERRED_JUDGE = "number_svc"  # toy-numbers' SVC judge; other cards: the run's first judge
+NEVER = "inf"  # what the JSON holds for a time/steps/samples to a target never reached
+NEVER_RUN_STEP = 10**9  # sample_every / save_every: only at the end of the run
+
+# Settings that must be equal across recipes for their times to compare.
+COMPARABLE_KEYS = ("model.card", "data.prompts", "data.eval_prompts", "data.prompts_per_step", "data.group_size",
+                   "seed", "eval_every", "sampling.eval_guidance_scale", "sampling.eval_seeds",
+                   "sampling.eval_steps", "sampling.height", "sampling.width")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickMode:
+    """--quick: fewer steps, evaluation every few steps on one seed a prompt, a lower target."""
+
+    steps: int
+    eval_every: int
+    eval_seeds: int
+    target: float
+
+
+# Under 3 minutes for the three recipes on 2 cores (see the README for the measured time). The lower target
+# is one that GRPO's quick run can reach, so the speedup is a number rather than "inf".
+QUICK = QuickMode(steps=30, eval_every=3, eval_seeds=1, target=0.7)
+
+
+class BenchmarkError(ValueError):
+    """The benchmark cannot run as asked (missing recipe or config, configs that disagree, a failed run)."""
+
+
+# ---------------------------------------------------------------------------
+# Time to target, from a run's metric rows
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TargetResult:
+    """What one recipe's run says about reaching the target (None: not logged)."""
+
+    recipe: str
+    judge: str | None
+    reached: bool
+    steps_to_target: float  # inf when never reached (as the two below)
+    samples_to_target: float
+    time_to_target_s: float
+    reward_at_target: float | None
+    judge_at_target: float | None
+    diversity_at_target: float | None
+    final_reward: float | None
+    final_judge: float | None
+    best_reward: float | None
+    best_reward_step: int | None
+    wall_s: float | None
+    steps_done: int
+
+
+def pick_judge(run: Run) -> str | None:
+    """`PREFERRED_JUDGE` when the run logged it, else its first judge, else None."""
+    judges = run.judges()
+    if PREFERRED_JUDGE in judges:
+        return PREFERRED_JUDGE
+    return judges[0] if judges else None
+
+
+def value_at_step(run: Run, key: str | None, step: int) -> float | None:
+    """The finite value of `key` in the row of `step`; None when that row does not hold one."""
+    if key is None:
+        return None
+    return next((value for s, _, value in run.series(key) if s == step), None)
+
+
+def time_to_target(run: Run, target: float, samples_per_step: int, recipe: str | None = None) -> TargetResult:
+    """The first evaluation of `run` whose eval reward is >= `target`, and the run's final and best values.
+
+    Values "at target" are read from that evaluation's own row, not from a
+    later one. A run that never reaches the target gets inf for its steps,
+    samples and time, and None for the values at target.
+    """
+    judge = pick_judge(run)
+    summary = summarize(run, judge)
+    crossing = next(((step, wall, value) for step, wall, value in run.series(REWARD_KEY) if value >= target), None)
+    at_target: dict[str, Any] = {"reached": False, "steps_to_target": math.inf, "samples_to_target": math.inf,
+                                 "time_to_target_s": math.inf, "reward_at_target": None, "judge_at_target": None,
+                                 "diversity_at_target": None}
+    if crossing is not None:
+        step, wall, reward = crossing
+        at_target = {"reached": True, "steps_to_target": step, "samples_to_target": step * samples_per_step,
+                     "time_to_target_s": wall, "reward_at_target": reward,
+                     "judge_at_target": value_at_step(run, judge_key(judge) if judge else None, step),
+                     "diversity_at_target": value_at_step(run, run.diversity_key(), step)}
+    return TargetResult(recipe=recipe or run.recipe, judge=judge, **at_target,
+                        final_reward=summary.reward_final, final_judge=summary.judge_final,
+                        best_reward=summary.reward_best, best_reward_step=summary.reward_best_step,
+                        wall_s=summary.wall_s, steps_done=summary.steps_done)
+
+
+def judge_ok(result: TargetResult, min_judge: float) -> bool:
+    """Reached the target with the judge agreeing: judge at target >= min_judge (no judge logged: not ok)."""
+    return result.reached and result.judge_at_target is not None and result.judge_at_target >= min_judge
+
+
+def best_and_speedup(results: list[TargetResult], min_judge: float) -> tuple[str | None, float | None]:
+    """(the fastest recipe to the target whose judge is ok, GRPO's time over its time).
+
+    The first listed wins a tie. The speedup is None without a GRPO run or a
+    best recipe, inf when GRPO never reached the target (or the best recipe's
+    base evaluation was already at the target and GRPO's was not).
+    """
+    counted = [r for r in results if judge_ok(r, min_judge)]
+    if not counted:
+        return None, None
+    best = min(counted, key=lambda r: r.time_to_target_s)
+    baseline = next((r for r in results if r.recipe == BASELINE), None)
+    if baseline is None:
+        return best.recipe, None
+    if best.time_to_target_s == 0:
+        return best.recipe, 1.0 if baseline.time_to_target_s == 0 else math.inf
+    return best.recipe, baseline.time_to_target_s / best.time_to_target_s
+
+
+def _json_number(value: float | None) -> float | str | None:
+    """inf as the string "inf", NaN as null: strict JSON has neither."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, float) and math.isinf(value):
+        return NEVER
+    return value
+
+
+def results_json(results: list[TargetResult], target: float, min_judge: float, **extra: Any) -> dict[str, Any]:
+    """The flat JSON object (see the module docstring for its keys)."""
+    out: dict[str, Any] = {}
+    for r in results:
+        for name in ("time_to_target_s", "samples_to_target", "steps_to_target", "reward_at_target",
+                     "judge_at_target", "diversity_at_target", "final_reward", "final_judge", "best_reward",
+                     "wall_s"):
+            out[f"{r.recipe}_{name}"] = _json_number(getattr(r, name))
+        out[f"{r.recipe}_judge_ok"] = judge_ok(r, min_judge)
+    best, speedup = best_and_speedup(results, min_judge)
+    out["best_recipe"] = best
+    out["best_speedup_over_grpo"] = _json_number(speedup)
+    out["best_judge_at_target"] = next((r.judge_at_target for r in results if r.recipe == best), None)
+    out["target"] = target
+    out["min_judge"] = min_judge
+    out["judge"] = next((r.judge for r in results if r.judge), None)
+    out.update(extra)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Configs: which recipes exist, and that their configs agree
+# ---------------------------------------------------------------------------
+
+
+def recipe_missing(recipe: str, config_path: Path) -> str | None:
+    """Why `recipe` cannot run (no trainers/<recipe>.py with a main(), or no config file); None when it can."""
+    trainer = ROOT / "trainers" / f"{recipe}.py"
+    if not trainer.is_file():
+        return f"{trainer.relative_to(ROOT)} does not exist"
+    if not re.search(r"^def main\(", trainer.read_text(encoding="utf-8"), re.MULTILINE):
+        return f"{trainer.relative_to(ROOT)} has no main() yet"
+    if not config_path.is_file():
+        return f"{config_path} does not exist"
+    return None
+
+
+def config_path_for(pattern: str, recipe: str) -> Path:
+    path = Path(pattern.format(recipe=recipe))
+    return path if path.is_absolute() else ROOT / path
+
+
+def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
+    """The recipe's Config as its process will see it (defaults, the YAML file, then the overrides)."""
+    from flywheel.runs.config import ConfigError, parse_config
+
+    config_class = importlib.import_module(f"trainers.{recipe}").Config
+    try:
+        return parse_config(config_class, ["--config", str(config_path), *overrides])
+    except ConfigError as e:
+        raise BenchmarkError(f"{recipe} ({config_path}): {e}") from e
+
+
+def comparable_settings(cfg) -> dict[str, Any]:
+    """The values of `COMPARABLE_KEYS` in a resolved config (eval steps: `sampling.steps` when unset)."""
+    from flywheel.runs.checks import config_value
+
+    settings = {key: config_value(cfg, key) for key in COMPARABLE_KEYS}
+    if settings["sampling.eval_steps"] is None:
+        settings["sampling.eval_steps"] = cfg.sampling.steps
+    return settings
+
+
+def check_agreement(settings: dict[str, dict[str, Any]]) -> None:
+    """BenchmarkError naming every key on which the recipes' settings differ, with each recipe's value."""
+    keys = [k for k in COMPARABLE_KEYS if any(k in s for s in settings.values())]
+    lines = []
+    for key in keys:
+        values = {recipe: s.get(key) for recipe, s in settings.items()}
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
+            lines.append(f"  {key}: " + ", ".join(f"{recipe}={v!r}" for recipe, v in values.items()))
+    if lines:
+        raise BenchmarkError("the recipes' configs disagree on settings that must be equal for their times to "
+                             "compare:\n" + "\n".join(lines) + "\nmake the configs agree, or pass key=value after "
+                             "-- (it goes to every recipe)")
+
+
+# ---------------------------------------------------------------------------
+# Running the recipes
+# ---------------------------------------------------------------------------
+
+
+def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[str], log_path: Path) -> float:
+    """Run trainers/<recipe>.py to the end in its own process, output to `log_path`; returns its wall seconds."""
+    command = [sys.executable, str(ROOT / "trainers" / f"{recipe}.py"), "--config", str(config_path),
+               f"run_dir={run_dir}", *overrides]
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-15:])
+        raise BenchmarkError(f"{recipe} failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
+    return seconds
+
+
+def harness_overrides(seed: int, eval_every: int, quick: bool, overwrite: bool) -> list[str]:
+    """The overrides every recipe gets before the user's (so the user's win)."""
+    out = [f"seed={seed}", "tracker=none", f"eval_every={eval_every}", f"sample_every={NEVER_RUN_STEP}",
+           f"save_every={NEVER_RUN_STEP}"]
+    if quick:
+        out += [f"steps={QUICK.steps}", f"sampling.eval_seeds={QUICK.eval_seeds}"]
+    if overwrite:
+        out.append("overwrite=true")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Table and plot
+# ---------------------------------------------------------------------------
+
+
+TABLE_HEADER = ["recipe", "time to target", "steps", "samples", "judge @target", "diversity @target",
+                "final reward", "final judge", "best reward", "wall"]
+
+
+def _count(value: float) -> str:
+    return "never" if math.isinf(value) else f"{value:.0f}"
+
+
+def results_table(results: list[TargetResult]) -> str:
+    lines = [[r.recipe, format_duration(r.time_to_target_s) if r.reached else "never",
+              _count(r.steps_to_target), _count(r.samples_to_target), format_value(r.judge_at_target),
+              format_value(r.diversity_at_target), format_value(r.final_reward), format_value(r.final_judge),
+              format_value(r.best_reward), format_duration(r.wall_s)] for r in results]
+    return render_table(TABLE_HEADER, lines)
+
+
+def plot_time_to_target(runs: list[Run], results: list[TargetResult], target: float, min_judge: float,
+                        out: str | os.PathLike) -> Path:
+    """A PNG of eval reward (left) and judge (right) against wall time, one line a recipe, crossings marked."""
+    plt = _import_pyplot()
+    fig, (reward_ax, judge_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=FIGURE_DPI)
+    try:
+        for i, (run, result) in enumerate(zip(runs, results)):
+            color = f"C{i % 10}"
+            rewards = run.series(REWARD_KEY)
+            reward_ax.plot([p[1] for p in rewards], [p[2] for p in rewards], marker="o", markersize=3, color=color,
+                           label=result.recipe)
+            judged = run.series(judge_key(result.judge)) if result.judge else []
+            judge_ax.plot([p[1] for p in judged], [p[2] for p in judged], marker="o", markersize=3, color=color,
+                          label=f"{result.recipe} ({result.judge or 'no judge'})")
+            if result.reached:
+                reward_ax.axvline(result.time_to_target_s, color=color, linestyle=":", linewidth=1)
+                judge_ax.axvline(result.time_to_target_s, color=color, linestyle=":", linewidth=1)
+        reward_ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
+        judge_ax.axhline(min_judge, color="black", linestyle="--", linewidth=1, label=f"judge bar {min_judge:g}")
+        for ax, title in ((reward_ax, "eval reward"), (judge_ax, "eval judge")):
+            ax.set_title(f"{title} (dotted: each recipe reaches the target)", fontsize=10)
+            ax.set_xlabel("wall time (s)")
+            values = [v for line in ax.get_lines() for v in line.get_ydata()]
+            if all(0.0 <= v <= 1.0 for v in values):  # probabilities (the toy rewards, judges): one common scale
+                ax.set_ylim(0.0, 1.02)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
+    finally:
+        plt.close(fig)
+    return atomic_write_bytes(out, buffer.getvalue())
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", help=f"comma-separated recipes (default: those of {','.join(DEFAULT_RECIPES)} "
+                                          "that have a main() and a config)")
+    parser.add_argument("--target", type=float, help=f"eval reward to reach (default 0.8; --quick: {QUICK.target})")
+    parser.add_argument("--min-judge", type=float, default=0.8,
+                        help="judge at target a recipe needs to count as best (default 0.8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every recipe's run (default 0)")
+    parser.add_argument("--eval-every", type=int,
+                        help=f"evaluate every N steps, every recipe (default 5; --quick: {QUICK.eval_every})")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help=f"config file of each recipe, {{recipe}} replaced (default {DEFAULT_CONFIGS})")
+    parser.add_argument("--out-dir", type=Path,
+                        help="keep the run dirs and logs here (<out-dir>/<recipe>); default a temporary folder")
+    parser.add_argument("--overwrite", action="store_true", help="reuse run dirs under --out-dir that hold a run")
+    parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
+    parser.add_argument("--plot", type=Path,
+                        help="PNG of reward and judge vs wall time (default time_to_target.png beside --json, or in "
+                             "the current directory)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK.steps} steps, eval every {QUICK.eval_every} on {QUICK.eval_seeds} seed a "
+                             f"prompt, target {QUICK.target} (under 3 minutes)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every recipe (after --)")
+    args = parser.parse_args(argv)
+    if args.target is None:
+        args.target = QUICK.target if args.quick else 0.8
+    if args.eval_every is None:
+        args.eval_every = QUICK.eval_every if args.quick else 5
+    if args.eval_every < 1:
+        parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
+    if args.plot is None:
+        args.plot = (args.json.parent if args.json else Path.cwd()) / "time_to_target.png"
+    return args
+
+
+def choose_recipes(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(recipe, config path) to run: those asked for (each must exist), or the defaults that exist."""
+    asked = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
+    chosen = []
+    for recipe in asked or DEFAULT_RECIPES:
+        if not re.fullmatch(r"[a-z0-9_]+", recipe):
+            raise BenchmarkError(f"--recipes: {recipe!r} is not a recipe name (trainers/<name>.py)")
+        path = config_path_for(args.configs, recipe)
+        missing = recipe_missing(recipe, path)
+        if missing and asked:
+            raise BenchmarkError(f"--recipes {recipe}: {missing}")
+        if missing:
+            print(f"skipping {recipe}: {missing}")
+            continue
+        chosen.append((recipe, path))
+    if not chosen:
+        raise BenchmarkError(f"no recipe to run: none of {', '.join(DEFAULT_RECIPES)} has a trainer with a main() "
+                             f"and a config matching {args.configs}")
+    if len({r for r, _ in chosen}) != len(chosen):
+        raise BenchmarkError(f"--recipes {args.recipes}: a recipe is named twice")
+    return chosen
+
+
+def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    recipes = choose_recipes(args)
+    overrides = harness_overrides(args.seed, args.eval_every, args.quick, args.overwrite) + list(args.overrides)
+    configs = {recipe: resolve_recipe_config(recipe, path, overrides) for recipe, path in recipes}
+    settings = {recipe: comparable_settings(cfg) for recipe, cfg in configs.items()}
+    check_agreement(settings)
+    for recipe, _ in recipes:
+        run_dir = out_dir / recipe
+        if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
+            raise BenchmarkError(f"{run_dir} holds an earlier run: give another --out-dir, or --overwrite")
+    first = next(iter(settings.values()))
+    samples_per_step = first["data.prompts_per_step"] * first["data.group_size"]
+
+    process_s = {}
+    for recipe, path in recipes:
+        print(f"running {recipe} ({path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, "
+              f"{configs[recipe].steps} steps) ...", flush=True)
+        process_s[recipe] = run_recipe(recipe, path, out_dir / recipe, overrides, out_dir / f"{recipe}.log")
+    runs = load_runs([out_dir / recipe for recipe, _ in recipes])
+    results = [time_to_target(run, args.target, samples_per_step, recipe=recipe)
+               for run, (recipe, _) in zip(runs, recipes)]
+
+    print(results_table(results))
+    out = results_json(results, args.target, args.min_judge, quick=args.quick, samples_per_step=samples_per_step,
+                       eval_every=args.eval_every, card=first["model.card"],
+                       eval_guidance_scale=first["sampling.eval_guidance_scale"], seed=args.seed,
+                       **{f"{recipe}_process_s": s for recipe, s in process_s.items()})
+    speedup = out["best_speedup_over_grpo"]
+    print(f"target {args.target:g}: best {out['best_recipe'] or '-'} (judge at target >= {args.min_judge:g}), "
+          f"speedup over grpo {format_value(speedup, 2) if isinstance(speedup, float) else speedup or '-'}")
+    print(f"wrote {plot_time_to_target(runs, results, args.target, args.min_judge, args.plot)}")
+    if args.json:
+        print(f"wrote {atomic_write_text(args.json, json.dumps(out, indent=2) + chr(10))}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.out_dir is not None:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            run_benchmark(args, args.out_dir.resolve())
+        else:
+            with tempfile.TemporaryDirectory(prefix="time-to-target-") as tmp:
+                run_benchmark(args, Path(tmp))
+    except BenchmarkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

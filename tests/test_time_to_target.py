@@ -1,0 +1,225 @@
+"""benchmarks/time_to_target.py: time to target on hand-written metric rows, the speedup, the config check, a run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flywheel.runs.compare import Run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "time_to_target.py"
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("time_to_target", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+ttt = _load_benchmark()
+
+
+def write_run(path: Path, rows: list[dict], recipe: str = "grpo") -> Run:
+    """A run directory with these metric rows (and run.json), read back as compare.py reads it."""
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({"recipe": recipe, "card": "toy-numbers"}))
+    (path / "config.yaml").write_text("steps: 20\n")
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Run.load(path)
+
+
+SVC = "eval/judge/number_svc/mean"
+
+
+def eval_row(step, wall, reward, judge, **more):
+    return {"step": step, "time/wall_s": wall, "eval/reward/mean": reward, SVC: judge, **more}
+
+
+# Evaluations every 5 steps, training rows between them. The reward crosses 0.8 at step 10, dips below at 15,
+# ends at 0.9; the judge and diversity at step 10 differ from their final (and neighbouring) values.
+CROSSING_ROWS = [
+    eval_row(0, 0.0, 0.50, 0.40),
+    {"step": 1, "time/wall_s": 1.5, "diversity": 0.30},
+    eval_row(5, 7.0, 0.70, 0.55, diversity=0.25),
+    {"step": 9, "time/wall_s": 13.0, "diversity": 0.21},
+    eval_row(10, 14.5, 0.82, 0.86, diversity=0.20),
+    {"step": 11, "time/wall_s": 16.0, "diversity": 0.19},
+    eval_row(15, 21.0, 0.79, 0.60, diversity=0.15),
+    eval_row(20, 28.0, 0.90, 0.70, diversity=0.10),
+]
+
+
+def test_first_crossing_with_the_values_of_its_own_row(tmp_path):
+    run = write_run(tmp_path / "run", CROSSING_ROWS)
+    r = ttt.time_to_target(run, target=0.8, samples_per_step=8 * 16)
+    assert r.reached and r.judge == "number_svc"
+    assert r.steps_to_target == 10
+    assert r.samples_to_target == 10 * 128  # step x prompts_per_step x group_size
+    assert r.time_to_target_s == 14.5  # the wall time of the step-10 row, not of the step-9 or 11 rows
+    assert r.reward_at_target == 0.82
+    assert r.judge_at_target == 0.86  # at the crossing, not the final 0.70
+    assert r.diversity_at_target == 0.20
+    assert (r.final_reward, r.final_judge, r.best_reward, r.best_reward_step) == (0.90, 0.70, 0.90, 20)
+    assert r.wall_s == 28.0 and r.steps_done == 20
+
+
+def test_a_reward_equal_to_the_target_reaches_it(tmp_path):
+    run = write_run(tmp_path / "run", CROSSING_ROWS)
+    r = ttt.time_to_target(run, target=0.7, samples_per_step=4)
+    assert (r.steps_to_target, r.time_to_target_s, r.judge_at_target) == (5, 7.0, 0.55)
+
+
+def test_a_base_already_at_the_target_takes_no_time(tmp_path):
+    run = write_run(tmp_path / "run", CROSSING_ROWS)
+    r = ttt.time_to_target(run, target=0.5, samples_per_step=4)
+    assert (r.steps_to_target, r.samples_to_target, r.time_to_target_s) == (0, 0, 0.0)
+    assert r.diversity_at_target is None  # the base evaluation has no training rollouts
+
+
+def test_never_reached_is_inf_with_the_best_reward(tmp_path):
+    run = write_run(tmp_path / "run", CROSSING_ROWS)
+    r = ttt.time_to_target(run, target=0.95, samples_per_step=128)
+    assert not r.reached
+    assert math.isinf(r.time_to_target_s) and math.isinf(r.samples_to_target) and math.isinf(r.steps_to_target)
+    assert r.judge_at_target is None and r.diversity_at_target is None and r.reward_at_target is None
+    assert r.best_reward == 0.90 and r.final_reward == 0.90
+    out = ttt.results_json([r], target=0.95, min_judge=0.8)
+    assert out["grpo_time_to_target_s"] == "inf" and out["grpo_samples_to_target"] == "inf"
+    assert out["grpo_steps_to_target"] == "inf" and out["grpo_judge_at_target"] is None
+    assert out["grpo_best_reward"] == 0.90
+    assert float(out["grpo_time_to_target_s"]) == math.inf  # how a reader gets the number back
+    json.loads(json.dumps(out, allow_nan=False))  # strict JSON
+
+
+def test_judge_choice_prefers_number_svc_else_the_first_logged(tmp_path):
+    both = write_run(tmp_path / "both", [{"step": 0, "eval/reward/mean": 0.5, "eval/judge/typicality/mean": 0.1,
+                                          SVC: 0.3}])
+    assert ttt.pick_judge(both) == "number_svc"
+    digits = write_run(tmp_path / "digits", [{"step": 0, "eval/reward/mean": 0.5,
+                                              "eval/judge/digit_svc/mean": 0.3,
+                                              "eval/judge/digit_typicality/mean": 0.1}])
+    assert ttt.pick_judge(digits) == "digit_svc"
+    r = ttt.time_to_target(digits, target=0.5, samples_per_step=4)
+    assert r.judge_at_target == 0.3
+
+
+def result(recipe, time_s, judge=0.9):
+    reached = math.isfinite(time_s)
+    return ttt.TargetResult(recipe=recipe, judge="number_svc", reached=reached,
+                            steps_to_target=10 if reached else math.inf,
+                            samples_to_target=1280 if reached else math.inf, time_to_target_s=time_s,
+                            reward_at_target=0.8 if reached else None, judge_at_target=judge if reached else None,
+                            diversity_at_target=None, final_reward=0.9, final_judge=0.9, best_reward=0.9,
+                            best_reward_step=20, wall_s=200.0, steps_done=20)
+
+
+def test_speedup_is_grpo_time_over_the_fastest_counted_recipe():
+    results = [result("grpo", 120.0), result("nft", 20.0), result("awm", 30.0)]
+    assert ttt.best_and_speedup(results, min_judge=0.8) == ("nft", 6.0)
+    out = ttt.results_json(results, target=0.8, min_judge=0.8)
+    assert out["best_recipe"] == "nft" and out["best_speedup_over_grpo"] == 6.0
+    assert out["best_judge_at_target"] == 0.9 and out["nft_judge_ok"] is True
+
+
+def test_a_recipe_whose_judge_disagrees_does_not_count():
+    results = [result("grpo", 120.0), result("nft", 20.0, judge=0.79), result("awm", 30.0)]
+    assert ttt.best_and_speedup(results, min_judge=0.8) == ("awm", 4.0)
+    assert ttt.results_json(results, target=0.8, min_judge=0.8)["nft_judge_ok"] is False
+
+
+def test_speedup_edge_cases():
+    assert ttt.best_and_speedup([result("grpo", math.inf), result("nft", 20.0)], 0.8) == ("nft", math.inf)
+    assert ttt.best_and_speedup([result("grpo", 50.0)], 0.8) == ("grpo", 1.0)  # GRPO alone is its own best
+    assert ttt.best_and_speedup([result("nft", 20.0), result("awm", 10.0)], 0.8) == ("awm", None)  # no GRPO run
+    assert ttt.best_and_speedup([result("grpo", math.inf), result("nft", math.inf)], 0.8) == (None, None)
+    assert ttt.best_and_speedup([result("grpo", 9.0), result("nft", 0.0)], 0.8) == ("nft", math.inf)
+    out = ttt.results_json([result("grpo", math.inf), result("nft", 20.0)], 0.8, 0.8)
+    assert out["best_speedup_over_grpo"] == "inf"
+
+
+SETTINGS = {"model.card": "toy-numbers", "data.prompts": "toy-numbers", "data.eval_prompts": "toy-numbers-heldout",
+            "data.prompts_per_step": 8, "data.group_size": 16, "seed": 0, "eval_every": 5,
+            "sampling.eval_guidance_scale": 1.0, "sampling.eval_seeds": 4, "sampling.eval_steps": 10,
+            "sampling.height": None, "sampling.width": None}
+
+
+def test_configs_that_agree_pass():
+    ttt.check_agreement({"grpo": dict(SETTINGS), "nft": dict(SETTINGS), "awm": dict(SETTINGS)})
+
+
+def test_configs_that_disagree_name_every_key_and_value():
+    nft = {**SETTINGS, "data.group_size": 8, "sampling.eval_seeds": 2}
+    with pytest.raises(ttt.BenchmarkError) as e:
+        ttt.check_agreement({"grpo": dict(SETTINGS), "nft": nft})
+    message = str(e.value)
+    assert "data.group_size: grpo=16, nft=8" in message
+    assert "sampling.eval_seeds: grpo=4, nft=2" in message
+    assert "prompts_per_step" not in message  # keys that agree are not listed
+
+
+def test_comparable_settings_of_a_real_config():
+    cfg = ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml",
+                                    ["seed=3", "eval_every=7", "sampling.steps=6", "data.group_size=4"])
+    settings = ttt.comparable_settings(cfg)
+    assert set(settings) == set(ttt.COMPARABLE_KEYS)
+    assert settings["seed"] == 3 and settings["eval_every"] == 7 and settings["data.group_size"] == 4
+    assert settings["sampling.eval_steps"] == 6  # unset: the evaluation uses sampling.steps
+    with pytest.raises(ttt.BenchmarkError, match="grpo.*no_such_key"):
+        ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml", ["no_such_key=1"])
+
+
+def test_an_asked_recipe_that_does_not_exist_is_an_error():
+    args = ttt.parse_args(["--recipes", "grpo,nosuch", "--configs", "configs/toy_{recipe}.yaml"])
+    with pytest.raises(ttt.BenchmarkError, match="nosuch.*trainers/nosuch.py does not exist"):
+        ttt.choose_recipes(args)
+    args = ttt.parse_args(["--recipes", "grpo", "--configs", "configs/missing_{recipe}.yaml"])
+    with pytest.raises(ttt.BenchmarkError, match="missing_grpo.yaml does not exist"):
+        ttt.choose_recipes(args)
+
+
+def test_the_plot_is_written(tmp_path):
+    grpo = write_run(tmp_path / "grpo", CROSSING_ROWS)
+    nft = write_run(tmp_path / "nft", CROSSING_ROWS[:3], recipe="nft")
+    results = [ttt.time_to_target(run, 0.8, 128) for run in (grpo, nft)]
+    out = ttt.plot_time_to_target([grpo, nft], results, 0.8, 0.8, tmp_path / "plot.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_end_to_end_on_tiny_grpo_runs(tmp_path):
+    """The script itself: a two-step GRPO run on toy-digits, the JSON's keys, the PNG, the kept run dir."""
+    out_json = tmp_path / "out.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml",
+         "--out-dir", str(tmp_path / "runs"), "--json", str(out_json), "--eval-every", "1", "--target", "0.0",
+         "--", "steps=2", "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2",
+         "sampling.eval_seeds=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(out_json.read_text())
+    for name in ("time_to_target_s", "samples_to_target", "steps_to_target", "judge_at_target",
+                 "diversity_at_target", "final_reward", "final_judge", "best_reward", "wall_s"):
+        assert f"grpo_{name}" in out
+    for key in ("best_recipe", "best_speedup_over_grpo", "target", "quick"):
+        assert key in out
+    # Target 0 is reached by the base evaluation: step 0, no samples, no time.
+    assert (out["grpo_steps_to_target"], out["grpo_samples_to_target"], out["grpo_time_to_target_s"]) == (0, 0, 0.0)
+    assert out["samples_per_step"] == 4 and out["quick"] is False and out["card"] == "toy-digits"
+    assert (tmp_path / "time_to_target.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("eval/reward/mean" in r for r in rows)
+    assert out["grpo_final_reward"] == rows[-1]["eval/reward/mean"]
+    # A second run into the same folder is refused before anything runs.
+    again = subprocess.run([sys.executable, str(SCRIPT), "--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml",
+                            "--out-dir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr
