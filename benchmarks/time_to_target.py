@@ -245,12 +245,18 @@ def config_path_for(pattern: str, recipe: str) -> Path:
 
 
 def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
-    """The recipe's Config as its process will see it (defaults, the YAML file, then the overrides)."""
+    """The recipe's Config as its process will see it (defaults, the YAML file, then the overrides), checked.
+
+    The recipe's own `validate_config` runs here too, so a bad config fails
+    before any recipe has spent minutes running.
+    """
     from flywheel.runs.config import ConfigError, parse_config
 
-    config_class = importlib.import_module(f"trainers.{recipe}").Config
+    module = importlib.import_module(f"trainers.{recipe}")
     try:
-        return parse_config(config_class, ["--config", str(config_path), *overrides])
+        cfg = parse_config(module.Config, ["--config", str(config_path), *overrides])
+        getattr(module, "validate_config", lambda cfg: None)(cfg)
+        return cfg
     except ConfigError as e:
         raise BenchmarkError(f"{recipe} ({config_path}): {e}") from e
 

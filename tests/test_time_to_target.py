@@ -175,6 +175,8 @@ def test_comparable_settings_of_a_real_config():
     assert settings["sampling.eval_steps"] == 6  # unset: the evaluation uses sampling.steps
     with pytest.raises(ttt.BenchmarkError, match="grpo.*no_such_key"):
         ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml", ["no_such_key=1"])
+    with pytest.raises(ttt.BenchmarkError, match="(?s)grpo.*sampling.sampler=ode"):  # the recipe's own checks
+        ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml", ["sampling.sampler=ode"])
 
 
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
