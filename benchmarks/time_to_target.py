@@ -34,15 +34,18 @@ What is measured, from each run's metrics.jsonl (read with flywheel.runs.compare
   >= `--min-judge` (a recipe that games the reward classifier does not count);
   best_speedup_over_grpo = GRPO's time to target / the best recipe's.
 
-JSON (flat, `--json PATH`): per recipe `<recipe>_time_to_target_s`,
-`_samples_to_target`, `_steps_to_target` (the string "inf" when the target was
-never reached: JSON has no infinity, and float("inf") reads it back),
-`_judge_at_target`, `_diversity_at_target`, `_reward_at_target` (null when
-never reached), `_final_reward`, `_final_judge`, `_best_reward`, `_wall_s`,
-`_judge_ok`; then `best_recipe` (null when no recipe counts),
-`best_speedup_over_grpo` (null without a GRPO run or a best recipe, "inf" when
-GRPO never reached the target), `best_judge_at_target`, `target`,
-`min_judge`, `quick`, `judge`, `samples_per_step`, `eval_every`. A PNG
+JSON (flat, `--json PATH`), per recipe: `<recipe>_time_to_target_s`,
+`_train_time_to_target_s` (the same without the evaluations: the sum of
+time/step_s up to that step), `_samples_to_target`, `_steps_to_target` (each
+the string "inf" when the target was never reached: JSON has no infinity, and
+float("inf") reads it back), `_reward_at_target`, `_judge_at_target`,
+`_diversity_at_target` (null when never reached), `_final_reward`,
+`_final_judge`, `_best_reward`, `_wall_s`, `_judge_ok`, `_process_s` (the whole
+process, start and model loading included); then `best_recipe` (null when no
+recipe counts), `best_speedup_over_grpo` (null without a GRPO run or a best
+recipe, "inf" when GRPO never reached the target), `best_judge_at_target`,
+`target`, `min_judge`, `judge`, `quick`, `samples_per_step`, `eval_every`,
+`card`, `eval_guidance_scale`, `seed`. A PNG
 (`--plot`) shows eval reward and judge against wall time, one line per recipe,
 the target and the judge bar drawn, each recipe's crossing marked.
 """
@@ -67,7 +70,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.runs.compare import (REWARD_KEY, FIGURE_DPI, Run, _import_pyplot, format_duration,  # noqa: E402
+from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, _import_pyplot, format_duration,  # noqa: E402
                                    format_value, judge_key, load_runs, render_table, summarize)
 from flywheel.runs.rundir import atomic_write_bytes, atomic_write_text  # noqa: E402
 
@@ -118,6 +121,7 @@ class TargetResult:
     steps_to_target: float  # inf when never reached (as the two below)
     samples_to_target: float
     time_to_target_s: float
+    train_time_to_target_s: float  # the same without the evaluations: the sum of time/step_s up to the crossing
     reward_at_target: float | None
     judge_at_target: float | None
     diversity_at_target: float | None
@@ -144,6 +148,11 @@ def value_at_step(run: Run, key: str | None, step: int) -> float | None:
     return next((value for s, _, value in run.series(key) if s == step), None)
 
 
+def step_seconds_until(run: Run, step: int) -> float:
+    """Sum of `time/step_s` (rollout, reward, update; evaluation not included) of the steps 1..`step`."""
+    return sum(value for s, _, value in run.series(STEP_TIME_KEY) if s <= step)
+
+
 def time_to_target(run: Run, target: float, samples_per_step: int, recipe: str | None = None) -> TargetResult:
     """The first evaluation of `run` whose eval reward is >= `target`, and the run's final and best values.
 
@@ -155,12 +164,14 @@ def time_to_target(run: Run, target: float, samples_per_step: int, recipe: str |
     summary = summarize(run, judge)
     crossing = next(((step, wall, value) for step, wall, value in run.series(REWARD_KEY) if value >= target), None)
     at_target: dict[str, Any] = {"reached": False, "steps_to_target": math.inf, "samples_to_target": math.inf,
-                                 "time_to_target_s": math.inf, "reward_at_target": None, "judge_at_target": None,
+                                 "time_to_target_s": math.inf, "train_time_to_target_s": math.inf,
+                                 "reward_at_target": None, "judge_at_target": None,
                                  "diversity_at_target": None}
     if crossing is not None:
         step, wall, reward = crossing
         at_target = {"reached": True, "steps_to_target": step, "samples_to_target": step * samples_per_step,
-                     "time_to_target_s": wall, "reward_at_target": reward,
+                     "time_to_target_s": wall, "train_time_to_target_s": step_seconds_until(run, step),
+                     "reward_at_target": reward,
                      "judge_at_target": value_at_step(run, judge_key(judge) if judge else None, step),
                      "diversity_at_target": value_at_step(run, run.diversity_key(), step)}
     return TargetResult(recipe=recipe or run.recipe, judge=judge, **at_target,
@@ -206,7 +217,7 @@ def results_json(results: list[TargetResult], target: float, min_judge: float, *
     """The flat JSON object (see the module docstring for its keys)."""
     out: dict[str, Any] = {}
     for r in results:
-        for name in ("time_to_target_s", "samples_to_target", "steps_to_target", "reward_at_target",
+        for name in ("time_to_target_s", "train_time_to_target_s", "samples_to_target", "steps_to_target", "reward_at_target",
                      "judge_at_target", "diversity_at_target", "final_reward", "final_judge", "best_reward",
                      "wall_s"):
             out[f"{r.recipe}_{name}"] = _json_number(getattr(r, name))
@@ -322,7 +333,7 @@ def harness_overrides(seed: int, eval_every: int, quick: bool, overwrite: bool) 
 # ---------------------------------------------------------------------------
 
 
-TABLE_HEADER = ["recipe", "time to target", "steps", "samples", "judge @target", "diversity @target",
+TABLE_HEADER = ["recipe", "time to target", "without evals", "steps", "samples", "judge @target", "diversity @target",
                 "final reward", "final judge", "best reward", "wall"]
 
 
@@ -332,6 +343,7 @@ def _count(value: float) -> str:
 
 def results_table(results: list[TargetResult]) -> str:
     lines = [[r.recipe, format_duration(r.time_to_target_s) if r.reached else "never",
+              format_duration(r.train_time_to_target_s) if r.reached else "never",
               _count(r.steps_to_target), _count(r.samples_to_target), format_value(r.judge_at_target),
               format_value(r.diversity_at_target), format_value(r.final_reward), format_value(r.final_judge),
               format_value(r.best_reward), format_duration(r.wall_s)] for r in results]

@@ -46,13 +46,14 @@ def eval_row(step, wall, reward, judge, **more):
 
 # Evaluations every 5 steps, training rows between them. The reward crosses 0.8 at step 10, dips below at 15,
 # ends at 0.9; the judge and diversity at step 10 differ from their final (and neighbouring) values.
+# time/step_s leaves the evaluation out (the base evaluation has none).
 CROSSING_ROWS = [
     eval_row(0, 0.0, 0.50, 0.40),
-    {"step": 1, "time/wall_s": 1.5, "diversity": 0.30},
-    eval_row(5, 7.0, 0.70, 0.55, diversity=0.25),
-    {"step": 9, "time/wall_s": 13.0, "diversity": 0.21},
-    eval_row(10, 14.5, 0.82, 0.86, diversity=0.20),
-    {"step": 11, "time/wall_s": 16.0, "diversity": 0.19},
+    {"step": 1, "time/wall_s": 1.5, "time/step_s": 1.0, "diversity": 0.30},
+    eval_row(5, 7.0, 0.70, 0.55, diversity=0.25, **{"time/step_s": 2.0}),
+    {"step": 9, "time/wall_s": 13.0, "time/step_s": 4.0, "diversity": 0.21},
+    eval_row(10, 14.5, 0.82, 0.86, diversity=0.20, **{"time/step_s": 0.5}),
+    {"step": 11, "time/wall_s": 16.0, "time/step_s": 8.0, "diversity": 0.19},
     eval_row(15, 21.0, 0.79, 0.60, diversity=0.15),
     eval_row(20, 28.0, 0.90, 0.70, diversity=0.10),
 ]
@@ -65,6 +66,7 @@ def test_first_crossing_with_the_values_of_its_own_row(tmp_path):
     assert r.steps_to_target == 10
     assert r.samples_to_target == 10 * 128  # step x prompts_per_step x group_size
     assert r.time_to_target_s == 14.5  # the wall time of the step-10 row, not of the step-9 or 11 rows
+    assert r.train_time_to_target_s == 1.0 + 2.0 + 4.0 + 0.5  # steps 1..10, not step 11's 8.0
     assert r.reward_at_target == 0.82
     assert r.judge_at_target == 0.86  # at the crossing, not the final 0.70
     assert r.diversity_at_target == 0.20
@@ -76,12 +78,13 @@ def test_a_reward_equal_to_the_target_reaches_it(tmp_path):
     run = write_run(tmp_path / "run", CROSSING_ROWS)
     r = ttt.time_to_target(run, target=0.7, samples_per_step=4)
     assert (r.steps_to_target, r.time_to_target_s, r.judge_at_target) == (5, 7.0, 0.55)
+    assert r.train_time_to_target_s == 3.0
 
 
 def test_a_base_already_at_the_target_takes_no_time(tmp_path):
     run = write_run(tmp_path / "run", CROSSING_ROWS)
     r = ttt.time_to_target(run, target=0.5, samples_per_step=4)
-    assert (r.steps_to_target, r.samples_to_target, r.time_to_target_s) == (0, 0, 0.0)
+    assert (r.steps_to_target, r.samples_to_target, r.time_to_target_s, r.train_time_to_target_s) == (0, 0, 0.0, 0)
     assert r.diversity_at_target is None  # the base evaluation has no training rollouts
 
 
@@ -90,6 +93,7 @@ def test_never_reached_is_inf_with_the_best_reward(tmp_path):
     r = ttt.time_to_target(run, target=0.95, samples_per_step=128)
     assert not r.reached
     assert math.isinf(r.time_to_target_s) and math.isinf(r.samples_to_target) and math.isinf(r.steps_to_target)
+    assert math.isinf(r.train_time_to_target_s)
     assert r.judge_at_target is None and r.diversity_at_target is None and r.reward_at_target is None
     assert r.best_reward == 0.90 and r.final_reward == 0.90
     out = ttt.results_json([r], target=0.95, min_judge=0.8)
@@ -117,6 +121,7 @@ def result(recipe, time_s, judge=0.9):
     return ttt.TargetResult(recipe=recipe, judge="number_svc", reached=reached,
                             steps_to_target=10 if reached else math.inf,
                             samples_to_target=1280 if reached else math.inf, time_to_target_s=time_s,
+                            train_time_to_target_s=time_s / 2,
                             reward_at_target=0.8 if reached else None, judge_at_target=judge if reached else None,
                             diversity_at_target=None, final_reward=0.9, final_judge=0.9, best_reward=0.9,
                             best_reward_step=20, wall_s=200.0, steps_done=20)
@@ -208,7 +213,7 @@ def test_end_to_end_on_tiny_grpo_runs(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     out = json.loads(out_json.read_text())
-    for name in ("time_to_target_s", "samples_to_target", "steps_to_target", "judge_at_target",
+    for name in ("time_to_target_s", "train_time_to_target_s", "samples_to_target", "steps_to_target", "judge_at_target",
                  "diversity_at_target", "final_reward", "final_judge", "best_reward", "wall_s"):
         assert f"grpo_{name}" in out
     for key in ("best_recipe", "best_speedup_over_grpo", "target", "quick"):
