@@ -443,6 +443,12 @@ def nft_update(batch: RolloutBatch, model, transformer, old_velocity: VelocityFn
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    if cfg.async_rollouts:
+        checks.fail("async_rollouts=true: not supported by DiffusionNFT here (the engine serves the sampling "
+                    "policy theta_old, a soft-updated copy, from this process); set async_rollouts=false")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
+                    "FSDP shards; launch with DDP (or one process)")
     checks.require("sampling.guidance_scale", lambda v: v == 1.0,
                    "must be 1: DiffusionNFT trains the conditional velocity (CFG-free, paper Sec. 3.3), so v_old "
                    "must be the velocity that sampled; eval guidance is sampling.eval_guidance_scale")
@@ -459,12 +465,6 @@ def validate_config(cfg: Config) -> None:
     else:
         checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1 or null",
                        allow_none=True)
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: not supported by DiffusionNFT here (the engine serves the sampling "
-                    "policy theta_old, a soft-updated copy, from this process); set async_rollouts=false")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
-                    "FSDP shards; launch with DDP (or one process)")
     checks.raise_if_any()
 
 
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="nft")
-    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
+    policy = build_policy(cfg, run.device, reference=bool(cfg.train.kl_beta))  # only the KL penalty needs one
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
