@@ -10,8 +10,9 @@ configs/toy_numbers_<recipe>.yaml ...`), one after another so each has every
 core, with its own documented default config for this task (how each was tuned
 is written in that file), the same `seed`, an evaluation every `--eval-every`
 steps, no tracker, and sample grids and checkpoints only at the end (harness
-settings that cost every recipe the same). Overrides after `--` go to every
-recipe. Before anything runs, the configs are resolved and must agree on what
+settings that cost every recipe the same). Each runs its configured steps,
+unless `--stop-after-target N` ends it N evaluations after it reached the
+target. Overrides after `--` go to every recipe. Before anything runs, the configs are resolved and must agree on what
 makes the runs comparable (`COMPARABLE_KEYS`: card, prompts, prompts per step x
 group size, seed, evaluation prompts, seeds, steps and guidance); a
 disagreement is an error naming the keys.
@@ -45,7 +46,8 @@ process, start and model loading included); then `best_recipe` (null when no
 recipe counts), `best_speedup_over_grpo` (null without a GRPO run or a best
 recipe, "inf" when GRPO never reached the target), `best_judge_at_target`,
 `target`, `min_judge`, `judge`, `quick`, `samples_per_step`, `eval_every`,
-`card`, `eval_guidance_scale`, `seed`. A PNG
+`card`, `eval_guidance_scale`, `seed`, `stop_after_target`, and
+`<recipe>_stopped_early`. A PNG
 (`--plot`) shows eval reward and judge against wall time, one line per recipe,
 the target and the judge bar drawn, each recipe's crossing marked.
 """
@@ -70,8 +72,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, _import_pyplot, format_duration,  # noqa: E402
-                                   format_value, judge_key, load_runs, render_table, summarize)
+from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, RunDirError,  # noqa: E402
+                                   _import_pyplot, format_duration, format_value, judge_key, load_runs,
+                                   render_table, summarize)
 from flywheel.runs.rundir import atomic_write_bytes, atomic_write_text  # noqa: E402
 
 DEFAULT_RECIPES = ("grpo", "nft", "awm")
@@ -80,6 +83,7 @@ DEFAULT_CONFIGS = "configs/toy_numbers_{recipe}.yaml"
 PREFERRED_JUDGE = "number_svc"  # toy-numbers' SVC judge; other cards: the run's first judge
 NEVER = "inf"  # what the JSON holds for a time/steps/samples to a target never reached
 NEVER_RUN_STEP = 10**9  # sample_every / save_every: only at the end of the run
+POLL_S = 1.0  # --stop-after-target: how often a running recipe's metrics are read
 
 # Settings that must be equal across recipes for their times to compare.
 COMPARABLE_KEYS = ("model.card", "data.prompts", "data.eval_prompts", "data.prompts_per_step", "data.group_size",
@@ -301,20 +305,53 @@ def check_agreement(settings: dict[str, dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------
 
 
-def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[str], log_path: Path) -> float:
-    """Run trainers/<recipe>.py to the end in its own process, output to `log_path`; returns its wall seconds."""
+def evaluations_since_target(run_dir: Path, target: float) -> int | None:
+    """How many evaluations a run (maybe still running) logged after its first at or above `target`; None before."""
+    try:
+        rewards = [value for _, _, value in Run.load(run_dir).series(REWARD_KEY)]
+    except RunDirError:  # not started writing yet
+        return None
+    first = next((i for i, value in enumerate(rewards) if value >= target), None)
+    return None if first is None else len(rewards) - 1 - first
+
+
+def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[str], log_path: Path,
+               stop_after: tuple[float, int] | None = None) -> tuple[float, bool]:
+    """Run trainers/<recipe>.py in its own process, output to `log_path`; (its wall seconds, stopped early).
+
+    With `stop_after=(target, n)` the process is ended (SIGTERM) once its run
+    has logged n evaluations after the first at or above `target`; otherwise
+    it runs its configured steps.
+    """
     command = [sys.executable, str(ROOT / "trainers" / f"{recipe}.py"), "--config", str(config_path),
                f"run_dir={run_dir}", *overrides]
     start = time.perf_counter()
+    stopped = False
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
-        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                try:
+                    process.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    since = evaluations_since_target(run_dir, stop_after[0]) if stop_after else None
+                    if since is not None and since >= stop_after[1]:
+                        process.terminate()
+                        process.wait()
+                        stopped = True
+                        break
+        finally:
+            if process.poll() is None:  # the benchmark itself was interrupted: leave no orphan training
+                process.kill()
+                process.wait()
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
+    if process.returncode != 0 and not stopped:
         tail = "".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-15:])
-        raise BenchmarkError(f"{recipe} failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
-    return seconds
+        raise BenchmarkError(f"{recipe} failed (exit {process.returncode}); the end of {log_path}:\n{tail}")
+    return seconds, stopped
 
 
 def harness_overrides(seed: int, eval_every: int, quick: bool, overwrite: bool) -> list[str]:
@@ -412,6 +449,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.steps} steps, eval every {QUICK.eval_every} on {QUICK.eval_seeds} seed a "
                              f"prompt, target {QUICK.target} (under 3 minutes)")
+    parser.add_argument("--stop-after-target", type=int, metavar="N",
+                        help="end each recipe N evaluations after it reached the target (its final values are "
+                             "then those of the shortened run); default: every recipe runs its configured steps")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every recipe (after --)")
     args = parser.parse_args(argv)
     if args.target is None:
@@ -420,6 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.eval_every = QUICK.eval_every if args.quick else 5
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
+    if args.stop_after_target is not None and args.stop_after_target < 0:
+        parser.error(f"--stop-after-target must be >= 0 (evaluations after the target), got {args.stop_after_target}")
     if args.plot is None:
         args.plot = (args.json.parent if args.json else Path.cwd()) / "time_to_target.png"
     return args
@@ -461,11 +503,13 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     first = next(iter(settings.values()))
     samples_per_step = first["data.prompts_per_step"] * first["data.group_size"]
 
-    process_s = {}
+    process_s, stopped = {}, {}
+    stop_after = (args.target, args.stop_after_target) if args.stop_after_target is not None else None
     for recipe, path in recipes:
         print(f"running {recipe} ({path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, "
               f"{configs[recipe].steps} steps) ...", flush=True)
-        process_s[recipe] = run_recipe(recipe, path, out_dir / recipe, overrides, out_dir / f"{recipe}.log")
+        process_s[recipe], stopped[recipe] = run_recipe(recipe, path, out_dir / recipe, overrides,
+                                                        out_dir / f"{recipe}.log", stop_after)
     runs = load_runs([out_dir / recipe for recipe, _ in recipes])
     results = [time_to_target(run, args.target, samples_per_step, recipe=recipe)
                for run, (recipe, _) in zip(runs, recipes)]
@@ -474,7 +518,9 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     out = results_json(results, args.target, args.min_judge, quick=args.quick, samples_per_step=samples_per_step,
                        eval_every=args.eval_every, card=first["model.card"],
                        eval_guidance_scale=first["sampling.eval_guidance_scale"], seed=args.seed,
-                       **{f"{recipe}_process_s": s for recipe, s in process_s.items()})
+                       stop_after_target=args.stop_after_target,
+                       **{f"{recipe}_process_s": s for recipe, s in process_s.items()},
+                       **{f"{recipe}_stopped_early": s for recipe, s in stopped.items()})
     speedup = out["best_speedup_over_grpo"]
     print(f"target {args.target:g}: best {out['best_recipe'] or '-'} (judge at target >= {args.min_judge:g}), "
           f"speedup over grpo {format_value(speedup, 2) if isinstance(speedup, float) else speedup or '-'}")

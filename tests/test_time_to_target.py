@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.runs.compare import Run
+from flywheel.runs.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "time_to_target.py"
@@ -116,6 +117,14 @@ def test_judge_choice_prefers_number_svc_else_the_first_logged(tmp_path):
     assert r.judge_at_target == 0.3
 
 
+def test_evaluations_since_target_counts_the_evaluations_after_the_first_crossing(tmp_path):
+    run = write_run(tmp_path / "run", CROSSING_ROWS)  # evaluations at steps 0, 5, 10, 15, 20
+    assert ttt.evaluations_since_target(run.path, 0.8) == 2  # first >= 0.8 at step 10; then 15 and 20
+    assert ttt.evaluations_since_target(run.path, 0.9) == 0
+    assert ttt.evaluations_since_target(run.path, 0.95) is None
+    assert ttt.evaluations_since_target(tmp_path / "not-yet", 0.8) is None  # the recipe has not written yet
+
+
 def result(recipe, time_s, judge=0.9):
     reached = math.isfinite(time_s)
     return ttt.TargetResult(recipe=recipe, judge="number_svc", reached=reached,
@@ -202,29 +211,34 @@ def test_the_plot_is_written(tmp_path):
 
 
 @pytest.mark.slow
-def test_end_to_end_on_tiny_grpo_runs(tmp_path):
-    """The script itself: a two-step GRPO run on toy-digits, the JSON's keys, the PNG, the kept run dir."""
+def test_end_to_end_on_a_tiny_grpo_run(tmp_path):
+    """The script itself on toy-digits: the JSON's keys, the PNG, the kept run dir, --stop-after-target.
+
+    Target 0 is reached by the base evaluation; with --stop-after-target 1 the
+    run of 1000 tiny steps is ended soon after its next evaluation.
+    """
     out_json = tmp_path / "out.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml",
          "--out-dir", str(tmp_path / "runs"), "--json", str(out_json), "--eval-every", "1", "--target", "0.0",
-         "--", "steps=2", "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2",
-         "sampling.eval_seeds=1"],
+         "--stop-after-target", "1", "--", "steps=1000", "data.prompts_per_step=2", "data.group_size=2",
+         "sampling.steps=2", "sampling.eval_seeds=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     out = json.loads(out_json.read_text())
-    for name in ("time_to_target_s", "train_time_to_target_s", "samples_to_target", "steps_to_target", "judge_at_target",
-                 "diversity_at_target", "final_reward", "final_judge", "best_reward", "wall_s"):
+    for name in ("time_to_target_s", "train_time_to_target_s", "samples_to_target", "steps_to_target",
+                 "judge_at_target", "diversity_at_target", "final_reward", "final_judge", "best_reward", "wall_s"):
         assert f"grpo_{name}" in out
     for key in ("best_recipe", "best_speedup_over_grpo", "target", "quick"):
         assert key in out
-    # Target 0 is reached by the base evaluation: step 0, no samples, no time.
     assert (out["grpo_steps_to_target"], out["grpo_samples_to_target"], out["grpo_time_to_target_s"]) == (0, 0, 0.0)
     assert out["samples_per_step"] == 4 and out["quick"] is False and out["card"] == "toy-digits"
+    assert out["grpo_stopped_early"] is True
     assert (tmp_path / "time_to_target.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and all("eval/reward/mean" in r for r in rows)
-    assert out["grpo_final_reward"] == rows[-1]["eval/reward/mean"]
+    rows = read_metrics(tmp_path / "runs" / "grpo")  # a process ended mid-write may leave a partial last line
+    assert 2 <= len(rows) < 1000 and rows[-1]["step"] < 1000  # ended early, after the step-1 evaluation
+    assert all("eval/reward/mean" in r for r in rows)
+    assert out["grpo_final_reward"] == pytest.approx(rows[-1]["eval/reward/mean"])
     # A second run into the same folder is refused before anything runs.
     again = subprocess.run([sys.executable, str(SCRIPT), "--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml",
                             "--out-dir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True,
