@@ -158,6 +158,9 @@ def test_speedup_edge_cases():
     assert ttt.best_and_speedup([result("grpo", 9.0), result("nft", 0.0)], 0.8) == ("nft", math.inf)
     out = ttt.results_json([result("grpo", math.inf), result("nft", 20.0)], 0.8, 0.8)
     assert out["best_speedup_over_grpo"] == "inf"
+    assert out["best_speedup_over_grpo_at_least"] == 200.0 / 20.0  # GRPO's whole run (wall_s 200) / nft's time
+    exact = ttt.results_json([result("grpo", 120.0), result("nft", 20.0)], 0.8, 0.8)
+    assert exact["best_speedup_over_grpo_at_least"] is None  # GRPO reached it: the speedup itself is exact
 
 
 SETTINGS = {"model.card": "toy-numbers", "data.prompts": "toy-numbers", "data.eval_prompts": "toy-numbers-heldout",
