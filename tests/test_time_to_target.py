@@ -205,6 +205,18 @@ def test_an_asked_recipe_that_does_not_exist_is_an_error():
         ttt.choose_recipes(args)
 
 
+def test_quick_defaults_and_what_the_flags_override():
+    quick = ttt.parse_args(["--quick"])
+    assert (quick.target, quick.eval_every, quick.stop_after_target, quick.min_judge) == (
+        ttt.QUICK.target, ttt.QUICK.eval_every, ttt.QUICK.stop_after_target, ttt.QUICK.min_judge)
+    assert f"steps={ttt.QUICK.steps}" in ttt.harness_overrides(0, 3, quick=True, overwrite=False)
+    full = ttt.parse_args([])
+    assert (full.target, full.eval_every, full.stop_after_target, full.min_judge) == (0.8, 5, None, 0.8)
+    assert not any(o.startswith("steps=") for o in ttt.harness_overrides(0, 5, quick=False, overwrite=False))
+    given = ttt.parse_args(["--quick", "--target", "0.5", "--stop-after-target", "2", "--min-judge", "0.4"])
+    assert (given.target, given.stop_after_target, given.min_judge) == (0.5, 2, 0.4)
+
+
 def test_the_plot_is_written(tmp_path):
     grpo = write_run(tmp_path / "grpo", CROSSING_ROWS)
     nft = write_run(tmp_path / "nft", CROSSING_ROWS[:3], recipe="nft")
