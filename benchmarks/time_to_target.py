@@ -427,7 +427,8 @@ def plot_time_to_target(runs: list[Run], results: list[TargetResult], target: fl
                 reward_ax.axvline(result.time_to_target_s, color=color, linestyle=":", linewidth=1)
                 judge_ax.axvline(result.time_to_target_s, color=color, linestyle=":", linewidth=1)
         reward_ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
-        judge_ax.axhline(min_judge, color="black", linestyle="--", linewidth=1, label=f"judge bar {min_judge:g}")
+        if min_judge > 0:
+            judge_ax.axhline(min_judge, color="black", linestyle="--", linewidth=1, label=f"judge bar {min_judge:g}")
         for ax, title in ((reward_ax, "eval reward"), (judge_ax, "eval judge")):
             ax.set_title(f"{title} (dotted: each recipe reaches the target)", fontsize=10)
             ax.set_xlabel("wall time (s)")
@@ -435,7 +436,7 @@ def plot_time_to_target(runs: list[Run], results: list[TargetResult], target: fl
             if all(0.0 <= v <= 1.0 for v in values):  # probabilities (the toy rewards, judges): one common scale
                 ax.set_ylim(0.0, 1.02)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8, loc="lower right")
+            ax.legend(fontsize=8, loc="best")
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
