@@ -477,6 +477,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stop-after-target", type=int, metavar="N",
                         help="end each recipe N evaluations after it reached the target (its final values are "
                              "then those of the shortened run); default: every recipe runs its configured steps")
+    parser.add_argument("--check-only", action="store_true",
+                        help="resolve and check the recipes' configs (and that they agree), run nothing")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every recipe (after --)")
     args = parser.parse_args(argv)
     if args.target is None:
@@ -531,6 +533,11 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
             raise BenchmarkError(f"{run_dir} holds an earlier run: give another --out-dir, or --overwrite")
     first = next(iter(settings.values()))
     samples_per_step = first["data.prompts_per_step"] * first["data.group_size"]
+    if args.check_only:
+        print("the configs agree: " + ", ".join(f"{k}={v}" for k, v in first.items()))
+        for recipe, _ in recipes:
+            print(f"  {recipe}: {configs[recipe].steps} steps")
+        return {}
 
     process_s, stopped = {}, {}
     stop_after = (args.target, args.stop_after_target) if args.stop_after_target is not None else None

@@ -196,6 +196,17 @@ def test_comparable_settings_of_a_real_config():
         ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml", ["sampling.sampler=ode"])
 
 
+def test_check_only_resolves_and_compares_the_configs_without_running(tmp_path, capsys):
+    code = ttt.main(["--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml", "--check-only",
+                     "--out-dir", str(tmp_path / "runs"), "--", "data.group_size=4"])
+    assert code == 0
+    assert "data.group_size=4" in capsys.readouterr().out
+    assert not (tmp_path / "runs" / "grpo").exists()  # nothing ran
+    assert ttt.main(["--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml", "--check-only", "--",
+                     "data.group_size=1"]) == 2  # the recipe's own check: group_size >= 2
+    assert "data.group_size" in capsys.readouterr().err
+
+
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
     args = ttt.parse_args(["--recipes", "grpo,nosuch", "--configs", "configs/toy_{recipe}.yaml"])
     with pytest.raises(ttt.BenchmarkError, match="nosuch.*trainers/nosuch.py does not exist"):
