@@ -100,6 +100,9 @@ ANCHOR_PREFIX = "ema_anchor/"
 
 @dataclass
 class AWMConfig(OptimConfig):
+    global_std: bool = True
+    """normalise advantages by the std of all the step's rewards, not each group's (the code's sample.global_std,
+    true in every released config)"""
     timesteps_per_sample: int = 6
     """flow times K drawn for each sample at each step, one per stratum (the paper's code: train_timesteps = 6)"""
     time_sampling: Literal["schedule", "uniform"] = "schedule"
@@ -144,6 +147,36 @@ class Config(RunConfig):
     # AWM trains on clean samples, not on per-step log-probabilities: the deterministic sampler will do.
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
     train: AWMConfig = field(default_factory=AWMConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# Config checks
+# ---------------------------------------------------------------------------------------
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
+    checks = check_shared_sections(cfg)
+    tc = cfg.train
+    checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")
+    checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    checks.require("train.uniform_t_min", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    checks.require("train.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
+    checks.require("train.ghuber_power", lambda v: v > 0, "must be > 0 (1 is the t weighting)")
+    checks.require("train.advantage_max", lambda v: v > 0, "must be > 0, or null to keep the advantages",
+                   allow_none=True)
+    for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
+        checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
+    checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    if tc.time_sampling == "schedule" and cfg.sampling.steps >= 1 and tc.timesteps_per_sample >= 1:
+        try:
+            schedule_strata(cfg.sampling.steps, tc.timesteps_per_sample, tc.timestep_fraction, tc.skip_first_step)
+        except ValueError as e:
+            checks.fail(f"{e} (sampling.steps={cfg.sampling.steps})")
+    if cfg.async_rollouts:
+        checks.fail("async_rollouts=true: AWM trains on-policy (its loss has no correction for rollouts made by "
+                    "older weights); set async_rollouts=false")
+    checks.raise_if_any()
 
 
 # ---------------------------------------------------------------------------------------
@@ -390,37 +423,7 @@ def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
 
 
 # ---------------------------------------------------------------------------------------
-# Config checks
-# ---------------------------------------------------------------------------------------
-
-
-def validate_config(cfg: Config) -> None:
-    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
-    checks = check_shared_sections(cfg)
-    tc = cfg.train
-    checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")
-    checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
-    checks.require("train.uniform_t_min", lambda v: 0 <= v < 1, "must be in [0, 1)")
-    checks.require("train.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
-    checks.require("train.ghuber_power", lambda v: v > 0, "must be > 0 (1 is the t weighting)")
-    checks.require("train.advantage_max", lambda v: v > 0, "must be > 0, or null to keep the advantages",
-                   allow_none=True)
-    for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
-        checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
-    checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
-    if tc.time_sampling == "schedule" and cfg.sampling.steps >= 1 and tc.timesteps_per_sample >= 1:
-        try:
-            schedule_strata(cfg.sampling.steps, tc.timesteps_per_sample, tc.timestep_fraction, tc.skip_first_step)
-        except ValueError as e:
-            checks.fail(f"{e} (sampling.steps={cfg.sampling.steps})")
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: AWM trains on-policy (its loss has no correction for rollouts made by "
-                    "older weights); set async_rollouts=false")
-    checks.raise_if_any()
-
-
-# ---------------------------------------------------------------------------------------
-# Main: setup, loop, save
+# Main: the policy and its EMA anchor, the rollouts, then the shared loop
 # ---------------------------------------------------------------------------------------
 
 
