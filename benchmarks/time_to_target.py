@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, RunDirError,  # noqa: E402
-                                   _import_pyplot, format_duration, format_value, judge_key, load_runs,
+                                   import_pyplot, format_duration, format_value, judge_key, load_runs,
                                    render_table, summarize)
 from flywheel.runs.rundir import atomic_write_bytes, atomic_write_text  # noqa: E402
 
@@ -412,7 +412,7 @@ def results_table(results: list[TargetResult]) -> str:
 def plot_time_to_target(runs: list[Run], results: list[TargetResult], target: float, min_judge: float,
                         out: str | os.PathLike) -> Path:
     """A PNG of eval reward (left) and judge (right) against wall time, one line a recipe, crossings marked."""
-    plt = _import_pyplot()
+    plt = import_pyplot()
     fig, (reward_ax, judge_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=FIGURE_DPI)
     try:
         for i, (run, result) in enumerate(zip(runs, results)):

@@ -394,7 +394,7 @@ def list_table(runs: list[Run]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _import_pyplot():
+def import_pyplot():
     try:
         import matplotlib
     except ImportError as e:
@@ -413,7 +413,7 @@ def plot_runs(runs: list[Run], summaries: list[RunSummary], out: str | os.PathLi
     every panel. The judge panel shows each run's judge of its summary. The
     PNG is FIGURE_INCHES * FIGURE_DPI pixels.
     """
-    plt = _import_pyplot()
+    plt = import_pyplot()
     judges = sorted({s.judge for s in summaries if s.judge})
     panels = [("eval reward", lambda run, s: REWARD_KEY),
               (f"eval judge ({', '.join(judges) or 'none'})", lambda run, s: judge_key(s.judge) if s.judge else None),
