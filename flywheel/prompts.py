@@ -1,9 +1,14 @@
 """Prompt datasets and a resumable, rank-independent prompt sampler.
 
 A dataset is a list of `PromptItem`s: built-in names (`toy-digits`,
-`toy-digits-heldout`) or a local file, `.txt` (one prompt per line) or
-`.jsonl` (one object per line with a "prompt" key; the other keys travel as
-metadata to the rewards, e.g. {"prompt": "a 7", "digit": 7}).
+`toy-digits-heldout`, `toy-numbers`, `toy-numbers-heldout`) or a local file,
+`.txt` (one prompt per line) or `.jsonl` (one object per line with a "prompt"
+key; the other keys travel as metadata to the rewards, e.g. {"prompt": "a 7",
+"digit": 7}).
+
+`toy-numbers` is the train numbers in the train phrasings; `toy-numbers-heldout`
+is ten numbers, five of them never trained on, in held-out phrasings, number by
+number (engine/toy/numbers.py).
 """
 
 from __future__ import annotations
@@ -27,9 +32,18 @@ def _toy(split: str) -> list[PromptItem]:
     return [PromptItem(p, {"digit": d}) for p, d in pairs]
 
 
+def _toy_numbers(split: str) -> list[PromptItem]:
+    from engine.toy.numbers import heldout_number_prompts, number_digits, train_number_prompts
+
+    pairs = train_number_prompts() if split == "train" else heldout_number_prompts()
+    return [PromptItem(p, {"number": n, "digits": list(number_digits(n))}) for p, n in pairs]
+
+
 BUILTIN_DATASETS = {
     "toy-digits": lambda: _toy("train"),
     "toy-digits-heldout": lambda: _toy("heldout"),
+    "toy-numbers": lambda: _toy_numbers("train"),
+    "toy-numbers-heldout": lambda: _toy_numbers("heldout"),
 }
 
 

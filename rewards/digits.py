@@ -1,4 +1,10 @@
-"""`digit_alignment`: probability, under a small shipped CNN, that an image shows its prompted digit."""
+"""Rewards of the toy tasks, under a small shipped digit CNN.
+
+- `digit_alignment` (toy-digits): the probability that an image shows its prompted digit.
+- `number_alignment` (toy-numbers): the product of the probabilities that the left
+  half of an image shows the prompted number's tens digit and the right half
+  its units digit, each half scored on its own as an 8x8 digit.
+"""
 
 from __future__ import annotations
 
@@ -128,3 +134,80 @@ class DigitAlignment:
         """Raw scores [B] float32 on the host."""
         digits = prompted_digits(prompts, metadata)
         return prob_of_prompted(self.probs(images), digits).cpu()
+
+
+def to_digit_halves(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images [B, C, H, 2H] in [0, 1] (two digits side by side) -> (left, right) gray halves [B, 1, 8, 8] each."""
+    if images.ndim != 4 or images.shape[-1] != 2 * images.shape[-2]:
+        raise ValueError(f"expected images [B, C, H, 2H] (two square digits side by side, e.g. 8x16), "
+                         f"got shape {tuple(images.shape)}")
+    half = images.shape[-1] // 2
+    return to_digit_grid(images[..., :half]), to_digit_grid(images[..., half:])
+
+
+def _metadata_pair(meta: dict, row: int) -> tuple[int, int] | None:
+    """(left, right) digits from metadata "digits" [a, b] and/or "number" 10..99 (they must agree); None if absent."""
+    pair = None
+    if meta.get("digits") is not None:
+        digits = meta["digits"]
+        if isinstance(digits, (str, bytes)) or not hasattr(digits, "__len__") or len(digits) != 2:
+            raise ValueError(f"metadata[{row}]['digits'] = {digits!r}; expected two digits [left, right], e.g. [4, 2]")
+        pair = tuple(_metadata_digit(d, row) for d in digits)
+    if meta.get("number") is not None:
+        try:
+            number = operator.index(meta["number"])
+        except TypeError:
+            number = None
+        if number is None or not 10 <= number <= 99:
+            raise ValueError(f"metadata[{row}]['number'] = {meta['number']!r}; expected an integer in 10..99")
+        if pair is not None and pair != divmod(number, 10):
+            raise ValueError(f"metadata[{row}] names number {number} but digits {list(pair)}; they must agree")
+        pair = divmod(number, 10)
+    return pair
+
+
+def prompted_number_digits(prompts: list[str], metadata: list[dict]) -> list[tuple[int, int] | None]:
+    """The (left, right) digits each row asks for: from metadata ("digits", "number"), else parsed from the
+    prompt ("the number 42", "forty-two"); None where the prompt names no two-digit number."""
+    if len(prompts) != len(metadata):
+        raise ValueError(f"got {len(prompts)} prompts and {len(metadata)} metadata dicts; they must match")
+    out: list[tuple[int, int] | None] = []
+    parse_number = None
+    for row, (prompt, meta) in enumerate(zip(prompts, metadata)):
+        pair = _metadata_pair(meta, row) if meta else None
+        if pair is None:
+            if parse_number is None:
+                # Imported late: the prompt grammar belongs to the toy model in engine.
+                from engine.toy.numbers import parse_number
+            number = parse_number(prompt)
+            pair = None if number is None else divmod(number, 10)
+        out.append(pair)
+    return out
+
+
+def prob_of_prompted_pair(left_probs: torch.Tensor, right_probs: torch.Tensor,
+                          pairs: list[tuple[int, int] | None]) -> torch.Tensor:
+    """[B] float32: left_probs[i, a_i] * right_probs[i, b_i] for each row's pair (a_i, b_i); NaN where None."""
+    left = prob_of_prompted(left_probs, [None if p is None else p[0] for p in pairs])
+    right = prob_of_prompted(right_probs, [None if p is None else p[1] for p in pairs])
+    return left * right
+
+
+class NumberAlignment:
+    """Scorer: P(left half = tens digit) x P(right half = units digit) under the shipped CNN (NaN if no number).
+
+    The product is high only when both digits are right: a number with one
+    wrong digit scores at most the right digit's probability times the
+    wrong one's, which the CNN puts near 0.
+    """
+
+    name = "number_alignment"
+
+    def __init__(self, weights_path: str | Path = WEIGHTS_PATH, device: str | torch.device = "cpu"):
+        self.digits = DigitAlignment(weights_path, device)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Raw scores [B] float32 on the host."""
+        pairs = prompted_number_digits(prompts, metadata)
+        left, right = to_digit_halves(images)
+        return prob_of_prompted_pair(self.digits.probs(left), self.digits.probs(right), pairs).cpu()

@@ -18,7 +18,9 @@ Two judges for the toy digits, because each is blind where the other looks:
 `DigitJudge` asks "is this the prompted digit?" and, like the reward CNN,
 still says yes to a saturated blob that keeps a digit's rough shape;
 `DigitTypicalityJudge` asks "does this look like real digits of that class?",
-which such a blob does not.
+which such a blob does not. The toy numbers get the same two, one half of the
+canvas at a time (`NumberJudge`, `NumberTypicalityJudge`); `judges_for_card`
+says which judges evaluate which card.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 from sklearn.calibration import CalibratedClassifierCV
 from sklearn.svm import SVC
 
-from rewards.digits import digit_split, prob_of_prompted, prompted_digits, to_digit_grid
+from rewards.digits import (digit_split, prob_of_prompted, prob_of_prompted_pair, prompted_digits,
+                            prompted_number_digits, to_digit_grid, to_digit_halves)
 
 
 @dataclass(frozen=True)
@@ -164,3 +167,80 @@ def _rows_by_digit(digits: list[int | None]) -> list[tuple[int, torch.Tensor]]:
     """(digit, boolean row mask) for every digit named in `digits`, in digit order."""
     named = sorted({d for d in digits if d is not None})
     return [(digit, torch.tensor([d == digit for d in digits])) for digit in named]
+
+
+def _number_classes(pairs: list[tuple[int, int] | None]) -> list[int | None]:
+    """A number's class is the number itself (10·left + right): one per evaluated number (ten for toy-numbers)."""
+    return [None if p is None else 10 * p[0] + p[1] for p in pairs]
+
+
+class NumberJudge:
+    """`DigitJudge`'s SVC on each half of a two-digit canvas: P(left = tens) x P(right = units), as the reward."""
+
+    name = "number_judge"
+
+    def __init__(self, digit_judge: DigitJudge | None = None):
+        self.digit_judge = digit_judge or DigitJudge()
+
+    def half_probs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(left, right) class probabilities [B, 10] float32 on the host."""
+        left, right = to_digit_halves(images.detach())
+        return self.digit_judge.probs(left), self.digit_judge.probs(right)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Probability [B] float32 of each row's prompted number; NaN where the prompt names none."""
+        return prob_of_prompted_pair(*self.half_probs(images), prompted_number_digits(prompts, metadata))
+
+    def classes(self, prompts: list[str], metadata: list[dict]) -> list[int | None]:
+        """The number each row asks for (metadata "digits"/"number", else parsed; None if it names none)."""
+        return _number_classes(prompted_number_digits(prompts, metadata))
+
+    def verdicts(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> list[Verdict]:
+        """Per image: the two digits the judge sees (e.g. "42"), the product of their probabilities, and the
+        two digits the prompt asked for."""
+        pairs = prompted_number_digits(prompts, metadata)
+        left, right = self.half_probs(images)
+        if left.shape[0] != len(pairs):
+            raise ValueError(f"got {left.shape[0]} images and {len(pairs)} prompts; they must match")
+        (p_left, d_left), (p_right, d_right) = left.max(dim=1), right.max(dim=1)
+        expected = [None if p is None else f"{p[0]}{p[1]}" for p in pairs]
+        return [Verdict(f"{a}{b}", pa * pb, e) for a, b, pa, pb, e in
+                zip(d_left.tolist(), d_right.tolist(), p_left.tolist(), p_right.tolist(), expected)]
+
+
+class NumberTypicalityJudge:
+    """`DigitTypicalityJudge` on each half of a two-digit canvas: the mean of the two halves' p-values.
+
+    Real digit pairs score about 0.5 on average, as real digits do under the
+    digit judge; a half further from its prompted digit than any real digit
+    adds 0, so a blob in one half caps the sample at 0.5.
+    """
+
+    name = "number_typicality"
+
+    def __init__(self, digit_typicality: DigitTypicalityJudge | None = None):
+        self.digit_typicality = digit_typicality or DigitTypicalityJudge()
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Typicality [B] float32 of each row for its prompted number; NaN where the prompt names none."""
+        pairs = prompted_number_digits(prompts, metadata)
+        halves = to_digit_halves(images.detach())
+        scores = [self.digit_typicality(half, [""] * len(pairs), [{"digit": None if p is None else p[side]}
+                                                                  for p in pairs])
+                  for side, half in enumerate(halves)]
+        return (scores[0] + scores[1]) / 2
+
+    def classes(self, prompts: list[str], metadata: list[dict]) -> list[int | None]:
+        """The number each row asks for, exactly as `NumberJudge.classes` (so per-class metrics line up)."""
+        return _number_classes(prompted_number_digits(prompts, metadata))
+
+
+def judges_for_card(card_id: str) -> dict:
+    """The evaluation judges of a model card, by metric name (the first one's verdicts frame the sample grid);
+    {} for a card without judges."""
+    if card_id == "toy-digits":
+        # The SVC first: its verdicts frame the sample grid. Typicality sees the saturated blobs it accepts.
+        return {"digit_svc": DigitJudge(), "digit_typicality": DigitTypicalityJudge()}
+    if card_id == "toy-numbers":
+        return {"number_svc": NumberJudge(), "number_typicality": NumberTypicalityJudge()}
+    return {}

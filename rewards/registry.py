@@ -158,6 +158,7 @@ def _lazy(module: str, attr: str) -> ScorerFactory:
 
 
 register("digit_alignment", _lazy("rewards.digits", "DigitAlignment"))
+register("number_alignment", _lazy("rewards.digits", "NumberAlignment"))
 register("jpeg_compressibility", _lazy("rewards.jpeg", "JpegCompressibility"))
 register("jpeg_incompressibility", _lazy("rewards.jpeg", "JpegIncompressibility"))
 register("ocr", _lazy("rewards.ocr", "OcrReward"))

@@ -1,4 +1,4 @@
-"""ToyDiT: a tiny DiT-style flow transformer for 8x8 digit latents.
+"""ToyDiT: a tiny DiT-style flow transformer for small gray latents (8x8 digits, 8x16 numbers).
 
 Single-stream: text tokens and image patches share one sequence and one set
 of block weights (joint self-attention), with adaLN-zero modulation from
@@ -21,6 +21,9 @@ class ToyDiTConfig:
     """Shape of the toy transformer."""
 
     sample_size: int = 8
+    """latent height (and width, unless `sample_width` is set)"""
+    sample_width: int | None = None
+    """latent width when the canvas is not square (None: square, `sample_size`)"""
     in_channels: int = 1
     patch_size: int = 2
     width: int = 64
@@ -28,6 +31,9 @@ class ToyDiTConfig:
     heads: int = 4
     text_dim: int = 64
     mlp_ratio: int = 4
+    pos_embed_std: float = 0.02
+    """init scale of the patch position embeddings; larger tells patches apart from the first step
+    (toy-numbers: which half a patch is in decides which digit it draws)"""
 
 
 def timestep_embedding(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -77,11 +83,14 @@ class ToyDiT(nn.Module):
         super().__init__()
         self.config = config
         w, p, c = config.width, config.patch_size, config.in_channels
-        if config.sample_size % p:
-            raise ValueError(f"sample_size={config.sample_size} is not a multiple of patch_size={p}")
-        self.grid = config.sample_size // p
+        height = config.sample_size
+        width = config.sample_size if config.sample_width is None else config.sample_width
+        if height % p or width % p:
+            raise ValueError(f"the latent {height}x{width} (sample_size x sample_width) is not a multiple of "
+                             f"patch_size={p} on both sides")
+        self.grid_h, self.grid_w = height // p, width // p  # patches per column and per row
         self.patch_embed = nn.Linear(c * p * p, w)
-        self.pos_embed = nn.Parameter(torch.randn(self.grid * self.grid, w) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(self.grid_h * self.grid_w, w) * config.pos_embed_std)
         self.time_mlp = nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.Linear(w, w))
         self.pooled_proj = nn.Linear(config.text_dim, w)
         self.text_proj = nn.Linear(config.text_dim, w)
@@ -95,14 +104,14 @@ class ToyDiT(nn.Module):
     def patchify(self, x: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] -> [B, (H/p)*(W/p), C*p*p], row-major over patches."""
         b, c, _, _ = x.shape
-        p, g = self.config.patch_size, self.grid
-        return x.view(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+        p, gh, gw = self.config.patch_size, self.grid_h, self.grid_w
+        return x.view(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of patchify."""
         b = x.shape[0]
-        p, g, c = self.config.patch_size, self.grid, self.config.in_channels
-        return x.view(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, g * p, g * p)
+        p, gh, gw, c = self.config.patch_size, self.grid_h, self.grid_w, self.config.in_channels
+        return x.view(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, gh * p, gw * p)
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, timestep: torch.Tensor,

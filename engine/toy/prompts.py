@@ -34,11 +34,14 @@ HELDOUT_TEMPLATES = (
 )
 
 _WORD_RE = re.compile(r"[a-z0-9]+")
+# Numerals apart: "42" is the two words "4" and "2", so a number never seen in
+# training is still made of known words (toy-numbers composes them).
+_WORD_NUMERALS_APART_RE = re.compile(r"[a-z]+|[0-9]")
 
 
-def split_words(text: str) -> list[str]:
-    """Lowercase `text` and split it on anything that is not a letter or a digit."""
-    return _WORD_RE.findall(text.lower())
+def split_words(text: str, numerals_apart: bool = False) -> list[str]:
+    """Lowercase `text` and split it on anything that is not a letter or a digit (each digit alone if asked)."""
+    return (_WORD_NUMERALS_APART_RE if numerals_apart else _WORD_RE).findall(text.lower())
 
 
 def make_prompt(digit: int, template: str) -> str:

@@ -15,11 +15,16 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<unk>")
 
 
 class ToyTokenizer:
-    """Word-level tokenizer over a fixed vocabulary; every prompt starts with <bos>."""
+    """Word-level tokenizer over a fixed vocabulary; every prompt starts with <bos>.
 
-    def __init__(self, vocabulary: list[str] | None = None):
+    `numerals_apart`: every digit of a numeral is a word of its own ("42" -> "4", "2"),
+    as toy-numbers needs; toy-digits reads "42" as one (unknown) word.
+    """
+
+    def __init__(self, vocabulary: list[str] | None = None, numerals_apart: bool = False):
         words = list(VOCABULARY if vocabulary is None else vocabulary)
         self.vocabulary = words
+        self.numerals_apart = numerals_apart
         self.tokens = list(SPECIAL_TOKENS) + words
         self.token_to_id = {tok: i for i, tok in enumerate(self.tokens)}
 
@@ -30,7 +35,7 @@ class ToyTokenizer:
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of one prompt, <bos> first, no padding or truncation."""
-        return [BOS] + [self.token_to_id.get(w, UNK) for w in split_words(prompt)]
+        return [BOS] + [self.token_to_id.get(w, UNK) for w in split_words(prompt, self.numerals_apart)]
 
     def __call__(self, prompts: list[str], max_length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids LongTensor [B, L], attention_mask BoolTensor [B, L]), padded/truncated to L."""
@@ -52,6 +57,9 @@ class ToyTextConfig:
     max_length: int = 16
     heads: int = 4
     mlp_ratio: int = 4
+    position_std: float = 0.02
+    """init scale of the token position embeddings; larger tells word order apart from the first step
+    (toy-numbers: "a 4 followed by a 2" is not 24)"""
 
 
 class ToyPromptEncoder(nn.Module):
@@ -62,7 +70,7 @@ class ToyPromptEncoder(nn.Module):
         self.config = config
         d = config.dim
         self.token_embedding = nn.Embedding(config.vocab_size, d)
-        self.position_embedding = nn.Parameter(torch.randn(config.max_length, d) * 0.02)
+        self.position_embedding = nn.Parameter(torch.randn(config.max_length, d) * config.position_std)
         self.norm1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
