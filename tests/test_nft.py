@@ -1,0 +1,230 @@
+"""The DiffusionNFT recipe end to end on the toy task: config checks, learning signal, exact resume, LoRA, launch."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import flywheel.loop
+from flywheel.recipe.session import RECIPE_TENSOR_PREFIX
+from flywheel.runs.config import ConfigError, apply_overrides, parse_config
+from flywheel.runs.rundir import read_metrics
+from trainers.nft import Config, main, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
+# A small batch (4 prompts x 8) and few denoising steps: seconds per step on one thread.
+SMALL = ["data.prompts_per_step=4", "data.group_size=8", "sampling.steps=6"]
+
+
+def run(tmp_path, name, *overrides):
+    result = main([f"run_dir={tmp_path / name}", *QUICK, *overrides])
+    return result, read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def without_timings(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
+
+
+def config_problems(*overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(Config, list(overrides)))
+    return str(err.value)
+
+
+def dotted_keys(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from dotted_keys(type(default), f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+# ---- config -----------------------------------------------------------------------------------
+
+
+def test_help_lists_every_key_with_its_doc():
+    out = subprocess.run([sys.executable, str(ROOT / "trainers" / "nft.py"), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    keys = list(dotted_keys(Config))
+    assert {"train.beta", "train.eta_rate", "train.kl_beta", "train.learning_rate", "sampling.sampler"} <= set(keys)
+    for key in keys:
+        assert f"  {key}: " in out.stdout, key
+    assert "sampling.sampler: Literal['sde', 'cps', 'ode'] = 'ode'" in out.stdout  # the ODE by default
+
+
+def test_unknown_key_is_an_error_naming_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        parse_config(Config, ["train.betta=0.5"])
+    assert "train.betta" in str(err.value) and "train.beta" in str(err.value)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("sampling.guidance_scale=4.5", "sampling.guidance_scale=4.5: must be 1"),
+    ("train.beta=0", "train.beta=0.0: must be > 0"),
+    ("train.eta_max=1.5", "train.eta_max=1.5: must be in [0, 1]"),
+    ("train.eta_rate=-0.1", "train.eta_rate=-0.1: must be >= 0"),
+    ("train.eta_flat_steps=-1", "train.eta_flat_steps=-1: must be an integer >= 0"),
+    ("train.kl_beta=-1", "train.kl_beta=-1.0: must be >= 0"),
+    ("train.timesteps_per_sample=11", "train.timesteps_per_sample=11: must be in [1, sampling.steps=10]"),
+    ("train.timesteps_per_sample=0", "train.timesteps_per_sample=0"),
+    ("async_rollouts=true", "async_rollouts=true: not supported by DiffusionNFT"),
+    ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
+])
+def test_each_bad_field_is_named_with_what_is_valid(override, named):
+    assert named in config_problems(override)
+
+
+def test_all_problems_come_at_once_and_before_the_run_dir_is_touched(tmp_path):
+    message = config_problems("train.beta=-1", "steps=0", "async_rollouts=true")
+    assert "train.beta=-1.0" in message and "steps=0" in message and "async_rollouts=true" in message
+    with pytest.raises(ConfigError):
+        main([f"run_dir={tmp_path / 'r'}", "tracker=none", "train.beta=0"])
+    assert not (tmp_path / "r").exists()
+    # Uniform flow times are not tied to the rollout grid: more of them than denoising steps is fine.
+    validate_config(parse_config(Config, ["train.time_sampling=uniform", "train.timesteps_per_sample=12"]))
+
+
+def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
+    defaults = parse_config(Config, [])
+    assert parse_config(Config, ["--config", str(ROOT / "configs" / "toy_nft.yaml")]) == defaults
+    validate_config(defaults)
+    numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_nft.yaml")])
+    validate_config(numbers)
+    assert numbers.model.card == "toy-numbers" and numbers.rewards.startswith("number_alignment")
+    # The benchmark compares NFT with GRPO at the same rollout budget per step (prompts x group size).
+    from trainers.grpo import Config as GRPOConfig
+
+    grpo = parse_config(GRPOConfig, ["--config", str(ROOT / "configs" / "toy_numbers_grpo.yaml")])
+    assert (numbers.data.prompts_per_step, numbers.data.group_size) == (grpo.data.prompts_per_step,
+                                                                          grpo.data.group_size)
+    assert (numbers.data.prompts, numbers.data.eval_prompts) == (grpo.data.prompts, grpo.data.eval_prompts)
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_path, monkeypatch):
+    """An honest control: the same run with the flywheel's advantages negated (so r = 1 - r) goes the other way."""
+    args = ["steps=14", "eval_every=14", "data.prompts_per_step=4", "train.learning_rate=1e-3"]
+    real, _ = run(tmp_path, "real", *args)
+    original = flywheel.loop.distributed_reward_advantages
+
+    def negated(*a, **k):
+        adv, usable = original(*a, **k)
+        return -adv, usable
+
+    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    control, _ = run(tmp_path, "negated", *args)
+    base = real["base"]["eval/reward/mean"]
+    base_judge = real["base"]["eval/judge/digit_svc/mean"]
+    assert control["base"]["eval/reward/mean"] == base  # same seed, same start
+    assert real["final"]["eval/reward/mean"] > base + 0.15
+    assert real["final"]["eval/judge/digit_svc/mean"] > base_judge + 0.05
+    assert control["final"]["eval/reward/mean"] < base - 0.05
+
+
+def test_rows_carry_the_versions_of_the_sampling_policy_and_the_soft_update(tmp_path):
+    # eta = min(0.3·i, 0.5) after step i (0-based): the sampling policy lags the trained one from step 2 on.
+    _, rows = run(tmp_path, "keys", *SMALL, "steps=3", "eval_every=3", "train.eta_rate=0.3",
+                  "train.timesteps_per_sample=2")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["weight_version"] for r in rows] == [0, 0, 1, 2]  # the version that made each step's rollouts
+    assert [r["nft/eta"] for r in rows[1:]] == [0.0, 0.3, 0.5]
+    # Step 1 rolls out the trained weights and takes one optimizer step after all its forwards: v_theta = v_old.
+    assert rows[1]["nft/old_deviation"] == 0.0
+    # Step 2 rolls out a copy of the trained weights (eta 0): equal again. Step 3's is 0.3·old + 0.7·new.
+    assert rows[2]["nft/old_deviation"] == 0.0 and rows[3]["nft/old_deviation"] > 0.0
+    for key in ("loss", "grad_norm", "nft/r_mean", "nft/trained_samples", "reward/mean", "sync/total_s"):
+        assert all(key in r for r in rows[1:]), key
+    assert rows[1]["nft/trained_samples"] == 32.0  # every sample of 4 x 8 has a valid reward
+    assert "eval/reward/mean" in rows[3] and "eval/judge/digit_svc/mean" in rows[3]
+    assert json.loads((tmp_path / "keys" / "run.json").read_text())["recipe"] == "nft"
+
+
+def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
+    # eta = 0.4 after the second step: the checkpoint at step 2 holds a sampling policy unlike the trained one.
+    args = [*SMALL, "steps=5", "save_every=2", "eval_every=3", "train.eta_rate=0.4", "train.timesteps_per_sample=2"]
+    _, straight = run(tmp_path, "straight", *args)
+
+    interrupted = tmp_path / "interrupted"
+    cmd = [sys.executable, str(ROOT / "trainers" / "nft.py"), f"run_dir={interrupted}", *QUICK, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    while not (interrupted / "checkpoints" / "step_000002").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (interrupted / "checkpoints" / "step_000005").exists()
+    at_kill = checkpoint(interrupted, 2)
+    sampling = {k[len(RECIPE_TENSOR_PREFIX):]: v for k, v in at_kill.items() if k.startswith(RECIPE_TENSOR_PREFIX)}
+    assert sampling and all(name in at_kill for name in sampling)
+    assert any(not torch.equal(v, at_kill[name]) for name, v in sampling.items())  # theta_old != theta
+
+    resumed, _ = run(tmp_path, "ignored", f"resume={interrupted}")
+    assert resumed["run_dir"] == str(interrupted)
+    rows = read_metrics(interrupted / "metrics.jsonl")
+    assert without_timings(rows) == without_timings(straight)
+    assert [r["nft/eta"] for r in rows[1:]] == [0.0, 0.4, 0.5, 0.5, 0.5]  # min(0.4·i, eta_max = 0.5)
+    state = json.loads((interrupted / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
+    assert state == json.loads((tmp_path / "straight" / "checkpoints" / "step_000005" / "trainer_state.json")
+                               .read_text())
+    assert state["weight_version"] == 5  # one soft update and sync per step
+    ours, theirs = checkpoint(interrupted, 5), checkpoint(tmp_path / "straight", 5)
+    assert ours.keys() == theirs.keys() and any(k.startswith(RECIPE_TENSOR_PREFIX) for k in ours)
+    for name, value in theirs.items():
+        assert torch.equal(value, ours[name]), name
+
+
+def test_lora_trains_only_the_adapter_and_its_sampling_policy_is_an_adapter_too(tmp_path):
+    from engine import load_model
+
+    _, rows = run(tmp_path, "lora", *SMALL, "model.finetune=lora", "train.learning_rate=1e-3", "steps=2",
+                  "eval_every=2", "save_every=2", "train.kl_beta=0.01", "train.timesteps_per_sample=2")
+    saved = checkpoint(tmp_path / "lora", 2)
+    assert saved and all("lora_" in k for k in saved)
+    trained = {k for k in saved if not k.startswith(RECIPE_TENSOR_PREFIX)}
+    assert {RECIPE_TENSOR_PREFIX + k for k in trained} == set(saved) - trained  # theta_old: the same adapter names
+    assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0 for k, v in saved.items())
+    base = load_model("toy-digits").transformer.state_dict()
+    assert all(k.replace(".base_layer", "") in base or "lora_" in k for k in trained)
+    # LoRA B starts at zero: the adapted model is the reference at the first forward, so the first KL is 0.
+    assert rows[1]["kl"] == 0.0 and rows[2]["kl"] > 0.0
+
+
+def test_accelerate_launch_runs_the_recipe(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(["accelerate", "launch", "--num_processes", "1", "--cpu", "trainers/nft.py", "steps=2",
+                          "eval_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
+                          "train.timesteps_per_sample=2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "launched" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/reward/mean" in rows[2]
+    assert "eval reward: base" in out.stdout
+
+
+def test_guided_rollouts_are_refused_and_sde_rollouts_train(tmp_path):
+    # The recipe takes samples from any sampler (ODE by default); only guidance is refused, up front.
+    with pytest.raises(ConfigError, match="sampling.guidance_scale=2.0: must be 1"):
+        validate_config(apply_overrides(parse_config(Config, []), ["sampling.guidance_scale=2"]))
+    _, rows = run(tmp_path, "sde", *SMALL, "steps=1", "eval_every=1", "sampling.sampler=sde",
+                  "train.timesteps_per_sample=1")
+    assert rows[1]["grad_norm"] > 0 and rows[1]["weight_version"] == 0
