@@ -134,9 +134,10 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
     base = real["base"]["eval/reward/mean"]
     base_judge = real["base"]["eval/judge/digit_svc/mean"]
     assert control["base"]["eval/reward/mean"] == base  # same seed, same start
-    assert real["final"]["eval/reward/mean"] > base + 0.15
-    assert real["final"]["eval/judge/digit_svc/mean"] > base_judge + 0.05
-    assert control["final"]["eval/reward/mean"] < base - 0.05
+    # Measured on one thread: reward 0.53 -> 0.79 (judge 0.59 -> 0.78), and 0.53 -> 0.11 with the sign flipped.
+    assert real["final"]["eval/reward/mean"] > base + 0.2
+    assert real["final"]["eval/judge/digit_svc/mean"] > base_judge + 0.1
+    assert control["final"]["eval/reward/mean"] < base - 0.2
 
 
 def test_rows_carry_the_versions_of_the_sampling_policy_and_the_soft_update(tmp_path):

@@ -63,6 +63,28 @@ Deviations from that code, each on purpose:
   rollout makes one optimizer step, as all its configs do.
 - Times are drawn with a torch.Generator seeded from (run seed, step, rank), so
   a resumed run draws the same times and noise as one that never stopped.
+- The code also keeps a 0.99 EMA of the weights for evaluation and saving
+  (train.ema); here, as in every recipe, evaluation samples the trained weights
+  and checkpoints hold them (plus the anchor's EMA, for an exact resume).
+- Rollouts lagging the trainer (async_rollouts) are refused: the loss has no
+  correction for samples of older weights.
+
+In this recipe: rollouts use the ODE sampler by default (any sampler works: only
+the final sample x0 is trained on); the engine serves the trained module
+(colocated); with the toy task's 8 x 16 samples and minibatch_size 128 an update
+is one optimizer step, as in the released configs, which accumulate a whole
+rollout batch into one step.
+
+Defaults and the toy task: every train key is the released GenEval/OCR setting
+(learning rate 3e-4, K = 6, ghuber p = 0.25, advantage_max 1, kl_beta 0.003,
+the KL-EMA anchor with beta 1 and decay ramp 0.001 up to 0.3, global_std), and
+nothing was changed for the toy task: the no-argument run (80 steps, full
+fine-tune of toy-digits, 8 prompts x 16 samples, 10 ODE steps, guidance 1)
+measured eval reward 0.481 -> 0.788 (step 10), 0.904 (20), 0.964 (40),
+0.978 (60), 0.986 (80), with the digit_svc judge 0.572 -> 0.857 (20), 0.929
+(40), 0.941 (80); the same run with per-group std: 0.954 at 40, 0.985 at 80.
+Learning rate 1e-3 (per-group std) is faster (0.97 at step 20), then flat at
+0.967 to step 40.
 """
 
 from __future__ import annotations

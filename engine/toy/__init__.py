@@ -1,7 +1,8 @@
-"""The built-in toy model (`toy-digits`): prompts, tokenizer, transformer and card.
+"""The built-in toy models (`toy-digits`, `toy-numbers`): prompts, tokenizer, transformer and cards.
 
-The card itself registers when `engine.toy.card` is imported (the card
-registry does so lazily); importing this package stays light.
+The cards register when `engine.toy.card` is imported (the card registry
+does so lazily); importing this package stays light. The toy-numbers prompts
+live in `engine.toy.numbers`, pretraining in `engine.toy.pretrain`.
 """
 
 from engine.toy.prompts import (

@@ -199,10 +199,13 @@ register_card(ModelCard(
     id=NUMBERS.card_id,
     description="Built-in toy text-to-image model, harder: two-digit numbers 10-99 as two of sklearn's 8x8 "
                 "digits side by side, prompted in numerals and words; the toy-digits DiT family on an 8x16 "
-                "canvas, pretrained with label noise on each digit so it draws crisp but often wrong digits.",
+                "canvas (patch 4), pretrained with 40% label noise on the digit images so it draws often "
+                "wrong digits (room for RL).",
     load=load_toy_numbers,
-    components={**_COMPONENTS, "prompt_encoder": "ToyPromptEncoder (word tokenizer reading numerals digit by "
-                                                 "digit, 1 attention layer, 64-d)"},
+    components={"prompt_encoder": "ToyPromptEncoder (word tokenizer reading numerals digit by digit, "
+                                  "1 attention layer, 64-d)",
+                "transformer": "ToyDiT (patch 4, width 64, 3 joint-attention blocks)",
+                "decoder": _COMPONENTS["decoder"]},
     latent_rule="[1, 8, 16]: the 8x16 gray image itself (tens digit left, units digit right)",
     precision="float32 weights; fp32 latents and log-probs",
     defaults=_defaults(NUMBERS),
