@@ -92,6 +92,11 @@ unless said):
   advantage-weighted flow-matching step of item 1. At lr 1e-3, a constant eta = 0.5
   learnt slower (0.93 at step 60), so did four optimizer steps per batch
   (minibatch_size 32: 0.91 at step 40), and 16 prompts x 8 samples fell back to 0.78.
+
+configs/toy_numbers_nft.yaml (toy-numbers, GRPO's rollout budget of 8 x 16) raises
+learning_rate to 1e-3; one run, seed 0, on the shipped weights: eval reward 0.16 ->
+0.59 at step 10, 0.70 at 20, 0.95 at 30, 0.90-0.96 to step 60, judge number_svc
+0.21 -> 0.86. GRPO's config on the same task reached 0.81 at step 80 (README).
 """
 
 from __future__ import annotations
