@@ -388,7 +388,7 @@ def test_nft_update_refuses_guided_rollouts_missing_reference_and_too_many_times
         update(traj, kl_beta=0.5)
     with pytest.raises(ValueError, match="timesteps_per_sample=3.*has 2"):
         update(traj, timesteps_per_sample=3)
-    # The public code's default: int(0.99·T) of the T grid times, at least one.
-    assert update_draws(traj, TrainKeys(), torch.Generator())[0].shape == (ROWS, 1)
+    # null: the public code's int(0.99·T) of the T grid times, at least one (the recipe's default is 2).
+    assert update_draws(traj, TrainKeys(timesteps_per_sample=None), torch.Generator())[0].shape == (ROWS, 1)
     uniform = update_draws(traj, TrainKeys(time_sampling="uniform", timesteps_per_sample=5), torch.Generator())[0]
     assert uniform.shape == (ROWS, 5) and bool(((uniform > 0) & (uniform <= 1)).all())
