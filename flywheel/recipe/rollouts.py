@@ -34,9 +34,9 @@ class Rollouts:
     """The engine and the flywheel of a run; `sync(weights)` moves weights into serving and bumps the version."""
 
     def __init__(self, cfg, accelerator, policy: Policy, version: int, trainer_state: dict,
-                 serve: str = "colocated", served_weights: dict[str, torch.Tensor] | None = None):
-        """`served_weights`: with serve="copy", the weights the copy starts from (a resumed sampling policy);
-        None starts it from the trained ones."""
+                 serve: str = "colocated"):
+        """With serve="copy" the copy starts from the trainable weights as they are now: to start it from
+        other ones (a resumed sampling policy), build it inside `policy.weights_swapped(weights)`."""
         if serve not in SERVE_MODES:
             raise ValueError(f"serve={serve!r}: valid layouts are {', '.join(SERVE_MODES)}")
         self.policy = policy
@@ -51,8 +51,6 @@ class Rollouts:
             served.transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
             self.engine = Engine(served, device=accelerator.device, weight_version=version,
                                  time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
-            if served_weights:
-                self.engine.load_weights(served_weights, version)
             self.controller = WeightSyncController(self.engine, transport=CopyTransport())
         else:
             self.engine = Engine(policy.model, device=accelerator.device, weight_version=version,
