@@ -44,11 +44,11 @@ TRAIN_TEMPLATES = (
     "a picture of {numeral}, written neatly",
 )
 
-# New sentences, each number word or numeral at a position some train template puts one
-# (the prompt encoder has absolute positions and one layer: it does not carry a number to
-# a position it never saw one at, and RL, which trains the transformer only, could not fix that).
+# New sentences of trained words. Every recipe trains the transformer only, so a phrasing the
+# frozen one-layer prompt encoder cannot read would cap the eval reward whatever the recipe:
+# "a handwritten {numeral}" was such a one (0.10 after 120 GRPO steps, the other phrasings 0.9-0.99).
 HELDOUT_TEMPLATES = (
-    "a handwritten {numeral}",
+    "the number {numeral}, written by hand",
     "a picture of the number {words}",
     "a {tens} and a {units}",
     "{words}, written neatly by hand",
