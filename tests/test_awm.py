@@ -4,10 +4,8 @@ launcher, --help, and the config checks."""
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,8 @@ import flywheel.loop
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.awm import ANCHOR_PREFIX, Config, ema_anchor, main, validate_config
+
+from recipe_kill import kill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two flow times per sample instead of six: a quarter of the default's training forwards.
@@ -124,14 +124,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
-    cmd = [sys.executable, str(ROOT / "trainers" / "awm.py"), f"run_dir={interrupted}", *QUICK, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not (interrupted / "checkpoints" / "step_000002").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint("awm", interrupted, [*QUICK, *args])
     assert not (interrupted / "checkpoints" / "step_000006").exists()
 
     resumed, _ = run(tmp_path, "ignored", f"resume={interrupted}")

@@ -3,10 +3,8 @@
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,8 @@ from engine import list_cards
 from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
+
+from recipe_kill import kill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick, but big enough that the reward moves within a few dozen steps.
@@ -87,14 +87,7 @@ def test_kill_and_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
-    cmd = [sys.executable, str(ROOT / "trainers" / "grpo.py"), f"run_dir={interrupted}", *QUICK, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (interrupted / "checkpoints" / "step_000002").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint("grpo", interrupted, [*QUICK, *args])
     assert not (interrupted / "checkpoints" / "step_000006").exists()
 
     resumed, _ = run(tmp_path, "ignored", f"resume={interrupted}")

@@ -3,10 +3,8 @@
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,8 @@ from flywheel.recipe.session import RECIPE_TENSOR_PREFIX
 from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.nft import Config, main, validate_config
+
+from recipe_kill import kill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
@@ -164,15 +164,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
-    cmd = [sys.executable, str(ROOT / "trainers" / "nft.py"), f"run_dir={interrupted}", *QUICK, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    while not (interrupted / "checkpoints" / "step_000002").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint("nft", interrupted, [*QUICK, *args])
     assert not (interrupted / "checkpoints" / "step_000005").exists()
     at_kill = checkpoint(interrupted, 2)
     sampling = {k[len(RECIPE_TENSOR_PREFIX):]: v for k, v in at_kill.items() if k.startswith(RECIPE_TENSOR_PREFIX)}
