@@ -1,0 +1,384 @@
+"""Online Diffusion-DPO (Wallace et al., arXiv 2311.12908) for flow-matching models: preference pairs from each step's groups.
+
+    accelerate launch trainers/dpo.py                     # the built-in toy task (toy-digits)
+    python trainers/dpo.py --config configs/toy_numbers_dpo.yaml
+    python trainers/dpo.py train.pairing=all_pairs train.pair_margin=0.1 train.beta=50
+
+Each step the trained policy samples G images per prompt (any sampler, the
+ODE by default: no log-probabilities are needed), the rewards rank each group,
+and the best and the worst sample of a group become a (winner, loser) pair
+(`pairing=all_pairs`: every i, j of a group with r_i - r_j > pair_margin).
+The loss asks the policy to fit the winner better than the reference policy
+does, by more than it fits the loser.
+
+The paper's loss (Eq. 14), for a pair (x0^w, x0^l) of one prompt c:
+
+    L = -log sigmoid( -beta·T·omega(lambda_t) · [ (||eps^w - eps_theta(x_t^w, t)||^2 - ||eps^w - eps_ref(x_t^w, t)||^2)
+                                                - (||eps^l - eps_theta(x_t^l, t)||^2 - ||eps^l - eps_ref(x_t^l, t)||^2) ] )
+
+with t ~ U(0, T) and x_t^* drawn from the forward process q(x_t | x0^*). Here,
+in the rectified-flow form the whole project uses, for each pair and each of K
+flow times t drawn for it, with one eps ~ N(0, I) shared by winner and loser:
+
+    x_t^w = (1 - t)·x0^w + t·eps,     x_t^l = (1 - t)·x0^l + t·eps          (same t, same eps)
+    e_p(x) = mean over elements |v_p(x_t, t, c) - (eps - x0)|^2              p = theta (trained) or ref
+    Delta  = (e_theta(w) - e_ref(w)) - (e_theta(l) - e_ref(l))
+    L      = -log sigmoid(-beta·Delta)
+
+averaged over the pairs of a minibatch, then over the K times. -beta·Delta is
+the implicit reward margin of the pair: positive when the policy prefers the
+winner more than the reference does (`dpo/implicit_acc` is the fraction of
+pairs where it is).
+
+Scaling, stated exactly: the paper's beta·T·omega(lambda_t) (omega constant in
+its experiments) is folded into the one `beta` here, and the squared norms are
+means over the latent's elements, not sums. The public codes (the paper's own
+and the flow-matching adaptations below) write -beta/2·Delta: their beta = 2·this
+beta (flow_grpo's DPO config beta = 100 is beta = 50 here; Flow-Factory's 2000 is 1000).
+
+Reference policy: the model before any update (`build_policy(..., reference=True)`):
+the LoRA adapter switched off, or a frozen copy of the transformer for full
+fine-tuning. It never moves.
+
+What was read, facts only: the paper (Eq. 14, and Sec. 4: the same noise and t for
+winner and loser); flow_grpo's online-DPO script (scripts/train_sd3_dpo.py of the
+flow_grpo refactor: velocity target eps - x0, per-row mean squared errors,
+-beta/2 scaling, shared noise and t, logit-normal flow times, best/worst of a
+group by the per-prompt tracker, rollouts made by the "ref" adapter that is
+copied from the learner every ref_update_step steps); Flow-Factory
+(src/flow_factory/trainers/dpo.py: best/worst pairing by advantage, K = 1 time
+per pair, logit-normal or uniform times, beta 2000).
+
+Deviations, each on purpose:
+- Reference: fixed at the base model, as the paper (offline DPO). flow_grpo's
+  online variant copies the trained weights into the reference every
+  ref_update_step steps and samples with the reference; here the trained policy
+  samples (on-policy rollouts, like the other recipes) and the reference never moves.
+- Pairs are ranked by the total reward (the weighted sum of the scorers), not
+  by a group-normalised advantage: the same order within a group, and
+  `pair_margin` is then in reward units. `rewards_mode=sum_of_advantages` is
+  refused (its combined signal is not a reward to rank by).
+- A group whose valid rewards are all equal gives no pair (so does one whose
+  spread is within the margin); a masked (invalid) reward is never in a pair.
+  A group split across ranks (prompts_per_step·group_size / ranks not a multiple
+  of group_size) is paired within each rank's share.
+- Flow times: `time_sampling` "rollout_grid" (default) draws each of a pair's K
+  times from the rollout schedule's own times in (0, 1], independently;
+  "uniform" draws t ~ U(0, 1); "logit_normal" t = sigmoid(N(0, 1)) as the public
+  codes (flow_grpo maps it onto the scheduler's 1000 discrete times; here t is continuous).
+- Training uses the conditional velocity only (the public codes' training
+  forward has no guidance either), whatever guidance the rollouts used.
+- Randomness: times and noise come from a generator seeded by (seed, step,
+  rank), so a resumed run draws what an uninterrupted one did; no EMA of the
+  weights (flow_grpo's train.ema) is kept: evaluation samples the trained weights.
+- Several ranks: each rank forms its own pairs; every rank runs the same
+  number of minibatches (the largest rank's pair count, the others padded with
+  zero-weight pairs) so DDP's collectives line up, and a step in which no rank
+  has a pair takes no optimizer step. `minibatch_size` counts pairs (2 rows each).
+
+Defaults and the toy task (toy-digits, 8 prompts x 16 samples, ODE with 10 steps,
+full fine-tune; eval at guidance 1, base 0.481, judge digit_svc 0.572): see the
+tuning notes at the end of this docstring.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from engine import Trajectory
+from flywheel.cli import run_main
+from flywheel.distributed import all_gather_cat, rank_and_world
+from flywheel.loop import RolloutBatch
+from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.rollouts import Rollouts
+from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
+                                      check_shared_sections, resolve_config)
+from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
+
+# The stream of update_generator for DPO's flow times and noise (never equal to another recipe's draws).
+DRAW_STREAM = 0x44504F  # "DPO"
+PAIRINGS = ("best_worst", "all_pairs")
+
+
+# ---------------------------------------------------------------------------------------
+# Config: the algorithm's own keys (the optimizer and batching keys come from OptimConfig)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class DPOConfig(OptimConfig):
+    learning_rate: float = 3e-4
+    """AdamW learning rate"""
+    beta: float = 50.0
+    """beta of -log sigmoid(-beta·Delta): the paper's beta·T·omega(lambda_t) in one number (the public codes'
+    beta/2); larger keeps the policy closer to the reference"""
+    pairing: Literal["best_worst", "all_pairs"] = "best_worst"
+    """"best_worst": one pair per group (its highest and lowest reward); "all_pairs": every i, j of a group with
+    r_i - r_j > pair_margin"""
+    pair_margin: float = 0.0
+    """a pair needs r_winner - r_loser > pair_margin (reward units; 0 = any strict preference)"""
+    timesteps_per_pair: int = 2
+    """flow times K each pair is trained at per step (one shared noise draw per time)"""
+    time_sampling: Literal["rollout_grid", "uniform", "logit_normal"] = "rollout_grid"
+    """flow times: one of the rollout schedule's times in (0, 1]; t ~ U(0, 1); or sigmoid(N(0, 1)) (public codes)"""
+    minibatch_size: int = 64
+    """pairs per training forward (each pair is two rows, winner and loser)"""
+    swap_pairs: bool = False
+    """a control for tests: train every pair the wrong way round (loser as the winner); the reward must fall"""
+
+
+@dataclass
+class Config(RunConfig):
+    run_dir: str = "runs/dpo-toy"
+    """where config, metrics, samples and checkpoints go"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Only the final samples are trained on: the deterministic sampler will do.
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
+    train: DPOConfig = field(default_factory=DPOConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# Config checks
+# ---------------------------------------------------------------------------------------
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
+    checks = check_shared_sections(cfg)
+    tc = cfg.train
+    checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
+    checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
+    checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")
+    if tc.gradient_accumulation_steps != 1 or tc.updates_per_rollout not in (None, 1):
+        checks.fail(f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps}, train.updates_per_rollout="
+                    f"{tc.updates_per_rollout}: the number of pairs (so of minibatches) changes from step to step; "
+                    "use gradient_accumulation_steps=1 with updates_per_rollout=null (one optimizer step per "
+                    "minibatch of pairs) or updates_per_rollout=1 (one optimizer step per rollout)")
+    if cfg.rewards_mode != "weighted_sum":
+        checks.fail(f"rewards_mode={cfg.rewards_mode}: DPO ranks samples by their total reward; use "
+                    "rewards_mode=weighted_sum")
+    if cfg.async_rollouts:
+        checks.fail("async_rollouts=true: this recipe trains on the current policy's samples; set async_rollouts=false")
+    checks.raise_if_any()
+
+
+# ---------------------------------------------------------------------------------------
+# Pairs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pairs:
+    """(winner, loser) row indices into a rank's rollouts, and each pair's reward gap r_w - r_l (all [P])."""
+
+    winners: torch.Tensor
+    losers: torch.Tensor
+    reward_gap: torch.Tensor
+    groups_used: int
+    groups: int
+
+    def __len__(self) -> int:
+        return int(self.winners.numel())
+
+
+def preference_pairs(rewards: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor, pairing: str,
+                     margin: float = 0.0) -> Pairs:
+    """The pairs of one rank's rollouts, group by group in order of first appearance.
+
+    best_worst: the highest and the lowest valid reward of a group (the first row
+    of each on ties), if they differ by more than `margin`. all_pairs: every
+    (i, j) of a group's valid rows with r_i - r_j > margin, i before j in row
+    order for the outer loop. Rows whose reward is masked are never paired.
+    """
+    if pairing not in PAIRINGS:
+        raise ValueError(f"train.pairing={pairing!r}: valid pairings are {', '.join(PAIRINGS)}")
+    r = rewards.detach().float().cpu().tolist()
+    ok = valid.detach().bool().cpu().tolist()
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(group_ids.detach().cpu().tolist()):
+        members.setdefault(g, []).append(row)
+    winners, losers, gaps, used = [], [], [], 0
+    for rows in members.values():
+        rows = [i for i in rows if ok[i]]
+        if pairing == "best_worst":
+            found = []
+            if rows:
+                best = max(rows, key=lambda i: (r[i], -i))
+                worst = min(rows, key=lambda i: (r[i], i))
+                found = [(best, worst)] if r[best] - r[worst] > margin else []
+        else:
+            found = [(i, j) for i in rows for j in rows if r[i] - r[j] > margin]
+        used += bool(found)
+        for w, lo in found:
+            winners.append(w)
+            losers.append(lo)
+            gaps.append(r[w] - r[lo])
+    return Pairs(torch.tensor(winners, dtype=torch.long), torch.tensor(losers, dtype=torch.long),
+                 torch.tensor(gaps, dtype=torch.float32), used, len(members))
+
+
+# ---------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------
+
+
+def flow_matching_error(v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per-row error e = mean over elements of (v - (eps - x0))^2, shape [N] (fp32)."""
+    return (v.float() - (noise.float() - x0.float())).pow(2).flatten(1).mean(1)
+
+
+def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_l: torch.Tensor,
+             x0_w: torch.Tensor, x0_l: torch.Tensor, noise: torch.Tensor, beta: float,
+             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Diffusion-DPO loss of P pairs: sum over pairs of weight·(-log sigmoid(-beta·Delta)).
+
+    v_w, v_l [P, ...]: the trained policy's velocities at the winner's and the
+    loser's x_t = (1 - t)·x0 + t·noise (one t and one noise per pair); v_ref_*:
+    the reference's at the same points (no gradient flows into them); weight [P]
+    sums to 1 over the pairs that count (None: the mean over all P).
+    """
+    p = v_w.shape[0]
+    if weight is None:
+        weight = torch.full((p,), 1.0 / max(p, 1), device=v_w.device)
+    weight = weight.float().to(v_w.device)
+    e_w, e_l = flow_matching_error(v_w, x0_w, noise), flow_matching_error(v_l, x0_l, noise)
+    ref_w = flow_matching_error(v_ref_w.detach(), x0_w, noise)
+    ref_l = flow_matching_error(v_ref_l.detach(), x0_l, noise)
+    delta = (e_w - ref_w) - (e_l - ref_l)
+    margin = -beta * delta  # the implicit reward margin: > 0 when the policy prefers the winner more than ref
+    loss = (weight * -F.logsigmoid(margin)).sum()
+    # The velocity MSE to the reference over both rows of each pair: how far the policy has moved.
+    kl = (weight * 0.5 * ((v_w.float() - v_ref_w.float()).pow(2).flatten(1).mean(1)
+                          + (v_l.float() - v_ref_l.float()).pow(2).flatten(1).mean(1))).sum().detach()
+    m = margin.detach()
+    stats = {
+        "loss": loss.detach(),
+        "kl": kl,
+        "dpo/implicit_acc": (weight * (m > 0).float()).sum(),
+        "dpo/implicit_margin": (weight * m).sum(),
+        "dpo/error_w": (weight * e_w.detach()).sum(),
+        "dpo/error_l": (weight * e_l.detach()).sum(),
+        "dpo/ref_error_w": (weight * ref_w).sum(),
+        "dpo/ref_error_l": (weight * ref_l).sum(),
+    }
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------------------
+# Flow times and noise of one update
+# ---------------------------------------------------------------------------------------
+
+
+def draw_times_and_noise(traj: Trajectory, n_pairs: int, tc: DPOConfig, generator: torch.Generator
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(times [P, K], noise [P, K, *latent]) on the CPU, times first: one t and one eps per pair and time."""
+    k = tc.timesteps_per_pair
+    if tc.time_sampling == "rollout_grid":
+        schedule = traj.timesteps.detach().float().cpu()
+        choices = schedule[(schedule > 0) & (schedule <= 1)]
+        times = choices[torch.randint(len(choices), (n_pairs, k), generator=generator)]
+    elif tc.time_sampling == "uniform":
+        times = torch.rand((n_pairs, k), generator=generator)
+    elif tc.time_sampling == "logit_normal":
+        times = torch.sigmoid(torch.randn((n_pairs, k), generator=generator))
+    else:
+        raise ValueError(f"train.time_sampling={tc.time_sampling!r}: use rollout_grid, uniform or logit_normal")
+    noise = torch.randn((n_pairs, k, *traj.latents.shape[2:]), generator=generator)
+    return times, noise
+
+
+# ---------------------------------------------------------------------------------------
+# The update
+# ---------------------------------------------------------------------------------------
+
+
+def padded_pair_count(n_local: int) -> int:
+    """The most pairs any rank has this step: every rank runs that many pair slots (DDP needs equal backwards)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return n_local
+    return int(all_gather_cat(torch.tensor([n_local], dtype=torch.long)).max())
+
+
+def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, sync, cfg, step: int,
+               version: int) -> dict[str, float]:
+    """One DPO update over this rank's rollouts: pairs, minibatches of pairs x K flow times, optimizer step(s).
+
+    `transformer` is the trained module as prepared (DDP-wrapped on several ranks);
+    `policy.ref_velocity` the reference's velocity; `version` the weight version
+    now (reported back unchanged when no rank has a pair, and no step is taken).
+    """
+    tc = cfg.train
+    traj: Trajectory = batch.trajectory
+    pairs = preference_pairs(batch.rewards.total, batch.rewards.valid, batch.group_ids, tc.pairing, tc.pair_margin)
+    real = len(pairs)
+    slots = padded_pair_count(real)
+    pair_metrics = {"dpo/pairs": float(real), "dpo/groups_used": pairs.groups_used / max(pairs.groups, 1),
+                    "dpo/reward_gap": float(pairs.reward_gap.mean()) if real else 0.0}
+    if slots == 0:
+        return {**pair_metrics, "dpo/no_pair_steps": 1.0, "weight_version_after": version}
+    winners, losers = (pairs.losers, pairs.winners) if tc.swap_pairs else (pairs.winners, pairs.losers)
+    # Slots past this rank's pairs hold row 0 against itself with weight 0: forwards for DDP, no gradient.
+    fill = torch.zeros(slots - real, dtype=torch.long)
+    winners, losers = torch.cat([winners, fill]), torch.cat([losers, fill])
+    counts = torch.cat([torch.ones(real), torch.zeros(slots - real)])
+
+    device = traj.latents.device
+    x0_all = traj.latents[:, -1].float()
+    k = tc.timesteps_per_pair
+    times, noise = draw_times_and_noise(traj, slots, tc,
+                                        update_generator(cfg.seed, step, accelerator.process_index, DRAW_STREAM))
+    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, sync, tc, step)
+    for m, slot in enumerate(grads.minibatches(slots)):
+        w_rows, l_rows = winners[slot].tolist(), losers[slot].tolist()
+        n = len(slot)
+        # Winners then losers in one forward, each with its own prompt's conditioning (the same prompt per pair).
+        cond, _ = trajectory_conditioning(traj.select(w_rows + l_rows), use_cfg=False)
+        x0 = torch.cat([x0_all[w_rows], x0_all[l_rows]])
+        weight = (counts[slot] / counts[slot].sum().clamp(min=1.0)).to(device)
+        for i in range(k):
+            t = times[slot, i].to(device).repeat(2)
+            eps = noise[slot, i].to(device).repeat(2, *([1] * (noise.dim() - 2)))
+            t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
+            x_t = (1 - t_b) * x0 + t_b * eps
+            with torch.no_grad():
+                v_ref = policy.ref_velocity(x_t, t, cond)
+            v = policy.velocity(transformer, x_t, t, cond)
+            loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight)
+            grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+            grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
+        grads.maybe_step(m)
+    return {**grads.metrics(), **pair_metrics, "dpo/no_pair_steps": 0.0}
+
+
+# ---------------------------------------------------------------------------------------
+# Main: the policy and its reference, the rollouts, then the shared loop
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    validate_config(cfg)
+    run = RecipeRun(cfg, recipe="dpo")
+    policy = build_policy(cfg, run.device, reference=True)
+    optimizer = make_optimizer(policy, cfg.train)
+    run.resume(policy, optimizer)
+    transformer, optimizer = run.prepare(policy, optimizer)
+    rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
+
+    def update(batch: RolloutBatch, step: int) -> dict:
+        return dpo_update(batch, policy, transformer, optimizer, run.accelerator, rollouts.sync, cfg, step,
+                          rollouts.version)
+
+    return run.train(rollouts, update)
+
+
+if __name__ == "__main__":
+    run_main(main)
