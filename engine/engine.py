@@ -35,7 +35,7 @@ from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
 from engine.compiling import compile_for_rollouts
 from engine.loop import concat_embeds, denoise, denoise_with_scheduler
-from engine.sampling import flow_timesteps, step_noise_levels
+from engine.sampling import compressed_tail, flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
 
 PAUSE_MODES = ("drain",)
@@ -64,6 +64,9 @@ class Engine:
         self._state = threading.Condition()
         self._paused = False
         self._in_flight = 0
+        # MixGRPO-Flash: the ODE steps after a rollout's SDE window run DPM-Solver++(2M) through this fraction
+        # of them (`engine.sampling.compressed_tail`); None = Euler on every point. ODE requests never change.
+        self.flash_compress: float | None = None
 
     @classmethod
     def from_card(cls, card_id: str, path: str | None = None, device: str = "cpu",
@@ -135,9 +138,16 @@ class Engine:
         first = requests[0]
         latent_shape = self.model.latent_shape(first.height, first.width, first.frames)
         scheduler = self.ode_scheduler(first, latent_shape)
+        multistep_from = None
         if scheduler is None:
             timesteps = self.schedule(first.steps, latent_shape)
             noise_levels = step_noise_levels(first.steps, first.sampler, first.noise_level, first.sde_window)
+            window_end = first.sde_window[1] if first.sde_window is not None else first.steps
+            if self.flash_compress is not None and first.sampler != "ode" and window_end < first.steps:
+                # Flash: the window's steps as they are, the ODE after it on fewer points, second order.
+                timesteps = compressed_tail(timesteps, window_end, self.flash_compress)
+                noise_levels = noise_levels[:window_end] + [0.0] * (len(timesteps) - 1 - window_end)
+                multistep_from = window_end
         else:  # the scheduler's own states: its sigmas, one step per scheduler call
             timesteps = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
             noise_levels = [0.0] * len(scheduler.timesteps)
@@ -153,7 +163,8 @@ class Engine:
         if scheduler is None:
             latents, log_probs = denoise(self.model, self.serving_transformer(), initial_noise, step_noise,
                                          timesteps, noise_levels, cond, uncond_cond, first.guidance_scale,
-                                         keep_trajectory=first.keep_trajectory, sampler=first.sampler)
+                                         keep_trajectory=first.keep_trajectory, sampler=first.sampler,
+                                         multistep_from=multistep_from)
         else:
             latents, log_probs = denoise_with_scheduler(self.model, self.serving_transformer(), initial_noise,
                                                         scheduler, cond, uncond_cond, first.guidance_scale,

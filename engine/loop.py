@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine.cards import FlowModel, PromptEmbeds
-from engine.sampling import cps_step, ode_step, sde_step, sde_t_cap
+from engine.sampling import cps_step, dpm_solver_2m_step, ode_step, sde_step, sde_t_cap
 
 
 def concat_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
@@ -70,28 +70,40 @@ def _trajectory_buffers(initial_noise: torch.Tensor, steps: int,
 def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tensor, step_noise: torch.Tensor | None,
             timesteps: torch.Tensor, noise_levels: list[float], cond: PromptEmbeds,
             uncond_cond: PromptEmbeds | None, guidance_scale: float,
-            keep_trajectory: bool = True, sampler: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
+            keep_trajectory: bool = True, sampler: str = "sde",
+            multistep_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the sampler from noise to data.
 
     initial_noise [B, *latent]; step_noise [B, T, *latent] (None for a pure ODE run);
     timesteps [T+1] from 1 to 0; noise_levels: T host floats (0 = ODE step);
-    sampler: "sde" (Flow-SDE) or "cps" for the stochastic steps ("ode" = none).
+    sampler: "sde" (Flow-SDE) or "cps" for the stochastic steps ("ode" = none);
+    multistep_from: ODE steps k >= multistep_from (k >= 1) take DPM-Solver++(2M) with
+    the previous point's data prediction, except the last step, which stays first
+    order (Euler) as DPM-Solver++ ends (MixGRPO-Flash); None = Euler everywhere.
     Returns (latents [B, T+1, *latent] or [B, 1, *latent] with only the
     final latent when keep_trajectory is False, log_probs [B, T]).
     """
     steps = len(noise_levels)
     x, latents, log_probs = _trajectory_buffers(initial_noise, steps, keep_trajectory)
     t_cap = sde_t_cap(timesteps)
+    x0_prev = None
     for k in range(steps):
         t, t_next = timesteps[k], timesteps[k + 1]
         v = guided_velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale)
+        x_now = x
         # noise_levels are host floats known before the loop: this branch costs no sync.
-        if step_noise is None or noise_levels[k] == 0.0:
+        second_order = (multistep_from is not None and 1 <= multistep_from <= k < steps - 1
+                        and noise_levels[k] == 0.0)
+        if second_order:
+            x = dpm_solver_2m_step(x, v, t, t_next, x0_prev, timesteps[k - 1])
+        elif step_noise is None or noise_levels[k] == 0.0:
             x = ode_step(x, v, t, t_next)
         elif sampler == "cps":
             x, log_probs[:, k] = cps_step(x, v, t, t_next, noise_levels[k], step_noise[:, k])
         else:
             x, log_probs[:, k] = sde_step(x, v, t, t_next, noise_levels[k], step_noise[:, k], t_cap)
+        if multistep_from is not None:
+            x0_prev = x_now - t * v  # the data prediction the next multistep step extrapolates from
         if keep_trajectory:
             latents[:, k + 1] = x
     if not keep_trajectory:

@@ -32,6 +32,18 @@ Its log-prob is the Gaussian log-density of the taken step with that mean and
 std (mean over elements, as for Flow-SDE). With eta = 0 the mean is
 x_k + (t_next - t) · v algebraically: the Euler step, equal up to rounding.
 
+DPM-Solver++(2M) (Lu et al., arXiv 2211.01095, Alg. 2, the multistep second-order
+solver in its "midpoint" form), for the ODE steps after an SDE window (MixGRPO-Flash).
+Rectified flow is the diffusion with alpha_t = 1 - t, sigma_t = t: log-SNR
+lambda_t = log((1 - t) / t), data prediction x0 = x - t·v. From t with the previous
+point's prediction x0_prev at t_prev, to t_next:
+    h    = lambda_{t_next} - lambda_t,   r = (lambda_t - lambda_{t_prev}) / h
+    D1   = (x0 - x0_prev) / r
+    x_{t_next} = (t_next / t)·x + (1 - t_next)·(1 - e^{-h})·(x0 + D1 / 2)
+with e^{-h} = t_next·(1 - t) / ((1 - t_next)·t). Without a previous point (D1 = 0) it
+is the first-order DPM-Solver++ step, which for rectified flow is the Euler step
+algebraically.
+
 The log-prob is averaged over elements (not summed) so that its scale does
 not depend on the image size; constants cancel in PPO ratios anyway.
 
@@ -66,6 +78,30 @@ def flow_timesteps(steps: int, shift: float = 1.0, device: torch.device | str = 
 def ode_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
     """One Euler step of the probability-flow ODE."""
     return x + (t_next - t) * v
+
+
+def dpm_solver_2m_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,
+                       x0_prev: torch.Tensor, t_prev: torch.Tensor) -> torch.Tensor:
+    """One DPM-Solver++(2M) step of the probability-flow ODE (see the module docstring), 0 < t_next < t < t_prev.
+
+    `x0_prev` is the data prediction x - t·v made at the previous schedule point t_prev.
+    """
+    x0 = x - t * v
+    lam, lam_next, lam_prev = (torch.log((1 - s) / s) for s in (t, t_next, t_prev))
+    h = lam_next - lam
+    d1 = (x0 - x0_prev) * (h / (lam - lam_prev))
+    decay = t_next * (1 - t) / ((1 - t_next) * t)  # e^{-h}, without the logs' rounding
+    return (t_next / t) * x + ((1 - t_next) * (1 - decay)) * (x0 + 0.5 * d1)
+
+
+def compressed_tail(timesteps: torch.Tensor, start: int, fraction: float) -> torch.Tensor:
+    """The schedule with its points after index `start` thinned: the n steps from t_start to 0 become
+    max(1, int(n·fraction)) steps through the schedule's own points at evenly spaced (rounded) indices."""
+    steps = timesteps.shape[0] - 1
+    n = steps - start
+    kept = max(1, int(n * fraction))
+    index = torch.linspace(start, steps, kept + 1, dtype=torch.float64).round().long()
+    return torch.cat([timesteps[:start], timesteps[index.to(timesteps.device)]])
 
 
 def sde_t_cap(timesteps: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -91,6 +92,9 @@ class Flywheel:
             rollout_chunk_size = math.ceil(self.local_batch / 2) if overlap_scoring else self.local_batch
         self.rollout_chunk_size = rollout_chunk_size
         self._executor: ThreadPoolExecutor | None = None
+        # Per-step request fields over `request_kwargs` (a recipe's SDE window that moves with the step):
+        # a function of the step alone, so async prefetching, resuming and several ranks agree on it.
+        self.step_request_overrides: Callable[[int], dict] | None = None
 
     def set_rewards(self, rewards: RewardSet | str | dict | list, **kwargs) -> None:
         """Swap the reward between steps: a `RewardSet`, or a spec (plus RewardSet kwargs) to build one.
@@ -142,7 +146,9 @@ class Flywheel:
         """Roll out, score and compute advantages for this rank's rows of step `step`."""
         items = self.sampler.batch(step)
         rows = range(self.rank * self.local_batch, (self.rank + 1) * self.local_batch)
-        requests = [self._request(items[row // self.group_size], sample_seed(self.seed, step, row)) for row in rows]
+        overrides = self.step_request_overrides(step) if self.step_request_overrides is not None else {}
+        requests = [self._request(items[row // self.group_size], sample_seed(self.seed, step, row), **overrides)
+                    for row in rows]
         group_ids = torch.tensor([row // self.group_size for row in rows])
 
         trajectory, rewards, timings = self._rollout_and_score(requests)
