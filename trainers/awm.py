@@ -64,8 +64,10 @@ Deviations from that code, each on purpose:
 - Times are drawn with a torch.Generator seeded from (run seed, step, rank), so
   a resumed run draws the same times and noise as one that never stopped.
 - The code also keeps a 0.99 EMA of the weights for evaluation and saving
-  (train.ema); here, as in every recipe, evaluation samples the trained weights
-  and checkpoints hold them (plus the anchor's EMA, for an exact resume).
+  (its train.ema). Here that is every recipe's train.ema (off by default,
+  flywheel/recipe/ema.py), whose decay defaults to Flow-GRPO's 0.9: add
+  train.ema=true train.ema_decay=0.99 for the code's. It is a second average,
+  apart from the anchor's; both move with the same `WeightEMA` math.
 - Rollouts lagging the trainer (async_rollouts) are refused: the loss has no
   correction for samples of older weights.
 
@@ -107,6 +109,7 @@ import torch
 from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.loop import RolloutBatch
+from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -337,47 +340,29 @@ def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, 
 # ---------------------------------------------------------------------------------------
 
 
-class EMAAnchor:
+class EMAAnchor(WeightEMA):
     """An exponential moving average of the trained weights, the policy the anchor term pulls toward.
 
-    Its velocity is the trained module's with the EMA values swapped in for one
-    no-grad forward (`Policy.weights_swapped`), so neither LoRA nor full
+    The average itself (update, state, strict loading; float32) is the shared
+    `WeightEMA`, the one train.ema uses; the anchor adds its own decay schedule
+    and its velocity: the trained module's with the EMA values swapped in for
+    one no-grad forward (`Policy.weights_swapped`), so neither LoRA nor full
     fine-tuning keeps a second copy of the model. (Not for FSDP-sharded
     parameters.) Its tensors are checkpointed for an exact resume.
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]):
-        self.shadow = {name: p.detach().clone() for name, p in named_params}
+        super().__init__(named_params, what="EMA anchor")
 
     @staticmethod
     def decay(steps_done: int, tc: AWMConfig) -> float:
         """min(anchor_decay, anchor_decay_ramp·steps_done): 0 at first, so the anchor starts at the weights."""
         return min(tc.anchor_decay, tc.anchor_decay_ramp * steps_done)
 
-    @torch.no_grad()
-    def update(self, named_params, decay: float) -> None:
-        """EMA <- decay·EMA + (1 - decay)·weights."""
-        for name, p in named_params:
-            self.shadow[name].mul_(decay).add_(p.detach(), alpha=1.0 - decay)
-
     def velocity(self, policy: Policy, x, t, cond, uncond_cond, guidance: float) -> torch.Tensor:
         """The (guided) velocity of the EMA weights at x, t; the trained weights are back, bit for bit, after."""
         with torch.no_grad(), policy.weights_swapped(self.shadow):
             return policy.velocity(policy.transformer, x, t, cond, uncond_cond, guidance)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.shadow)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Strict: the same names and shapes as the trained parameters."""
-        if state.keys() != self.shadow.keys():
-            raise ValueError(f"EMA anchor state names differ from the trained parameters: "
-                             f"{sorted(set(state) ^ set(self.shadow))[:5]}")
-        for name, value in state.items():
-            if value.shape != self.shadow[name].shape:
-                raise ValueError(f"EMA anchor {name!r}: shape {tuple(value.shape)} in the state, "
-                                 f"{tuple(self.shadow[name].shape)} trained")
-            self.shadow[name].copy_(value)
 
 
 def ema_anchor(policy: Policy, tc: AWMConfig, checkpointed: dict[str, torch.Tensor]) -> EMAAnchor | None:

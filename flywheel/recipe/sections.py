@@ -105,6 +105,16 @@ class OptimConfig:
     """stop with an error after this many consecutive steps whose every sample the rewards masked"""
     gradient_checkpointing: bool = False
     """recompute the transformer's activations in backward (less memory, ~30% slower; diffusers models)"""
+    ema: bool = False
+    """keep an EMA of the trained weights (Flow-GRPO's train.ema): evaluation and the saved LoRA use it,
+    rollouts keep the trained weights, checkpoints hold both (flywheel/recipe/ema.py)"""
+    ema_decay: float = 0.9
+    """EMA <- decay·EMA + (1 - decay)·weights, the decay ramping as min(ema_decay, (1 + n)/(10 + n)) over the
+    n training steps since ema_start_step (Flow-GRPO: 0.9)"""
+    ema_start_step: int = 0
+    """training steps during which the EMA is the trained weights; it averages from then on"""
+    ema_update_every: int = 8
+    """the EMA moves after every N-th training step from ema_start_step (Flow-GRPO: every 8 optimizer steps)"""
 
 
 @dataclass
@@ -198,6 +208,14 @@ def check_shared_sections(cfg) -> ConfigChecks:
                    "must be two numbers in [0, 1)")
     for key in ("train.max_grad_norm", "train.adv_clip_max", "model.lora_alpha"):
         checks.require(key, lambda v: v > 0, "must be > 0")
+    checks.require("train.ema_decay", lambda v: 0 <= v < 1,
+                   "must be in [0, 1) (EMA <- decay·EMA + (1 - decay)·weights; 0 = the trained weights)")
+    checks.require("train.ema_start_step", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("train.ema_update_every", lambda v: v >= 1, positive)
+    if cfg.train.ema and cfg.async_rollouts:
+        # Evaluation then runs in the engine process, which only ever holds the synced (trained) weights.
+        checks.fail("train.ema=true with async_rollouts=true: evaluating the EMA needs the evaluation engine in "
+                    "this process; set async_rollouts=false or train.ema=false")
     try:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:

@@ -9,6 +9,9 @@ metrics, progress, and the loop that drives the algorithm's update.
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     result = run.train(rollouts, update)                        # update(batch, step) -> metrics
 
+With train.ema, the run keeps an EMA of the trained weights (flywheel/recipe/ema.py) that evaluation and
+the saved LoRA use; rollouts and weight sync keep the trained weights.
+
 Every recipe writes the same run directory (config.yaml, run.json, metrics.jsonl,
 samples/, checkpoints/) and the same metric keys, so runs of different
 algorithms compare directly (`python -m flywheel.runs compare`).
@@ -16,6 +19,7 @@ algorithms compare directly (`python -m flywheel.runs compare`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -32,6 +36,7 @@ from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import save_lora_for_diffusers
 from flywheel.loop import RolloutBatch
 from flywheel.prompts import load_prompts
+from flywheel.recipe.ema import WeightEMA, train_ema_decay
 from flywheel.recipe.policy import Policy, fsdp_full_params
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import eval_request_kwargs
@@ -46,6 +51,8 @@ RUN_INFO_FILENAME = "run.json"
 # Checkpointed tensors of a recipe's own (a sampling policy, an EMA) travel beside the trained weights
 # under this prefix, and are handed back to the recipe on resume.
 RECIPE_TENSOR_PREFIX = "recipe/"
+# train.ema's average of the trained weights in a checkpoint (its own prefix: a recipe's tensors stay its own).
+EMA_TENSOR_PREFIX = "ema/"
 
 Update = Callable[[RolloutBatch, int], dict]
 
@@ -70,6 +77,7 @@ class RecipeRun:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.accelerator.num_processes))
         self.start_step, self.version, self.trainer_state = 0, 0, {}
         self.recipe_tensors: dict[str, torch.Tensor] = {}
+        self.ema: WeightEMA | None = None  # train.ema's average, held by the main process (it evaluates and saves)
         self.wall_offset = 0.0  # wall seconds of the run before a resume
         self.full_params = None
 
@@ -84,7 +92,8 @@ class RecipeRun:
     # --- setup ------------------------------------------------------------------------------------
 
     def resume(self, policy: Policy, optimizer) -> None:
-        """Load the checkpoint named by resume= (weights, optimizer, RNG, trainer state); a no-op for a fresh run.
+        """Load the checkpoint named by resume= (weights, optimizer, RNG, trainer state, train.ema's average);
+        for a fresh run, save its config and start train.ema's average at the weights as they are.
 
         The recipe's own checkpointed tensors (see `save`) land in `self.recipe_tensors`.
         """
@@ -94,14 +103,16 @@ class RecipeRun:
                 save_config(cfg, self.dir.path / "config.yaml")
                 atomic_write_text(self.dir.path / RUN_INFO_FILENAME,
                                   json.dumps({"recipe": self.recipe, "card": cfg.model.card}) + "\n")
+            self.ema = self._start_ema(policy, None)
             return
         # resolve_resume verified its checksums a moment ago; load checks names, sizes and finiteness.
         state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=policy.named_params,
                                                checksums=False)
-        self.recipe_tensors = {k[len(RECIPE_TENSOR_PREFIX):]: v for k, v in state.items()
-                               if k.startswith(RECIPE_TENSOR_PREFIX)}
-        trained = {k: v for k, v in state.items() if not k.startswith(RECIPE_TENSOR_PREFIX)}
+        self.recipe_tensors = _with_prefix(state, RECIPE_TENSOR_PREFIX)
+        ema_state = _with_prefix(state, EMA_TENSOR_PREFIX)
+        trained = {k: v for k, v in state.items() if not k.startswith((RECIPE_TENSOR_PREFIX, EMA_TENSOR_PREFIX))}
         load_trainable(policy.named_params, trained, cfg.resume)  # strict: every trained tensor, nothing else
+        self.ema = self._start_ema(policy, ema_state)
         self.start_step, self.version = trainer_state["step"], trainer_state["weight_version"]
         self.trainer_state = trainer_state
         if self.is_main:
@@ -109,6 +120,20 @@ class RecipeRun:
             # time/wall_s continues from the checkpoint's step, so curves against wall time join up.
             walls = [r["time/wall_s"] for r in self.dir.metrics.read() if "time/wall_s" in r]
             self.wall_offset = walls[-1] if walls else 0.0
+
+    def _start_ema(self, policy: Policy, checkpointed: dict[str, torch.Tensor] | None) -> WeightEMA | None:
+        """train.ema's average on the main process: the weights of a fresh run, the checkpoint's on resume."""
+        if not self.cfg.train.ema:
+            return None
+        if checkpointed is not None and not checkpointed:  # checked on every rank: they all stop together
+            raise ValueError(f"resume={self.cfg.resume}: the checkpoint holds no train.ema average (its run had "
+                             "train.ema=false); resume with train.ema=false, or start a fresh run")
+        if not self.is_main:
+            return None
+        ema = WeightEMA(policy.named_params, what="the train.ema average")
+        if checkpointed:
+            ema.load_state_dict(checkpointed)
+        return ema
 
     def prepare(self, policy: Policy, optimizer):
         """Wrap the transformer and optimizer for the launch (DDP, FSDP); returns (train_transformer, optimizer)."""
@@ -180,6 +205,7 @@ class RecipeRun:
                             f"metrics in {self.dir.metrics_path} and the scorer's errors")
                     train_metrics = {"weight_version_after": version}
                 train_metrics["train/skipped_steps"] = skipped
+                train_metrics.update(self.move_ema(step + 1))
                 train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
                 train_metrics["time/wait_s"] = t0 - step_start
                 version = train_metrics["weight_version_after"]
@@ -211,14 +237,42 @@ class RecipeRun:
 
     # --- the blocks the loop uses -------------------------------------------------------------------
 
+    def move_ema(self, steps_done: int) -> dict:
+        """After a training step: move train.ema's average on its schedule (`train_ema_decay`); its metrics.
+
+        Once per training step rather than per optimizer step: the unit of every step key, and a state that
+        every checkpoint ends on. A step that took no optimizer step still counts (the weights stayed).
+        """
+        if not self.cfg.train.ema:
+            return {}
+        decay = train_ema_decay(steps_done, self.cfg.train)
+        if decay is None:
+            return {}
+        with self.full_params():  # a collective under FSDP: every rank enters, the main process averages
+            if self.ema is not None:
+                self.ema.update(self.policy.named_params, decay)
+        return {"ema/decay": decay}
+
+    def ema_weights(self):
+        """A context in which the trained module holds train.ema's average (a no-op without train.ema)."""
+        if self.ema is None:
+            return contextlib.nullcontext()
+        return self.policy.weights_swapped(self.ema.shadow)
+
     def evaluate(self, step: int) -> dict:
         """Evaluate on the main process (judges, per-class metrics, the hacking watch); save and log a sample grid."""
         if not self.is_main:
             return {}
         cfg = self.cfg
         items = load_prompts(cfg.data.eval_prompts)
-        metrics, traj = self.rollouts.evaluate(items, cfg.sampling.eval_seeds, eval_request_kwargs(cfg.sampling),
-                                               self.judges)
+        # With train.ema the evaluation engine's module runs the average for these samples only: the weights are
+        # back, bit for bit, before the next rollout, and the engine's version (which names the trained
+        # weights, and which no swap bumps) is left alone. eval/ema says which weights were measured.
+        with self.ema_weights():
+            metrics, traj = self.rollouts.evaluate(items, cfg.sampling.eval_seeds,
+                                                   eval_request_kwargs(cfg.sampling), self.judges)
+        if self.ema is not None:
+            metrics["eval/ema"] = 1.0
         watched = self.watch.update(metrics, step)
         metrics.update(watched.metrics)
         if watched.new:  # printed once when it starts; the progress bar shows it while it lasts
@@ -244,25 +298,30 @@ class RecipeRun:
             self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def save(self, step: int, trainer_state: dict, recipe_tensors: dict[str, torch.Tensor]) -> None:
-        """Checkpoint the trained weights, the optimizer, RNG and trainer state (and the recipe's tensors)."""
+        """Checkpoint the trained weights, the optimizer, RNG and trainer state (and the recipe's tensors, and
+        train.ema's average: the trained weights stay the ones a resume continues from)."""
         with self.full_params():
             if self.is_main:
                 tensors = {n: p.detach() for n, p in self.policy.named_params}
                 tensors.update({RECIPE_TENSOR_PREFIX + k: v.detach() for k, v in recipe_tensors.items()})
+                if self.ema is not None:
+                    tensors.update({EMA_TENSOR_PREFIX + k: v for k, v in self.ema.state_dict().items()})
                 raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
                 save_checkpoint(self.dir.checkpoints_dir, step, tensors, raw_optimizer, self.policy.named_params,
                                 {"step": step, **trainer_state}, keep_last=self.cfg.keep_checkpoints)
         self.accelerator.wait_for_everyone()
 
     def finish(self, base_eval: dict | None, row: dict) -> dict:
-        """Save the LoRA for diffusers, print base -> final, end the trackers; a NaN final eval fails the run."""
+        """Save the LoRA for diffusers (train.ema's average when on, as Flow-GRPO saves), print base -> final,
+        end the trackers; a NaN final eval fails the run."""
         cfg = self.cfg
         if cfg.model.finetune == "lora" and self.policy.card_defaults.get("diffusers_pipeline"):
             # The adapter in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
             with self.full_params():
                 if self.is_main:
-                    save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora",
-                                            self.policy.card_defaults["diffusers_pipeline"])
+                    with self.ema_weights():
+                        save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora",
+                                                self.policy.card_defaults["diffusers_pipeline"])
             self.accelerator.wait_for_everyone()
         final_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
         if self.is_main:
@@ -279,6 +338,11 @@ class RecipeRun:
     def _first_eval(self) -> dict:
         rows = [r for r in self.dir.metrics.read() if r.get("step") == 0]
         return rows[0] if rows else {}
+
+
+def _with_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of `state` whose names start with `prefix`, the prefix taken off."""
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

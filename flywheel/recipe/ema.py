@@ -1,0 +1,92 @@
+"""Exponential moving averages of the trained weights: `train.ema` of every recipe, and the math AWM's anchor reuses.
+
+    EMA <- decay·EMA + (1 - decay)·weights
+
+`WeightEMA` holds one average (float32, on the weights' device) and moves it
+with a given decay; `train_ema_decay` is the schedule of `train.ema`, which
+`RecipeRun` applies after every training step, evaluates with and checkpoints.
+
+train.ema follows Flow-GRPO (github.com/yifan123/flow_grpo: flow_grpo/ema.py,
+scripts/train_sd3.py, config/grpo.py, which sets train.ema = True for its
+released runs): the average starts at the trainable weights before the first
+update (the LoRA adapter for LoRA runs), its decay is 0.9 and ramps up as
+min(0.9, (1 + n)/(10 + n)), it moves every 8 steps, evaluation swaps it in for
+the trained weights and puts them back afterwards, and the saved weights are the
+average. Where this module differs, on purpose:
+
+- n counts training steps (rollout + update), the unit of every other step key
+  (steps, eval_every, save_every), and the average moves after the step's whole
+  update. Flow-GRPO counts optimizer steps (two per rollout batch in its
+  configs) and calls its update after every micro-batch, so in a group of
+  accumulated micro-batches it moves the average once per micro-batch toward the
+  same weights (decay d^accumulation in effect). With the toy defaults (one
+  optimizer step per training step) the step counts agree.
+- It moves when n is a multiple of train.ema_update_every (8, 16, ...);
+  Flow-GRPO moves when n + 1 is (7, 15, ...).
+- train.ema_start_step (not in Flow-GRPO, which starts at 0): until then the
+  average is the trained weights (decay 0), and n counts from it, so the ramp
+  starts over there.
+- The average is kept in float32 whatever the weights' dtype (Flow-GRPO keeps
+  the weights' dtype; a bf16 average would round away (1 - d)·(w - EMA) steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+# Flow-GRPO's warm-up min(decay, (1 + n) / (WARMUP_OFFSET + n)): 0.18 after one step, 0.5 after 8, 0.9 after 80.
+WARMUP_OFFSET = 10
+
+
+class WeightEMA:
+    """An exponential moving average of named weights (float32 copies on the weights' device).
+
+    The average is a dict name -> tensor (`shadow`) with the trained parameters'
+    names, so `Policy.weights_swapped(ema.shadow)` runs the trained module with it.
+    `what` names it in error messages ("the train.ema average", "the EMA anchor").
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], what: str = "EMA"):
+        self.what = what
+        self.shadow = {name: p.detach().to(dtype=torch.float32, copy=True) for name, p in named_params}
+
+    @torch.no_grad()
+    def update(self, named_params: Iterable[tuple[str, torch.Tensor]], decay: float) -> None:
+        """EMA <- decay·EMA + (1 - decay)·weights (decay 0 copies the weights exactly)."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"{self.what}: decay {decay} is outside [0, 1]")
+        for name, p in named_params:
+            self.shadow[name].mul_(decay).add_(p.detach().float(), alpha=1.0 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Strict: the same names and shapes as the trained parameters; values are cast to float32."""
+        if state.keys() != self.shadow.keys():
+            odd = sorted(set(state) ^ set(self.shadow))
+            raise ValueError(f"{self.what}: the state's names differ from the trained parameters' ({len(odd)} "
+                             f"differ, e.g. {odd[:3]}); was model.finetune or the LoRA changed?")
+        for name, value in state.items():
+            if value.shape != self.shadow[name].shape:
+                raise ValueError(f"{self.what} {name!r}: shape {tuple(value.shape)} in the state, "
+                                 f"{tuple(self.shadow[name].shape)} trained")
+        for name, value in state.items():
+            self.shadow[name].copy_(value)
+
+
+def train_ema_decay(steps_done: int, oc) -> float | None:
+    """The decay train.ema applies after `steps_done` training steps, or None when it does not move then.
+
+    `oc` is the recipe's train section (an OptimConfig). With n = steps_done -
+    ema_start_step: n <= 0 gives 0 (the average is the weights), otherwise it
+    moves when n is a multiple of ema_update_every, with min(ema_decay, (1 + n)/(10 + n)).
+    """
+    n = steps_done - oc.ema_start_step
+    if n <= 0:
+        return 0.0
+    if n % oc.ema_update_every:
+        return None
+    return min(oc.ema_decay, (1 + n) / (WARMUP_OFFSET + n))

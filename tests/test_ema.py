@@ -1,0 +1,238 @@
+"""train.ema, every recipe's EMA of the trained weights: its math against hand-computed values, evaluation on the
+average while rollouts stay on the trained weights, checkpoints, exact kill -9 + resume, and the config checks."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flywheel.recipe.ema import WeightEMA, train_ema_decay
+from flywheel.recipe.sections import OptimConfig
+from flywheel.runs.config import ConfigError, parse_config
+from flywheel.runs.rundir import read_metrics
+
+from recipe_kill import kill_after_checkpoint
+
+# A small batch, 4 denoising steps, one eval seed: a step takes about a second on one quiet thread.
+TINY = ["tracker=none", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4", "sampling.eval_seeds=1",
+        "sample_every=1000"]
+GRPO_TINY = [*TINY, "train.timestep_fraction=0.5"]
+
+
+def grpo_main(argv):
+    from trainers.grpo import main
+
+    return main(argv)
+
+
+def run_grpo(tmp_path, name, *overrides):
+    grpo_main([f"run_dir={tmp_path / name}", *GRPO_TINY, *overrides])
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def checkpoint(run_dir, step):
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+def split(saved):
+    """(trained weights, train.ema average) of a checkpoint's tensors."""
+    trained = {k: v for k, v in saved.items() if not k.startswith(("ema/", "recipe/"))}
+    return trained, {k[len("ema/"):]: v for k, v in saved.items() if k.startswith("ema/")}
+
+
+def without(rows, *prefixes):
+    return [{k: v for k, v in r.items() if not k.startswith(prefixes) and not k.endswith("_s")} for r in rows]
+
+
+# ---- the math ------------------------------------------------------------------------------------
+
+
+def schedule(decay=0.9, start=0, every=1):
+    return OptimConfig(ema=True, ema_decay=decay, ema_start_step=start, ema_update_every=every)
+
+
+def test_decay_schedule_is_flow_grpos_warm_up_from_the_start_step():
+    oc = schedule(decay=0.9, start=0, every=1)
+    # min(0.9, (1 + n)/(10 + n)): 2/11 after one step, 1/2 after 8, 0.9 from n = 80 on (81/90).
+    assert train_ema_decay(1, oc) == pytest.approx(2 / 11)
+    assert train_ema_decay(8, oc) == pytest.approx(0.5)
+    assert train_ema_decay(79, oc) == pytest.approx(80 / 89) and 80 / 89 < 0.9
+    assert train_ema_decay(80, oc) == pytest.approx(0.9) and train_ema_decay(500, oc) == 0.9
+    assert train_ema_decay(8, schedule(decay=0.3)) == 0.3  # a lower ceiling cuts the ramp
+    oc = schedule(decay=0.9, start=3, every=2)
+    # Up to the start step the average is the weights (decay 0); then every 2nd step, n counted from the start.
+    assert [train_ema_decay(s, oc) for s in range(1, 8)] == pytest.approx(
+        [0.0, 0.0, 0.0, None, 3 / 12, None, 5 / 14])
+    assert train_ema_decay(3 + 80, oc) == pytest.approx(0.9)
+
+
+def test_two_parameters_follow_hand_computed_averages_with_start_step_and_interval():
+    w, b = torch.nn.Parameter(torch.tensor([0.0])), torch.nn.Parameter(torch.tensor([[0.0, 0.0]]))
+    named = [("w", w), ("b", b)]
+    ema = WeightEMA(named)
+    oc = schedule(decay=0.9, start=2, every=2)
+    # The weights after training steps 1..6; the average starts at the step-0 weights (0, (0, 0)).
+    weights = {1: (1.0, (10.0, -1.0)), 2: (2.0, (20.0, -2.0)), 3: (3.0, (30.0, -3.0)),
+               4: (5.0, (50.0, -5.0)), 5: (9.0, (90.0, -9.0)), 6: (7.0, (70.0, -7.0))}
+    seen = {}
+    for step, (wv, bv) in weights.items():
+        with torch.no_grad():
+            w.fill_(wv)
+            b.copy_(torch.tensor([bv]))
+        decay = train_ema_decay(step, oc)
+        if decay is not None:
+            ema.update(named, decay)
+        seen[step] = (float(ema.shadow["w"]), ema.shadow["b"].tolist()[0])
+    # Steps 1, 2: n <= 0, the average is the weights. Step 3: n = 1, not a multiple of 2, no move.
+    assert seen[1] == (1.0, [10.0, -1.0]) and seen[2] == (2.0, [20.0, -2.0]) and seen[3] == seen[2]
+    # Step 4: n = 2, decay min(0.9, 3/12) = 0.25: 0.25·2 + 0.75·5 = 4.25 (and 42.5, -4.25).
+    assert seen[4] == pytest.approx((4.25, [42.5, -4.25]))
+    assert seen[5] == seen[4]
+    # Step 6: n = 4, decay 5/14: (5/14)·4.25 + (9/14)·7 = 84.25/14 = 6.017857...
+    assert seen[6][0] == pytest.approx(84.25 / 14, abs=1e-6)
+    assert seen[6][1] == pytest.approx([842.5 / 14, -84.25 / 14], abs=1e-5)
+    assert float(w.detach()) == 7.0  # the weights are only read
+
+
+def test_average_is_float32_and_loading_is_strict():
+    layer = torch.nn.Linear(2, 1).to(torch.bfloat16)
+    named = list(layer.named_parameters())
+    ema = WeightEMA(named, what="the train.ema average")
+    assert all(v.dtype == torch.float32 for v in ema.shadow.values())
+    # 0.999·1 + 0.001·(1 + 2^-7) moves by 2^-7/1000: lost in bf16, kept in float32.
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    ema.load_state_dict({"weight": torch.ones(1, 2), "bias": torch.zeros(1)})
+    with torch.no_grad():
+        layer.weight.fill_(1.0 + 2**-7)
+    ema.update(named, 0.999)
+    assert float(ema.shadow["weight"][0, 0]) == pytest.approx(1.0 + 2**-7 / 1000, rel=1e-6)
+    before = {k: v.clone() for k, v in ema.shadow.items()}
+    with pytest.raises(ValueError, match="train.ema average: the state's names differ"):
+        ema.load_state_dict({"weight": torch.zeros(1, 2)})
+    with pytest.raises(ValueError, match=r"shape \(2, 2\) in the state, \(1, 2\) trained"):
+        ema.load_state_dict({"weight": torch.zeros(2, 2), "bias": torch.zeros(1)})
+    assert all(torch.equal(ema.shadow[k], v) for k, v in before.items())  # a refused state changes nothing
+    with pytest.raises(ValueError, match="outside"):
+        ema.update(named, 1.5)
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+
+def test_bad_values_are_refused_with_what_is_valid():
+    from trainers.grpo import Config, validate_config
+
+    cfg = parse_config(Config, [])
+    assert (cfg.train.ema, cfg.train.ema_decay, cfg.train.ema_start_step, cfg.train.ema_update_every) == (
+        False, 0.9, 0, 8)
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(Config, ["train.ema_decay=1.0", "train.ema_start_step=-1",
+                                              "train.ema_update_every=0"]))
+    message = str(err.value)
+    assert "train.ema_decay=1.0: must be in [0, 1)" in message
+    assert "train.ema_start_step=-1: must be an integer >= 0" in message
+    assert "train.ema_update_every=0: must be an integer >= 1" in message
+    with pytest.raises(ConfigError, match=r"train.ema_decay=-0.1: must be in \[0, 1\)"):
+        validate_config(parse_config(Config, ["train.ema_decay=-0.1"]))
+    with pytest.raises(ConfigError, match="train.ema=true with async_rollouts=true"):
+        validate_config(parse_config(Config, ["train.ema=true", "async_rollouts=true"]))
+    validate_config(parse_config(Config, ["train.ema=true", "train.ema_decay=0.0", "train.ema_update_every=1",
+                                          "train.ema_start_step=5"]))  # the edges of what is valid
+
+
+# ---- in a run -----------------------------------------------------------------------------------
+
+
+def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_trained_weights(tmp_path):
+    """Three 2-step GRPO runs: no EMA, an EMA of decay 0 (the weights themselves), and one of decay 0.9."""
+    from engine import load_model
+
+    common = ["steps=2", "eval_every=1", "save_every=1", "keep_checkpoints=2", "train.learning_rate=3e-3"]
+    off = run_grpo(tmp_path, "off", *common)
+    ema_args = ["train.ema=true", "train.ema_update_every=1"]
+    zero = run_grpo(tmp_path, "zero", *common, *ema_args, "train.ema_decay=0.0")
+    avg = run_grpo(tmp_path, "avg", *common, *ema_args, "train.ema_decay=0.9")
+
+    # Decay 0: the average is the trained weights, so the run is the run without EMA, metric for metric.
+    assert without(zero, "eval/ema", "ema/") == without(off)
+    assert all(r["eval/ema"] == 1.0 for r in zero) and all("eval/ema" not in r for r in off)
+    assert [r["ema/decay"] for r in zero[1:]] == [0.0, 0.0]
+    # Decay 0.9: rollouts, losses and versions are those of the run without EMA (the evaluation at step 1,
+    # on the average, put the trained weights back before step 2 rolled out) ...
+    evaluation = ("eval/", "ema/")
+    assert without(avg, *evaluation) == without(off, *evaluation)
+    assert [r["weight_version"] for r in avg] == [0, 0, 1]  # the version each step's rollouts came from
+    # ... the base evaluation is the same (the average starts at the weights), the later ones are not.
+    assert avg[0]["eval/reward/mean"] == off[0]["eval/reward/mean"]
+    assert avg[2]["eval/reward/mean"] != off[2]["eval/reward/mean"]
+    assert [r["ema/decay"] for r in avg[1:]] == pytest.approx([2 / 11, 3 / 12])
+
+    # The checkpoints hold the trained weights (the same as without EMA) and, under ema/, the average:
+    # E1 = d1·E0 + (1 - d1)·W1 from the card's weights E0, then E2 = d2·E1 + (1 - d2)·W2.
+    base = dict(load_model("toy-digits").transformer.named_parameters())
+    (w1, e1), (w2, e2) = split(checkpoint(tmp_path / "avg", 1)), split(checkpoint(tmp_path / "avg", 2))
+    off_w2, off_e2 = split(checkpoint(tmp_path / "off", 2))
+    assert e1.keys() == w1.keys() == base.keys() and not off_e2
+    assert all(torch.equal(w2[k], off_w2[k]) for k in w2)
+    for name, w in w1.items():
+        expected = base[name].detach().float().clone().mul_(2 / 11).add_(w, alpha=1 - 2 / 11)
+        assert torch.equal(e1[name], expected), name
+        expected = expected.mul_(3 / 12).add_(w2[name], alpha=1 - 3 / 12)
+        assert torch.equal(e2[name], expected), name
+    assert any(not torch.equal(e2[k], w2[k]) for k in w2)
+
+    # Resuming with train.ema on from a run that had none is refused: the average would start over silently.
+    with pytest.raises(ValueError, match="holds no train.ema average"):
+        grpo_main([f"resume={tmp_path / 'off'}", "steps=3", "train.ema=true"])
+
+
+def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_run(tmp_path):
+    # The average starts after step 1 and moves every step with decay 2/11, 3/12, 4/13 after steps 2, 3, 4:
+    # a resume that restarted it from the resumed weights would change every evaluation and ema/ tensor.
+    args = ["steps=4", "save_every=2", "eval_every=2", "train.learning_rate=3e-3", "train.ema=true",
+            "train.ema_start_step=1", "train.ema_update_every=1"]
+    straight = run_grpo(tmp_path, "straight", *args)
+
+    interrupted = tmp_path / "interrupted"
+    kill_after_checkpoint("grpo", interrupted, [*GRPO_TINY, *args])
+    assert not (interrupted / "checkpoints" / "step_000004").exists()
+    grpo_main([f"resume={interrupted}"])
+
+    rows = read_metrics(interrupted / "metrics.jsonl")
+    assert without(rows, "time/") == without(straight, "time/")
+    assert [r["ema/decay"] for r in rows[1:]] == pytest.approx([0.0, 2 / 11, 3 / 12, 4 / 13])
+    expected, got = checkpoint(tmp_path / "straight", 4), checkpoint(interrupted, 4)
+    assert expected.keys() == got.keys() and any(k.startswith("ema/") for k in got)
+    for name, value in expected.items():
+        assert torch.equal(value, got[name]), name
+    trained, average = split(got)
+    assert any(not torch.equal(average[k], trained[k]) for k in trained)
+
+
+@pytest.mark.parametrize("recipe", ["awm", "nft"])
+def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, recipe):
+    """A 2-step run with train.ema=true (AWM with LoRA: the average is the adapter's), then one step resumed."""
+    import importlib
+
+    main = importlib.import_module(f"trainers.{recipe}").main
+    extra = {"awm": ["train.timesteps_per_sample=2", "model.finetune=lora", "train.learning_rate=1e-3"],
+             "nft": ["train.timesteps_per_sample=2"]}[recipe]
+    run_dir = tmp_path / recipe
+    main([f"run_dir={run_dir}", *TINY, *extra, "steps=2", "eval_every=2", "save_every=2", "train.ema=true",
+          "train.ema_update_every=1", "train.ema_decay=0.5"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[0]["eval/ema"] == 1.0 and rows[2]["eval/ema"] == 1.0
+    assert [r["ema/decay"] for r in rows[1:]] == pytest.approx([2 / 11, 3 / 12])
+    saved = checkpoint(run_dir, 2)
+    trained, average = split(saved)
+    assert average.keys() == trained.keys()
+    assert any(k.startswith("recipe/") for k in saved)  # the anchor / the sampling policy, kept apart
+    if recipe == "awm":
+        assert all("lora_" in k for k in average)
+    # Resume one more step: the recipe gets its own tensors back, the run its average.
+    main([f"resume={run_dir}", "steps=3", "eval_every=3", "save_every=3"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[-1]["step"] == 3 and rows[-1]["ema/decay"] == pytest.approx(4 / 13) and rows[-1]["eval/ema"] == 1.0
+    trained3, average3 = split(checkpoint(run_dir, 3))
+    for name, e2 in average.items():
+        assert torch.equal(average3[name], e2.clone().mul_(4 / 13).add_(trained3[name].float(), alpha=1 - 4 / 13))
