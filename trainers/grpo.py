@@ -30,7 +30,7 @@ from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
-from flywheel.recipe.update import GradientSteps, trajectory_conditioning
+from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # ---------------------------------------------------------------------------------------
 # Config
@@ -56,6 +56,29 @@ class GRPOConfig(OptimConfig):
     """which steps `timestep_fraction` keeps: round(f·n) random ones each step, or the first int(f·n) as Flow-GRPO"""
     cfg_in_train: bool = True
     """apply guidance in the training forward too (when rollouts used it)"""
+    variant: Literal["flow_grpo", "mixgrpo", "fast"] = "flow_grpo"
+    """which steps are stochastic, hence trained: "flow_grpo" those of sampling.sde_window (default every step);
+    "mixgrpo" a window of window_size steps that slides over the schedule as training proceeds (MixGRPO);
+    "fast" a window of window_size steps at a random position each step (Flow-GRPO-Fast); ODE steps elsewhere"""
+    window_size: int | None = None
+    """mixgrpo / fast: stochastic (trained) steps per rollout, w; null = the variant's released value: 4 for
+    mixgrpo (its scripts: 4 of 25 steps), 2 for fast (Flow-GRPO-Fast's configs: 2, some 3)"""
+    window_shift_every: int = 25
+    """mixgrpo: training steps between two moves of the window, the shift interval tau (released: 25)"""
+    window_stride: int = 1
+    """mixgrpo: steps the window moves each time, s (released: 1)"""
+    window_end: Literal["restart", "stay"] = "restart"
+    """mixgrpo: once the window has reached the last steps, start again at step 0 ("restart", the released
+    scripts' --roll_back) or stay there ("stay", start = min(s·floor(step/tau), T - w))"""
+    window_range: tuple[int, int] | None = None
+    """fast: [lo, hi) of the steps the random window lies in; null = the first half, (0, T // 2), as
+    Flow-GRPO-Fast's sde_window_range"""
+    flash_compress: float | None = None
+    """MixGRPO-Flash: the ODE steps after the SDE window run DPM-Solver++(2M) through max(1, int(n·f)) of their n
+    steps (its released Flash scripts: f = 0.4, Flash*: 0.2); null = Euler on every step (evaluation never changes)"""
+    guard: bool = False
+    """GRPO-Guard (arXiv 2510.22319): ratio normalisation (the per-step bias and scale of the log-ratio removed)
+    and 1/|dt| gradient reweighting of each step's policy term; its ratios are small: use a smaller clip_range"""
 
 
 @dataclass
@@ -89,8 +112,8 @@ def step_policy(model, transformer, traj: Trajectory, j: int, use_cfg: bool):
 
 
 def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
-                   usable: torch.Tensor, cfg: GRPOConfig,
-                   proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   usable: torch.Tensor, cfg: GRPOConfig, proximal: torch.Tensor | None = None,
+                   old_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip loss (+ beta·KL) of stochastic step j of a trajectory batch under the current weights.
 
     Flow-GRPO (arXiv 2505.05470, Eq. 8): per sample and step, with r = pi_theta / pi_old,
@@ -103,27 +126,50 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     proximal policy: r = pi_theta / pi_prox is clipped, and the truncated
     importance weight min(pi_prox / pi_behaviour, cap) corrects for the lag.
 
+    GRPO-Guard (`cfg.guard`, arXiv 2510.22319). Both policies of the ratio are
+    Gaussians with the step's std s (s = sigma_t·sqrt(|dt|) for Flow-SDE), so with
+    x_next = mu_old + s·eps and D = mu_theta - mu_old (means over elements)
+        log r = -mean(D²)/(2s²) + mean(eps·D)/s:
+    a negative shift that grows as s shrinks (the ratio's mean below 1 that keeps
+    positive-advantage samples out of the clip) and a spread of order |D|/s that
+    differs from step to step. RatioNorm adds the shift back and scales by s,
+        r_guard = exp(s·(log r + mean(D²)/(2s²))) = exp(mean(eps·D)),
+    a ratio centred on 1 with the same spread at every step; the PPO-clip term of
+    step j is then divided by |dt_j| (gradient reweighting: D is proportional to
+    dt, so each step's gradient no longer scales with its step size). mu_old is
+    `old_mean` (the means under the weights that sampled, or the proximal ones);
+    None means those weights are the current ones (the first optimizer step of an
+    on-policy update), where D's value and gradient are both 0. The KL term is not
+    reweighted.
+
     KL of two Gaussians with the same std: |mu - mu_ref|^2 / (2 std^2) per element
     ("exact"), or Flow-GRPO's form, which divides by 2 sigma_t^2 where the
     transition's variance is sigma_t^2·|dt| (its issue #78): the exact KL times |dt|.
     """
     log_prob, mean, std, cond, uncond_cond = step_policy(model, transformer, traj, j, cfg.cfg_in_train)
+    t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
     behaviour = traj.log_probs[:, j]
+    log_ratio = log_prob - (behaviour if proximal is None else proximal)
+    guard_shift = torch.zeros_like(log_prob)
+    if cfg.guard:
+        mean_old = mean.detach() if old_mean is None else old_mean
+        guard_shift = ((mean - mean_old) ** 2).flatten(1).mean(1) / (2 * std**2)
+        log_ratio = std * (log_ratio + guard_shift)
+    ratio = torch.exp(log_ratio)
     if proximal is None:
-        ratio = torch.exp(log_prob - behaviour)
         is_weight = torch.ones_like(ratio)
     else:
-        ratio = torch.exp(log_prob - proximal)
         is_weight = torch.exp(proximal - behaviour).clamp(max=cfg.importance_cap)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
     weight = usable.float() / usable.float().sum().clamp(min=1.0)
     loss = (is_weight * torch.maximum(unclipped, clipped) * weight).sum()
+    if cfg.guard:
+        loss = loss / (t - t_next)
 
     kl = torch.zeros((), device=log_prob.device)
     if ref_velocity is not None:
         x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
-        t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
         with torch.no_grad():
             v_ref = ref_velocity(x, t, cond, uncond_cond, traj.guidance_scale)
             _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, traj.noise_levels[j],
@@ -145,6 +191,8 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         "logprob_gap/max": ((log_prob.detach() - behaviour).abs() * usable).max(),
         "is_weight/mean": (is_weight * weight).sum(),
     }
+    if cfg.guard:
+        stats["guard/shift"] = (guard_shift.detach() * weight).sum()
     return loss, stats
 
 
@@ -174,20 +222,83 @@ def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator,
     return sorted(stochastic[i] for i in order[:keep])
 
 
+# ---------------------------------------------------------------------------------------
+# The SDE window of each step: MixGRPO's sliding window, Flow-GRPO-Fast's random one
+# ---------------------------------------------------------------------------------------
+
+
+def window_span(sampler: str, num_steps: int) -> int:
+    """How many leading steps a window may cover: all T for Flow-SDE; T - 1 for CPS, whose last step is
+    deterministic (std t_next·sin(eta·pi/2) = 0 at t_next = 0) and has no log-probability to train."""
+    return num_steps - 1 if sampler == "cps" else num_steps
+
+
+# train.window_size when null: the released value of each variant.
+DEFAULT_WINDOW_SIZE = {"mixgrpo": 4, "fast": 2}
+
+
+def window_size(tc: GRPOConfig) -> int:
+    return tc.window_size if tc.window_size is not None else DEFAULT_WINDOW_SIZE[tc.variant]
+
+
+def mixgrpo_window(step: int, span: int, tc: GRPOConfig) -> tuple[int, int]:
+    """MixGRPO's window [start, start + w) at training step `step` (0-based), over steps [0, span).
+
+    The window moves by the stride s every tau steps: start = s·floor(step/tau).
+    Past the last start that fits (T - w), "restart" begins again at 0 (the
+    released scripts' --roll_back: positions 0, s, 2s, ..., s·floor((T - w)/s),
+    then 0 again) and "stay" keeps start = min(s·floor(step/tau), T - w).
+    """
+    w, s, tau = window_size(tc), tc.window_stride, tc.window_shift_every
+    moves = step // tau
+    if tc.window_end == "restart":
+        start = s * (moves % ((span - w) // s + 1))
+    else:
+        start = min(s * moves, span - w)
+    return start, start + w
+
+
+# update_generator's stream for Flow-GRPO-Fast's window positions (apart from every other draw of a step).
+FAST_WINDOW_STREAM = 0x46415354  # "FAST"
+
+
+def fast_window(seed: int, step: int, span: int, tc: GRPOConfig) -> tuple[int, int]:
+    """Flow-GRPO-Fast's window [start, start + w): start uniform in [lo, hi - w] of train.window_range
+    (default (0, T // 2)), drawn from (seed, step) alone, so a resumed or async run draws the same windows."""
+    lo, hi = tc.window_range if tc.window_range is not None else (0, span // 2)
+    generator = update_generator(seed, step, stream=FAST_WINDOW_STREAM)
+    w = window_size(tc)
+    start = lo + int(torch.randint(hi - lo - w + 1, (1,), generator=generator))
+    return start, start + w
+
+
+def rollout_window(cfg: Config, step: int) -> tuple[int, int] | None:
+    """The SDE window of step `step`'s rollouts: sampling.sde_window for flow_grpo, else the variant's."""
+    tc = cfg.train
+    span = window_span(cfg.sampling.sampler, cfg.sampling.steps)
+    if tc.variant == "mixgrpo":
+        return mixgrpo_window(step, span, tc)
+    if tc.variant == "fast":
+        return fast_window(cfg.seed, step, span, tc)
+    return cfg.sampling.sde_window
+
+
 @torch.no_grad()
-def proximal_log_probs(model, transformer, traj: Trajectory, minibatches: list[list[int]], steps: list[int],
-                       use_cfg: bool) -> torch.Tensor:
-    """Log-probs [N, T] of the chosen steps under the weights now, before any optimizer step of the update.
+def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: list[list[int]], steps: list[int],
+                          use_cfg: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [N, T], means [N, T, *latent]) of the chosen steps under the weights now, before any optimizer
+    step of the update: the proximal policy of async rollouts, and GRPO-Guard's mu_old.
 
     Computed with the minibatches and forwards the loss will use, so the first
     minibatch's ratio against them is exactly 1.
     """
-    out = torch.zeros_like(traj.log_probs)
+    log_probs = torch.zeros_like(traj.log_probs)
+    means = torch.zeros_like(traj.latents[:, 1:])
     for rows in minibatches:
         sub = traj.select(rows)
         for j in steps:
-            out[rows, j] = step_policy(model, transformer, sub, j, use_cfg)[0]
-    return out
+            log_probs[rows, j], means[rows, j] = step_policy(model, transformer, sub, j, use_cfg)[:2]
+    return log_probs, means
 
 
 def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
@@ -203,19 +314,24 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
                          tc.timestep_selection)
     grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
     minibatches = grads.minibatches(len(traj))
-    proximal = (proximal_log_probs(model, transformer, traj, minibatches, steps, tc.cfg_in_train)
-                if cfg.async_rollouts else None)
+    # The policy before any optimizer step: async's proximal policy, and Guard's mu_old once the weights move
+    # within the update (before that, the current means are mu_old exactly).
+    several_steps = len(minibatches) > grads.accumulation
+    start = (start_of_update_steps(model, transformer, traj, minibatches, steps, tc.cfg_in_train)
+             if cfg.async_rollouts or (tc.guard and several_steps) else None)
     for m, rows in enumerate(minibatches):
         sub = traj.select(rows)
         adv, usable = batch.advantages[rows], batch.usable[rows]
         for i, j in enumerate(steps):
             before_each_step()
             loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc,
-                                         proximal=None if proximal is None else proximal[rows, j])
+                                         proximal=start[0][rows, j] if cfg.async_rollouts else None,
+                                         old_mean=None if start is None else start[1][rows, j])
             grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(steps) - 1)
             grads.record(stats)
         grads.maybe_step(m)
-    return grads.metrics()
+    # Which steps were trained (the SDE window of mixgrpo / fast): first and count, in the step's metrics row.
+    return {**grads.metrics(), "trained_steps/first": float(steps[0]), "trained_steps/count": float(len(steps))}
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,12 +354,50 @@ def validate_config(cfg: Config) -> None:
     if cfg.train.kl_form == "flow_grpo" and sampler != "sde":
         checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
                     "train.kl_form=exact")
+    check_window_keys(cfg, checks)
     if not cfg.train.cfg_in_train and cfg.sampling.guidance_scale != 1.0:
         # The rollouts sampled the guided policy; training the unguided one is off-policy from the first step.
         checks.fail(f"train.cfg_in_train=false with sampling.guidance_scale={cfg.sampling.guidance_scale}: the "
                     "training forward would score a policy other than the one that sampled (every ratio far "
                     "from 1). Set train.cfg_in_train=true, or sampling.guidance_scale=1")
     checks.raise_if_any()
+
+
+def check_window_keys(cfg: Config, checks) -> None:
+    """The keys of the mixgrpo and fast variants (their windows must fit the rollout's steps) and of Flash."""
+    tc = cfg.train
+    if tc.flash_compress is not None:
+        checks.require("train.flash_compress", lambda v: 0 < v <= 1, "must be in (0, 1] (the fraction of the ODE "
+                       "steps after the window kept), or null for no Flash", allow_none=True)
+        if tc.variant == "flow_grpo" and cfg.sampling.sde_window is None:
+            checks.fail("train.flash_compress needs ODE steps after the SDE window: use train.variant=mixgrpo or "
+                        "fast, or a sampling.sde_window that ends before the last step")
+        if cfg.async_rollouts:
+            checks.fail("train.flash_compress with async_rollouts=true: the engine process has no Flash solver; "
+                        "set async_rollouts=false or train.flash_compress=null")
+    if tc.variant == "flow_grpo":
+        return
+    span = window_span(cfg.sampling.sampler, cfg.sampling.steps)
+    if cfg.sampling.sde_window is not None:
+        checks.fail(f"sampling.sde_window={list(cfg.sampling.sde_window)} with train.variant={tc.variant}: the "
+                    "variant places the window itself each step; set sampling.sde_window=null, or "
+                    "train.variant=flow_grpo for a fixed window")
+    checks.require("train.window_size", lambda v: 1 <= v <= span,
+                   f"must be in [1, {span}] or null: the steps a window may cover (sampling.steps="
+                   f"{cfg.sampling.steps}{', less the deterministic last step of cps' if cfg.sampling.sampler == 'cps' else ''})",
+                   allow_none=True)
+    w = window_size(tc)
+    if tc.variant == "mixgrpo":
+        checks.require("train.window_shift_every", lambda v: v >= 1, "must be an integer >= 1 (training steps)")
+        checks.require("train.window_stride", lambda v: v >= 1, "must be an integer >= 1 (denoising steps)")
+    if tc.variant == "fast":
+        checks.require("train.window_range", lambda r: len(r) == 2 and 0 <= r[0] and r[1] <= span
+                       and r[1] - r[0] >= w,
+                       f"must be [lo, hi) with 0 <= lo, hi <= {span} and hi - lo >= the window size ({w}), or "
+                       f"null for (0, {span // 2})", allow_none=True)
+        if tc.window_range is None and span // 2 < w <= span:
+            checks.fail(f"the window size {w} does not fit the default train.window_range (0, {span // 2}) of a "
+                        f"{cfg.sampling.steps}-step rollout: lower train.window_size or set train.window_range")
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,6 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
+    if cfg.train.variant != "flow_grpo":  # the window of each step's rollouts, a function of the step alone
+        rollouts.flywheel.step_request_overrides = lambda step: {"sde_window": rollout_window(cfg, step)}
+    rollouts.engine.flash_compress = cfg.train.flash_compress  # rollouts only: evaluation samples the ODE
     share_cores = cpu_core_sharing(rollouts.collector, run.accelerator)
 
     def update(batch: RolloutBatch, step: int) -> dict:
