@@ -352,7 +352,9 @@ def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[st
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        # The checkout's own packages first, so the benchmark runs this tree even without (or beside) an install.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while True:
                 try:
