@@ -1,12 +1,13 @@
 """Wall time (and rollout samples) until each recipe's eval reward first reaches a target on toy-numbers.
 
-    python benchmarks/time_to_target.py --json out.json            # grpo, nft, awm; target 0.8
+    python benchmarks/time_to_target.py --json out.json            # every recipe and GRPO option; target 0.8
     python benchmarks/time_to_target.py --quick                    # under 3 minutes (see QUICK below)
     python benchmarks/time_to_target.py --recipes grpo,nft --out-dir runs/ttt    # keep the run dirs
     python benchmarks/time_to_target.py --configs 'configs/toy_{recipe}.yaml' -- steps=40   # toy-digits
 
 What runs: each recipe as its own process (`python trainers/<recipe>.py --config
-configs/toy_numbers_<recipe>.yaml ...`), one after another so each has every
+configs/toy_numbers_<recipe>.yaml ...`; the GRPO options mixgrpo, grpo_fast and
+grpo_guard run trainers/grpo.py with their own config), one after another so each has every
 core, with its own documented default config for this task (how each was tuned
 is written in that file), the same `seed`, an evaluation every `--eval-every`
 steps, no tracker, and sample grids and checkpoints only at the end (harness
@@ -79,7 +80,10 @@ from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, R
                                    render_table, summarize)
 from flywheel.runs.rundir import atomic_write_bytes, atomic_write_text  # noqa: E402
 
-DEFAULT_RECIPES = ("grpo", "nft", "awm")
+DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard")
+# Entries that are options of another recipe's trainer: name -> trainers/<trainer>.py. A name that is not
+# here runs trainers/<name>.py. Each still has its own configs/toy_numbers_<name>.yaml.
+VARIANT_TRAINERS = {"mixgrpo": "grpo", "grpo_fast": "grpo", "grpo_guard": "grpo"}
 BASELINE = "grpo"
 DEFAULT_CONFIGS = "configs/toy_numbers_{recipe}.yaml"
 PREFERRED_JUDGE = "number_svc"  # toy-numbers' SVC judge; other cards: the run's first judge
@@ -264,9 +268,14 @@ def results_json(results: list[TargetResult], target: float, min_judge: float, *
 # ---------------------------------------------------------------------------
 
 
+def trainer_of(recipe: str) -> str:
+    """The trainer module a benchmark entry runs: its own name, or the recipe it is an option of."""
+    return VARIANT_TRAINERS.get(recipe, recipe)
+
+
 def recipe_missing(recipe: str, config_path: Path) -> str | None:
-    """Why `recipe` cannot run (no trainers/<recipe>.py with a main(), or no config file); None when it can."""
-    trainer = ROOT / "trainers" / f"{recipe}.py"
+    """Why `recipe` cannot run (no trainers/<trainer>.py with a main(), or no config file); None when it can."""
+    trainer = ROOT / "trainers" / f"{trainer_of(recipe)}.py"
     if not trainer.is_file():
         return f"{trainer.relative_to(ROOT)} does not exist"
     if not re.search(r"^def main\(", trainer.read_text(encoding="utf-8"), re.MULTILINE):
@@ -289,7 +298,7 @@ def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
     """
     from flywheel.runs.config import ConfigError, parse_config
 
-    module = importlib.import_module(f"trainers.{recipe}")
+    module = importlib.import_module(f"trainers.{trainer_of(recipe)}")
     try:
         cfg = parse_config(module.Config, ["--config", str(config_path), *overrides])
         getattr(module, "validate_config", lambda cfg: None)(cfg)
@@ -339,13 +348,13 @@ def evaluations_since_target(run_dir: Path, target: float) -> int | None:
 
 def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[str], log_path: Path,
                stop_after: tuple[float, int] | None = None) -> tuple[float, bool]:
-    """Run trainers/<recipe>.py in its own process, output to `log_path`; (its wall seconds, stopped early).
+    """Run the recipe's trainer (trainers/<trainer_of(recipe)>.py) in its own process, output to `log_path`; (its wall seconds, stopped early).
 
     With `stop_after=(target, n)` the process is ended (SIGTERM) once its run
     has logged n evaluations after the first at or above `target`; otherwise
     it runs its configured steps.
     """
-    command = [sys.executable, str(ROOT / "trainers" / f"{recipe}.py"), "--config", str(config_path),
+    command = [sys.executable, str(ROOT / "trainers" / f"{trainer_of(recipe)}.py"), "--config", str(config_path),
                f"run_dir={run_dir}", *overrides]
     start = time.perf_counter()
     stopped = False

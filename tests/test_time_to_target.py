@@ -207,6 +207,22 @@ def test_check_only_resolves_and_compares_the_configs_without_running(tmp_path, 
     assert "data.group_size" in capsys.readouterr().err
 
 
+def test_grpo_options_run_grpo_with_their_own_config(tmp_path, capsys):
+    assert ttt.trainer_of("grpo_fast") == "grpo" and ttt.trainer_of("mixgrpo") == "grpo"
+    assert ttt.trainer_of("nft") == "nft"  # a recipe of its own
+    assert ttt.recipe_missing("grpo_fast", ROOT / "configs" / "toy_grpo_fast.yaml") is None
+    code = ttt.main(["--recipes", "grpo,grpo_fast,mixgrpo,grpo_guard", "--configs", "configs/toy_{recipe}.yaml",
+                     "--check-only", "--out-dir", str(tmp_path / "runs")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "grpo_fast:" in out and "mixgrpo:" in out and "grpo_guard:" in out
+    # Each option's config is read with GRPO's Config and checked by GRPO's validate_config.
+    cfg = ttt.resolve_recipe_config("grpo_fast", ROOT / "configs" / "toy_grpo_fast.yaml", [])
+    assert cfg.train.variant == "fast"
+    with pytest.raises(ttt.BenchmarkError, match="grpo_fast.*train.variant"):
+        ttt.resolve_recipe_config("grpo_fast", ROOT / "configs" / "toy_grpo_fast.yaml", ["train.variant=nosuch"])
+
+
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
     args = ttt.parse_args(["--recipes", "grpo,nosuch", "--configs", "configs/toy_{recipe}.yaml"])
     with pytest.raises(ttt.BenchmarkError, match="nosuch.*trainers/nosuch.py does not exist"):
