@@ -3,13 +3,61 @@
     accelerate launch trainers/grpo.py                     # the built-in toy task
     accelerate launch trainers/grpo.py --config configs/toy_grpo.yaml lr=1e-3
     python trainers/grpo.py model.finetune=lora rewards=digit_alignment:1.0,jpeg_compressibility:0.1
+    python trainers/grpo.py train.variant=mixgrpo          # or fast; train.guard=true; train.flash_compress=0.4
 
 Each step: G samples for each of P prompts with the Flow-SDE sampler (per-step
 log-probs recorded), rewards, advantages normalised within each prompt's group
 over all ranks, then a PPO-clip update on the per-step probability ratios,
 with an optional KL penalty to the reference policy; every optimizer step
 syncs the new weights into the engine (colocated) and bumps the version.
-The recipe reads top to bottom: config, the loss, setup, the loop, save.
+The recipe reads top to bottom: config, the loss, the windows, setup, the loop, save.
+
+Options (train.*), each independent of the others:
+
+- variant=mixgrpo, MixGRPO (arXiv 2507.21802): the rollouts are ODE except in a
+  window of w steps, SDE there, and only the window is trained; the window
+  starts at s·floor(step/tau) and moves by s every tau training steps
+  (`mixgrpo_window`). Facts from the authors' code (github.com/Tencent-Hunyuan/
+  MixGRPO: fastvideo/utils/grpo_states.py, scripts/finetune/*.sh; the paper's
+  text could not be read from here, so no equation numbers): w = 4 of 25
+  steps, tau = 25 (20 for Flash), s = 1, and the window restarts at step 0 once
+  it has passed the end (--roll_back). Deviations: the code's window is cut at
+  index T - 2 and shrinks near the end (it is even empty at its last position);
+  here it is always w steps, the last start being T - w, and may cover the last
+  step; window_end=stay keeps the last position instead of restarting.
+- flash_compress=f, MixGRPO-Flash: the ODE steps after the window run the
+  second-order multistep DPM-Solver++(2M), midpoint form (engine/sampling.py),
+  over max(1, int(n·f)) of the n steps left (released: f = 0.4; Flash*: 0.2).
+  Deviations: the code keeps int(max(n·f, 1)) schedule points (one step fewer,
+  none when that is 1); here the kept steps pass through the schedule's own
+  points at evenly spaced indices. Only rollouts change: evaluation is the
+  Euler ODE of every run, so curves compare.
+- variant=fast, Flow-GRPO-Fast (github.com/yifan123/flow_grpo, the *_fast
+  pipelines and config/grpo.py): a window of w steps (configs: 2 or 3) whose
+  start is uniform in [lo, hi - w] of sde_window_range = (0, T // 2); ODE before
+  and after; only the window is trained. Deviation: the code draws one window
+  per sampling call (a few prompts); the engine runs a batch with one window
+  (GenerationRequest.sde_window is part of the batch key), so here the window
+  is drawn per training step, shared by all its trajectories and ranks, from
+  (seed, step), which also makes resume and async prefetching draw the same.
+- guard=true, GRPO-Guard (arXiv 2510.22319): RatioNorm and gradient
+  reweighting, see `grpo_step_loss`. The formulas are those of the authors'
+  release as reproduced in public reimplementations and verl-omni's
+  documentation of the paper (ratio exp(s·(log r + mean|mu - mu_old|²/(2s²))),
+  policy term / |dt|); the paper's text could not be read from here, so no
+  equation numbers are quoted. mu_old, which the trajectory does not hold, is
+  recomputed: it is the current means (no forward) until the first optimizer
+  step of an update, then the means computed before the update (one extra
+  no-grad forward per trained step, only when an update takes several
+  optimizer steps or rollouts are async). With one optimizer step per rollout
+  (the default) the PPO clip never acts and Guard reduces to weighting each
+  step's gradient by s_j/|dt_j|. The KL term is not reweighted.
+
+The window of every step is a function of (config, seed, step) alone, set on
+the flywheel per step (`Flywheel.step_request_overrides`): async rollouts (the
+next step prefetched during this update) roll out their own step's window, and
+a resumed run draws the windows an uninterrupted one does. Flash is refused
+with async rollouts (the engine process has no Flash solver).
 """
 
 from __future__ import annotations
