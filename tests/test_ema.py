@@ -1,6 +1,8 @@
 """train.ema, every recipe's EMA of the trained weights: its math against hand-computed values, evaluation on the
 average while rollouts stay on the trained weights, checkpoints, exact kill -9 + resume, and the config checks."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,7 +17,14 @@ from recipe_kill import kill_after_checkpoint
 # A small batch, 4 denoising steps, one eval seed: a step takes about a second on one quiet thread.
 TINY = ["tracker=none", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4", "sampling.eval_seeds=1",
         "sample_every=1000"]
-GRPO_TINY = [*TINY, "train.timestep_fraction=0.5"]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """TINY with ten evaluation prompts, one a digit (the built-in held-out set has 40): evaluations are cheap."""
+    path = tmp_path / "eval_prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"the number {d}", "digit": d}) + "\n" for d in range(10)))
+    return [*TINY, f"data.eval_prompts={path}"]
 
 
 def grpo_main(argv):
@@ -24,8 +33,8 @@ def grpo_main(argv):
     return main(argv)
 
 
-def run_grpo(tmp_path, name, *overrides):
-    grpo_main([f"run_dir={tmp_path / name}", *GRPO_TINY, *overrides])
+def run_grpo(tmp_path, tiny, name, *overrides):
+    grpo_main([f"run_dir={tmp_path / name}", *tiny, "train.timestep_fraction=0.5", *overrides])
     return read_metrics(tmp_path / name / "metrics.jsonl")
 
 
@@ -143,15 +152,16 @@ def test_bad_values_are_refused_with_what_is_valid():
 # ---- in a run -----------------------------------------------------------------------------------
 
 
-def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_trained_weights(tmp_path):
+@pytest.mark.slow
+def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_trained_weights(tmp_path, tiny):
     """Three 2-step GRPO runs: no EMA, an EMA of decay 0 (the weights themselves), and one of decay 0.9."""
     from engine import load_model
 
     common = ["steps=2", "eval_every=1", "save_every=1", "keep_checkpoints=2", "train.learning_rate=3e-3"]
-    off = run_grpo(tmp_path, "off", *common)
+    off = run_grpo(tmp_path, tiny, "off", *common)
     ema_args = ["train.ema=true", "train.ema_update_every=1"]
-    zero = run_grpo(tmp_path, "zero", *common, *ema_args, "train.ema_decay=0.0")
-    avg = run_grpo(tmp_path, "avg", *common, *ema_args, "train.ema_decay=0.9")
+    zero = run_grpo(tmp_path, tiny, "zero", *common, *ema_args, "train.ema_decay=0.0")
+    avg = run_grpo(tmp_path, tiny, "avg", *common, *ema_args, "train.ema_decay=0.9")
 
     # Decay 0: the average is the trained weights, so the run is the run without EMA, metric for metric.
     assert without(zero, "eval/ema", "ema/") == without(off)
@@ -186,15 +196,16 @@ def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_tra
         grpo_main([f"resume={tmp_path / 'off'}", "steps=3", "train.ema=true"])
 
 
-def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_run(tmp_path):
+@pytest.mark.slow
+def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_run(tmp_path, tiny):
     # The average starts after step 1 and moves every step with decay 2/11, 3/12, 4/13 after steps 2, 3, 4:
     # a resume that restarted it from the resumed weights would change every evaluation and ema/ tensor.
     args = ["steps=4", "save_every=2", "eval_every=2", "train.learning_rate=3e-3", "train.ema=true",
             "train.ema_start_step=1", "train.ema_update_every=1"]
-    straight = run_grpo(tmp_path, "straight", *args)
+    straight = run_grpo(tmp_path, tiny, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
-    kill_after_checkpoint("grpo", interrupted, [*GRPO_TINY, *args])
+    kill_after_checkpoint("grpo", interrupted, [*tiny, "train.timestep_fraction=0.5", *args])
     assert not (interrupted / "checkpoints" / "step_000004").exists()
     grpo_main([f"resume={interrupted}"])
 
@@ -209,8 +220,9 @@ def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_r
     assert any(not torch.equal(average[k], trained[k]) for k in trained)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["awm", "nft"])
-def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, recipe):
+def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe):
     """A 2-step run with train.ema=true (AWM with LoRA: the average is the adapter's), then one step resumed."""
     import importlib
 
@@ -218,7 +230,7 @@ def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, recipe):
     extra = {"awm": ["train.timesteps_per_sample=2", "model.finetune=lora", "train.learning_rate=1e-3"],
              "nft": ["train.timesteps_per_sample=2"]}[recipe]
     run_dir = tmp_path / recipe
-    main([f"run_dir={run_dir}", *TINY, *extra, "steps=2", "eval_every=2", "save_every=2", "train.ema=true",
+    main([f"run_dir={run_dir}", *tiny, *extra, "steps=2", "eval_every=2", "save_every=2", "train.ema=true",
           "train.ema_update_every=1", "train.ema_decay=0.5"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows[0]["eval/ema"] == 1.0 and rows[2]["eval/ema"] == 1.0
