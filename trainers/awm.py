@@ -63,11 +63,13 @@ Deviations from that code, each on purpose:
   rollout makes one optimizer step, as all its configs do.
 - Times are drawn with a torch.Generator seeded from (run seed, step, rank), so
   a resumed run draws the same times and noise as one that never stopped.
-- The code also keeps a 0.99 EMA of the weights for evaluation and saving
-  (its train.ema). Here that is every recipe's train.ema (off by default,
-  flywheel/recipe/ema.py), whose decay defaults to Flow-GRPO's 0.9: add
-  train.ema=true train.ema_decay=0.99 for the code's. It is a second average,
-  apart from the anchor's; both move with the same `WeightEMA` math.
+- The code also keeps an EMA of the weights for evaluation and saving (its
+  train.ema: decay 0.99, moved every optimizer step, in config/dgx_awm.py).
+  Here that is every recipe's train.ema (flywheel/recipe/ema.py), off by
+  default so that the figures below stay those of the trained weights; add
+  train.ema=true train.ema_decay=0.99 train.ema_update_every=1 for the
+  code's. It is a second average, apart from the anchor's; both move with the
+  same `WeightEMA` math.
 - Rollouts lagging the trainer (async_rollouts) are refused: the loss has no
   correction for samples of older weights.
 
