@@ -248,3 +248,28 @@ def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe)
     trained3, average3 = split(checkpoint(run_dir, 3))
     for name, e2 in average.items():
         assert torch.equal(average3[name], e2.clone().mul_(4 / 13).add_(trained3[name].float(), alpha=1 - 4 / 13))
+
+
+@pytest.mark.slow
+def test_the_lora_saved_for_diffusers_is_the_average(tmp_path):
+    """As Flow-GRPO saves its EMA: run_dir/lora (a stock pipeline's load_lora_weights) holds the average."""
+    import engine.families.tiny as tiny
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\na blue dog\n")
+    run_dir = tmp_path / "run"
+    grpo_main([f"run_dir={run_dir}", "model.card=sd3", f"model.path={tiny.build_tiny_sd3(tmp_path / 'sd3')}",
+               "tracker=none", "steps=2", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
+               "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
+               "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "rewards=jpeg_compressibility:1.0",
+               "eval_every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
+               "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "train.ema=true",
+               "train.ema_update_every=1", "train.ema_decay=0.5"])
+    exported = load_file(str(run_dir / "lora" / "pytorch_lora_weights.safetensors"))
+    trained, average = split(checkpoint(run_dir, 2))
+    # peft's "<module>.lora_A.default.weight" is diffusers' "transformer.<module>.lora_A.weight".
+    as_exported = {"transformer." + k.replace(".default", ""): k for k in average}
+    assert as_exported.keys() == exported.keys()
+    for name, ours in as_exported.items():
+        assert torch.equal(exported[name], average[ours].to(exported[name].dtype)), name
+    assert any(not torch.equal(average[k], trained[k]) for k in trained if "lora_B" in k)
