@@ -198,9 +198,10 @@ def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_tra
 
 @pytest.mark.slow
 def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_run(tmp_path, tiny):
-    # The average starts after step 1 and moves every step with decay 2/11, 3/12, 4/13 after steps 2, 3, 4:
-    # a resume that restarted it from the resumed weights would change every evaluation and ema/ tensor.
-    args = ["steps=4", "save_every=2", "eval_every=2", "train.learning_rate=3e-3", "train.ema=true",
+    # The average is the weights up to step 1, then moves with decay 2/11, 3/12, 4/13 after steps 2, 3, 4: a
+    # resume that restarted it from the resumed weights would change the last evaluation and every ema/ tensor.
+    # (Two steps after the checkpoint the kill waits for: the run cannot finish before it is killed.)
+    args = ["steps=4", "save_every=2", "eval_every=4", "train.learning_rate=3e-3", "train.ema=true",
             "train.ema_start_step=1", "train.ema_update_every=1"]
     straight = run_grpo(tmp_path, tiny, "straight", *args)
 
@@ -212,6 +213,7 @@ def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_r
     rows = read_metrics(interrupted / "metrics.jsonl")
     assert without(rows, "time/") == without(straight, "time/")
     assert [r["ema/decay"] for r in rows[1:]] == pytest.approx([0.0, 2 / 11, 3 / 12, 4 / 13])
+    assert rows[-1]["eval/ema"] == 1.0
     expected, got = checkpoint(tmp_path / "straight", 4), checkpoint(interrupted, 4)
     assert expected.keys() == got.keys() and any(k.startswith("ema/") for k in got)
     for name, value in expected.items():
@@ -230,7 +232,7 @@ def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe)
     extra = {"awm": ["train.timesteps_per_sample=2", "model.finetune=lora", "train.learning_rate=1e-3"],
              "nft": ["train.timesteps_per_sample=2"]}[recipe]
     run_dir = tmp_path / recipe
-    main([f"run_dir={run_dir}", *tiny, *extra, "steps=2", "eval_every=2", "save_every=2", "train.ema=true",
+    main([f"run_dir={run_dir}", *tiny, *extra, "steps=2", "eval_every=1000", "save_every=2", "train.ema=true",
           "train.ema_update_every=1", "train.ema_decay=0.5"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows[0]["eval/ema"] == 1.0 and rows[2]["eval/ema"] == 1.0
@@ -242,7 +244,7 @@ def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe)
     if recipe == "awm":
         assert all("lora_" in k for k in average)
     # Resume one more step: the recipe gets its own tensors back, the run its average.
-    main([f"resume={run_dir}", "steps=3", "eval_every=3", "save_every=3"])
+    main([f"resume={run_dir}", "steps=3", "save_every=3"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows[-1]["step"] == 3 and rows[-1]["ema/decay"] == pytest.approx(4 / 13) and rows[-1]["eval/ema"] == 1.0
     trained3, average3 = split(checkpoint(run_dir, 3))
