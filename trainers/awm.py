@@ -345,7 +345,7 @@ def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, 
 # ---------------------------------------------------------------------------------------
 
 
-class EMAAnchor(WeightEMA):
+class EMAAnchor:
     """An exponential moving average of the trained weights, the policy the anchor term pulls toward.
 
     The average itself (update, state, strict loading; float32) is the shared
@@ -357,17 +357,32 @@ class EMAAnchor(WeightEMA):
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]):
-        super().__init__(named_params, what="EMA anchor")
+        self.average = WeightEMA(named_params, what="EMA anchor")
+
+    @property
+    def shadow(self) -> dict[str, torch.Tensor]:
+        return self.average.shadow
 
     @staticmethod
     def decay(steps_done: int, tc: AWMConfig) -> float:
         """min(anchor_decay, anchor_decay_ramp·steps_done): 0 at first, so the anchor starts at the weights."""
         return min(tc.anchor_decay, tc.anchor_decay_ramp * steps_done)
 
+    def update(self, named_params, decay: float) -> None:
+        """EMA <- decay·EMA + (1 - decay)·weights."""
+        self.average.update(named_params, decay)
+
     def velocity(self, policy: Policy, x, t, cond, uncond_cond, guidance: float) -> torch.Tensor:
         """The (guided) velocity of the EMA weights at x, t; the trained weights are back, bit for bit, after."""
         with torch.no_grad(), policy.weights_swapped(self.shadow):
             return policy.velocity(policy.transformer, x, t, cond, uncond_cond, guidance)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.average.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Strict: the same names and shapes as the trained parameters."""
+        self.average.load_state_dict(state)
 
 
 def ema_anchor(policy: Policy, tc: AWMConfig, checkpointed: dict[str, torch.Tensor]) -> EMAAnchor | None:
