@@ -143,8 +143,6 @@ def test_bad_values_are_refused_with_what_is_valid():
     assert "train.ema_update_every=0: must be an integer >= 1" in message
     with pytest.raises(ConfigError, match=r"train.ema_decay=-0.1: must be in \[0, 1\)"):
         validate_config(parse_config(Config, ["train.ema_decay=-0.1"]))
-    with pytest.raises(ConfigError, match="train.ema=true with async_rollouts=true"):
-        validate_config(parse_config(Config, ["train.ema=true", "async_rollouts=true"]))
     validate_config(parse_config(Config, ["train.ema=true", "train.ema_decay=0.0", "train.ema_update_every=1",
                                           "train.ema_start_step=5"]))  # the edges of what is valid
 
@@ -194,6 +192,25 @@ def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_tra
     # Resuming with train.ema on from a run that had none is refused: the average would start over silently.
     with pytest.raises(ValueError, match="holds no train.ema average"):
         grpo_main([f"resume={tmp_path / 'off'}", "steps=3", "train.ema=true"])
+
+
+@pytest.mark.slow
+def test_async_rollouts_evaluate_the_average_in_the_trainer_process(tmp_path, tiny):
+    """With async rollouts the engine process holds only synced weights: the evaluation runs the trained module
+    here, with the average swapped in. Decay 0 evaluates the weights themselves, as the run without EMA does
+    (in the engine process: the same numbers, up to the threads' summation order); decay 0.9 evaluates
+    something else, while the rollouts (rewards) stay those of the run without EMA."""
+    common = ["steps=2", "eval_every=1", "train.learning_rate=3e-3", "async_rollouts=true"]
+    ema_args = ["train.ema=true", "train.ema_update_every=1"]
+    off = run_grpo(tmp_path, tiny, "off", *common)
+    zero = run_grpo(tmp_path, tiny, "zero", *common, *ema_args, "train.ema_decay=0.0")
+    avg = run_grpo(tmp_path, tiny, "avg", *common, *ema_args, "train.ema_decay=0.9")
+    evals = {name: [r["eval/reward/mean"] for r in rows] for name, rows in (("off", off), ("zero", zero), ("avg", avg))}
+    assert evals["zero"] == pytest.approx(evals["off"], abs=1e-5)
+    assert evals["avg"][0] == pytest.approx(evals["off"][0], abs=1e-5)  # the average starts at the weights
+    assert all(abs(a - o) > 1e-3 for a, o in zip(evals["avg"][1:], evals["off"][1:]))
+    assert [r["reward/mean"] for r in avg[1:]] == [r["reward/mean"] for r in off[1:]]
+    assert all(r["eval/ema"] == 1.0 for r in avg)
 
 
 @pytest.mark.slow

@@ -67,8 +67,10 @@ code unless it says otherwise):
    defaults to 0.
 6. Randomness. Times and noise come from a generator seeded from (seed, step,
    rank), so a resumed run draws the same ones; the public code uses the global RNG.
-7. Not here: the public code's EMA of theta (decay 0.9) used for evaluation,
-   and its fp16 autocast with a GradScaler (this recipe trains in the model's dtype).
+7. The public code's EMA of theta used for evaluation (decay 0.9, every optimizer
+   step) is `train.ema=true train.ema_update_every=1` (off by default, as for every
+   recipe); not here: its fp16 autocast with a GradScaler (this recipe trains in the
+   model's dtype).
 8. Guidance. Rollouts made with classifier-free guidance (guidance_scale != 1)
    are refused: v_old must be the velocity of the policy that sampled x0.
 9. The eta schedule counts training steps (Algorithm 1's iterations i, one

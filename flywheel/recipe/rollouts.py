@@ -65,7 +65,9 @@ class Rollouts:
             cfg.data.group_size, request_kwargs=rollout_request_kwargs(cfg.sampling), seed=cfg.seed,
             adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std)
         self.eval_engine = self.engine
-        if serve == "copy":
+        if serve == "copy" or (cfg.async_rollouts and cfg.train.ema):
+            # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine
+            # process holds only synced weights, never train.ema's average): evaluate the trained module here.
             self.eval_engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                       time_shift=cfg.sampling.time_shift)
         if cfg.async_rollouts:

@@ -212,10 +212,6 @@ def check_shared_sections(cfg) -> ConfigChecks:
                    "must be in [0, 1) (EMA <- decay·EMA + (1 - decay)·weights; 0 = the trained weights)")
     checks.require("train.ema_start_step", lambda v: v >= 0, "must be an integer >= 0")
     checks.require("train.ema_update_every", lambda v: v >= 1, positive)
-    if cfg.train.ema and cfg.async_rollouts:
-        # Evaluation then runs in the engine process, which only ever holds the synced (trained) weights.
-        checks.fail("train.ema=true with async_rollouts=true: evaluating the EMA needs the evaluation engine in "
-                    "this process; set async_rollouts=false or train.ema=false")
     try:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
