@@ -176,6 +176,8 @@ def test_sd3_pickscore_config_matches_flow_grpo_pickscore_sd3():
         "train.timestep_fraction": (0.99, cfg.train.timestep_fraction), "train.batch_size": (9, cfg.train.minibatch_size),
         "optimizer steps per epoch": (2, cfg.train.updates_per_rollout), "lora r": (32, cfg.model.lora_rank),
         "lora_alpha": (64, cfg.model.lora_alpha), "init_lora_weights": ("gaussian", cfg.model.lora_init),
+        "train.ema": (True, cfg.train.ema), "ema decay": (0.9, cfg.train.ema_decay),
+        "ema update_step_interval": (8, cfg.train.ema_update_every),
     }
     assert {k: ours for k, (_, ours) in flow_grpo.items()} == {k: theirs for k, (theirs, _) in flow_grpo.items()}
     assert cfg.train.kl_form == "flow_grpo" and cfg.train.timestep_selection == "first"
