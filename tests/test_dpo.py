@@ -54,7 +54,7 @@ def all_keys(cls, prefix=""):
 @pytest.mark.slow
 def test_reward_and_judge_rise_and_swapped_pairs_make_the_reward_fall(tmp_path):
     """An honest control: the same run with every pair reversed (loser trained as the winner) must go the other way."""
-    steps = ["steps=10", "eval_every=10", "train.learning_rate=1e-3"]
+    steps = ["steps=10", "eval_every=10"]
     real, rows = run(tmp_path, "real", *steps)
     control, swapped_rows = run(tmp_path, "swapped", *steps, "train.swap_pairs=true")
     base, final, worse = real["base"], real["final"], control["final"]
@@ -62,14 +62,13 @@ def test_reward_and_judge_rise_and_swapped_pairs_make_the_reward_fall(tmp_path):
     assert final["eval/reward/mean"] > base["eval/reward/mean"] + 0.15
     assert final["eval/judge/digit_svc/mean"] > base["eval/judge/digit_svc/mean"] + 0.05
     assert worse["eval/reward/mean"] < base["eval/reward/mean"] - 0.1
-    # The policy learns the pairs it is given: their implicit margin turns positive in both runs.
-    assert rows[-1]["dpo/implicit_acc"] > 0.5 and swapped_rows[-1]["dpo/implicit_acc"] > 0.5
     assert all(r["dpo/pairs"] == 8 for r in rows[1:])  # best_worst: one pair per group, 8 groups
 
 
 # ---- metrics, LoRA's reference, the launcher --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_lora_writes_the_shared_metric_keys(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(["accelerate", "launch", "--num_processes", "1", "--cpu", "trainers/dpo.py", "steps=2",
@@ -109,22 +108,22 @@ def test_help_lists_every_key():
 # ---- exact resume -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_and_resume_gives_the_metrics_and_weights_of_an_uninterrupted_run(tmp_path):
-    args = ["steps=5", "save_every=2", "eval_every=5", *SMALL, "train.pairing=all_pairs", "train.pair_margin=0.3",
-            "train.minibatch_size=8", "train.time_sampling=uniform"]
+    # Two pairs a minibatch: two optimizer steps a rollout, so the optimizer state carries across the resume.
+    args = ["steps=4", "save_every=2", "eval_every=4", *SMALL, "train.minibatch_size=2", "train.time_sampling=uniform"]
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
     kill_after_checkpoint("dpo", interrupted, [*QUICK, *args])
-    assert not (interrupted / "checkpoints" / "step_000005").exists()
+    assert not (interrupted / "checkpoints" / "step_000004").exists()
 
     resumed, _ = run(tmp_path, "ignored", f"resume={interrupted}")
     assert resumed["run_dir"] == str(interrupted)
     rows = read_metrics(interrupted / "metrics.jsonl")
     assert without_timings(rows) == without_timings(straight)
-    # all_pairs with minibatches of 8 pairs: several optimizer steps per rollout, so versions run ahead of steps.
-    assert rows[-1]["weight_version_after"] > 5
-    expected, got = checkpoint(tmp_path / "straight", 5), checkpoint(interrupted, 5)
+    assert [r["weight_version_after"] for r in rows[1:]] == [2, 4, 6, 8]
+    expected, got = checkpoint(tmp_path / "straight", 4), checkpoint(interrupted, 4)
     assert expected.keys() == got.keys()
     for name, value in expected.items():
         assert torch.equal(value, got[name]), name

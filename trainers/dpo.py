@@ -1,4 +1,4 @@
-"""Online Diffusion-DPO (Wallace et al., arXiv 2311.12908) for flow-matching models: preference pairs from each step's groups.
+"""Online Diffusion-DPO (Wallace et al., arXiv 2311.12908) for flow matching: preference pairs from each step's groups.
 
     accelerate launch trainers/dpo.py                     # the built-in toy task (toy-digits)
     python trainers/dpo.py --config configs/toy_numbers_dpo.yaml
@@ -13,8 +13,8 @@ does, by more than it fits the loser.
 
 The paper's loss (Eq. 14), for a pair (x0^w, x0^l) of one prompt c:
 
-    L = -log sigmoid( -beta·T·omega(lambda_t) · [ (||eps^w - eps_theta(x_t^w, t)||^2 - ||eps^w - eps_ref(x_t^w, t)||^2)
-                                                - (||eps^l - eps_theta(x_t^l, t)||^2 - ||eps^l - eps_ref(x_t^l, t)||^2) ] )
+    L = -log sigmoid( -beta·T·omega(lambda_t) · [ ||eps^w - eps_theta(x_t^w, t)||^2 - ||eps^w - eps_ref(x_t^w, t)||^2
+                                               - ||eps^l - eps_theta(x_t^l, t)||^2 + ||eps^l - eps_ref(x_t^l, t)||^2 ] )
 
 with t ~ U(0, T) and x_t^* drawn from the forward process q(x_t | x0^*). Here,
 in the rectified-flow form the whole project uses, for each pair and each of K
@@ -32,22 +32,22 @@ pairs where it is).
 
 Scaling, stated exactly: the paper's beta·T·omega(lambda_t) (omega constant in
 its experiments) is folded into the one `beta` here, and the squared norms are
-means over the latent's elements, not sums. The public codes (the paper's own
-and the flow-matching adaptations below) write -beta/2·Delta: their beta = 2·this
-beta (flow_grpo's DPO config beta = 100 is beta = 50 here; Flow-Factory's 2000 is 1000).
+means over the latent's elements, not sums. The flow-matching codes read (below)
+write -beta/2·Delta: their beta = 2·this beta (a flow_grpo-derived DPO config read
+sets beta = 100, which is 50 here; Flow-Factory's default 2000 is 1000 here).
 
 Reference policy: the model before any update (`build_policy(..., reference=True)`):
 the LoRA adapter switched off, or a frozen copy of the transformer for full
 fine-tuning. It never moves.
 
-What was read, facts only: the paper (Eq. 14, and Sec. 4: the same noise and t for
-winner and loser); flow_grpo's online-DPO script (scripts/train_sd3_dpo.py of the
-flow_grpo refactor: velocity target eps - x0, per-row mean squared errors,
--beta/2 scaling, shared noise and t, logit-normal flow times, best/worst of a
-group by the per-prompt tracker, rollouts made by the "ref" adapter that is
-copied from the learner every ref_update_step steps); Flow-Factory
-(src/flow_factory/trainers/dpo.py: best/worst pairing by advantage, K = 1 time
-per pair, logit-normal or uniform times, beta 2000).
+What was read, facts only: the paper's Eq. 14; flow_grpo's online-DPO script
+(scripts/train_sd3_dpo.py of the flow_grpo refactor: velocity target eps - x0,
+per-row mean squared errors, -beta/2 scaling, one noise and one t for winner and
+loser "as in Diffusion-DPO", logit-normal flow times, int(0.99·T) of them per pair
+and step, best/worst of a group from its per-prompt tracker, SDE rollouts made by
+the "ref" adapter, which is copied from the learner every ref_update_step steps);
+Flow-Factory (src/flow_factory/trainers/dpo.py: best/worst pairing by advantage,
+one flow time per pair by default, logit-normal or uniform times, beta 2000).
 
 Deviations, each on purpose:
 - Reference: fixed at the base model, as the paper (offline DPO). flow_grpo's
@@ -65,7 +65,11 @@ Deviations, each on purpose:
 - Flow times: `time_sampling` "rollout_grid" (default) draws each of a pair's K
   times from the rollout schedule's own times in (0, 1], independently;
   "uniform" draws t ~ U(0, 1); "logit_normal" t = sigmoid(N(0, 1)) as the public
-  codes (flow_grpo maps it onto the scheduler's 1000 discrete times; here t is continuous).
+  codes (flow_grpo maps it onto the scheduler's 1000 discrete times; here t is
+  continuous). K = timesteps_per_pair = 2 by default (flow_grpo: 9 of a 10-step
+  rollout; Flow-Factory: 1).
+- Rollouts: the ODE by default (flow_grpo samples with the Flow-SDE); any
+  sampler works, since only the final samples are trained on.
 - Training uses the conditional velocity only (the public codes' training
   forward has no guidance either), whatever guidance the rollouts used.
 - Randomness: times and noise come from a generator seeded by (seed, step,
@@ -76,9 +80,42 @@ Deviations, each on purpose:
   zero-weight pairs) so DDP's collectives line up, and a step in which no rank
   has a pair takes no optimizer step. `minibatch_size` counts pairs (2 rows each).
 
-Defaults and the toy task (toy-digits, 8 prompts x 16 samples, ODE with 10 steps,
-full fine-tune; eval at guidance 1, base 0.481, judge digit_svc 0.572): see the
-tuning notes at the end of this docstring.
+Defaults, and how they were chosen on the built-in toy task (toy-digits, 8 prompts x
+16 samples, ODE with 10 steps, guidance 1, full fine-tune, seed 0; held-out eval
+reward at guidance 1, base 0.481, judge digit_svc 0.572; one run each, on the
+loaded 2-core machines):
+
+- First try, flow_grpo's beta (100 in its -beta/2 form = 50 here) at lr 3e-4, K = 2,
+  best_worst: eval 0.674 (step 10), 0.692 (20), 0.754 (30), 0.781 (40), 0.808 (50),
+  0.853 (80), judge 0.849 at 80; the implicit margins of fresh pairs reached 3-8, so
+  most pairs sat in the flat part of the sigmoid.
+- all_pairs with pair_margin 0.5 at the same settings (about 350 pairs a step, six
+  optimizer steps of 64 pairs): train reward 0.40 -> 0.76 in 5 steps, but several
+  times the training forwards of best_worst; stopped there, not measured further.
+- Shipped: beta 10, lr 1e-3, best_worst, K = 2 grid times per pair. The no-argument
+  run (80 steps): eval 0.842 (10), 0.891 (20), 0.953 (30), 0.963 (40), 0.987 (50),
+  0.989 (60), 0.988 (70), 0.993 (80); judge 0.903 (10), 0.913 (20), 0.924 (30),
+  0.935 (40), 0.897 (50), 0.921 (60), 0.934 (70), 0.909 (80). The velocity MSE to
+  the reference ("kl") grows to ~2.3 and the group diversity falls from 0.18 (base)
+  to ~0.08: the fixed reference holds the policy only weakly at beta 10.
+  Only 16 of the 128 samples of a step are trained on (8 pairs), so an update is
+  cheap next to the rollouts. Wall time was not measured on a quiet machine (a step
+  took 1.5-8 s, with the load of other jobs).
+- The swapped-pair control (train.swap_pairs=true, same settings, 10 steps): eval
+  0.526 -> 0.145 (2 eval seeds), where the real run reaches 0.874.
+
+toy-numbers (configs/toy_numbers_dpo.yaml, GRPO's task and rollout budget, the same
+algorithm keys; shipped weights, base eval 0.198, judge number_svc 0.255): eval
+0.522 (step 10), 0.894 (20), 0.919 (30), 0.947 (40), 0.950 (50), 0.973 (60),
+0.969 (70), 0.972 (80); judge 0.456 (10), 0.830 (20), 0.815 (30), 0.852 (40),
+0.853 (50), 0.852 (60), 0.799 (70), 0.836 (80). Then
+0.949 (90), 0.969 (100), 0.974 (110), 0.974 (120); judge 0.795, 0.840, 0.842, 0.822.
+The judge stays ~0.13 under the reward from step 30 on, and the hacking watch
+flags classes from step 10 (14 per-class signals at step 120, e.g. number_typicality
+falling on class 64 while its reward rose): the overall judge rose, some classes'
+fell. The toy-digits default run shows the same, milder (9 class signals at step 80;
+the beta 50 run: 3). For comparison, GRPO's config reached 0.81 at step 80 (README) and
+DiffusionNFT's 0.95 at step 30 (trainers/nft.py).
 """
 
 from __future__ import annotations
