@@ -101,6 +101,11 @@ loaded 2-core machines):
   Only 16 of the 128 samples of a step are trained on (8 pairs), so an update is
   cheap next to the rollouts. Wall time was not measured on a quiet machine (a step
   took 1.5-8 s, with the load of other jobs).
+- beta 25 (lr 1e-3, 80 steps): eval 0.774 (10), 0.847 (20), 0.906 (30), 0.901 (40),
+  0.992 (50), 0.984 (60), 0.980 (70), 0.964 (80); judge 0.854, 0.899, 0.882, 0.872,
+  0.945, 0.925, 0.946, 0.911; per-class hacking signals 5-7 from step 50 (beta 10:
+  5-9 from step 40). A stronger pull to the reference, not clearly a safer run here,
+  and 20 steps slower to 0.95.
 - The swapped-pair control (train.swap_pairs=true, same settings, 10 steps): eval
   0.526 -> 0.145 (2 eval seeds), where the real run reaches 0.874.
 
