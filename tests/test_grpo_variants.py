@@ -292,19 +292,14 @@ def run(tmp_path, name, *overrides):
     return result, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-def test_runs_train_the_steps_of_each_steps_window(tmp_path):
-    """End to end: the window each step's rollouts used is the one the schedule names, and only it is trained."""
-    args = ["steps=4", "eval_every=4", "data.prompts_per_step=2", "data.group_size=4"]
-    mix = ["train.variant=mixgrpo", "train.window_size=3", "train.window_shift_every=1", "train.window_stride=3"]
-    _, rows = run(tmp_path, "mix", *args, *mix)
-    cfg = config(*mix)
-    assert [r["trained_steps/first"] for r in rows[1:]] == [0, 3, 6, 0] == [rollout_window(cfg, s)[0]
-                                                                            for s in range(4)]
-    assert all(r["trained_steps/count"] == 3 for r in rows[1:])
-    _, rows = run(tmp_path, "fast", *args, "train.variant=fast", "seed=3")
+def test_a_fast_run_trains_the_window_its_step_draws(tmp_path):
+    """End to end: each step's rollouts used the window fast_window names, and only it was trained
+    (mixgrpo's windows are checked end to end by the async and the resume tests below)."""
+    _, rows = run(tmp_path, "fast", "steps=4", "eval_every=4", "data.prompts_per_step=2", "data.group_size=4",
+                  "train.variant=fast", "seed=3")
     expected = [rollout_window(config("train.variant=fast", "seed=3"), s)[0] for s in range(4)]
-    assert [r["trained_steps/first"] for r in rows[1:]] == expected and all(r["trained_steps/count"] == 2
-                                                                             for r in rows[1:])
+    assert [r["trained_steps/first"] for r in rows[1:]] == expected and len(set(expected)) > 1
+    assert all(r["trained_steps/count"] == 2 for r in rows[1:])
 
 
 def test_async_rollouts_roll_out_each_steps_own_window_and_guard_uses_the_proximal_means(tmp_path):
