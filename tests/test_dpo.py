@@ -81,8 +81,8 @@ def test_accelerate_launch_with_lora_writes_the_shared_metric_keys(tmp_path):
     assert [r["weight_version"] for r in rows] == [0, 0, 1]  # the version that made each step's rollouts
     assert [r["weight_version_after"] for r in rows[1:]] == [1, 2]  # 4 pairs, one minibatch: one step each
     for key in ("reward/mean", "loss", "kl", "dpo/implicit_acc", "dpo/implicit_margin", "dpo/pairs",
-                "dpo/groups_used", "dpo/reward_gap", "dpo/error_w", "dpo/ref_error_l", "t/mean", "grad_norm",
-                "time/train_s", "time/wall_s"):
+                "dpo/groups_used", "dpo/reward_gap", "dpo/no_pair", "dpo/error_w", "dpo/ref_error_l", "t/mean",
+                "grad_norm", "time/train_s", "time/wall_s"):
         assert all(key in r for r in rows[1:]), key
     # LoRA B starts at zero: the policy is the reference (the adapter switched off) until the first step.
     assert rows[1]["kl"] == 0.0 and rows[1]["loss"] == pytest.approx(0.693147, abs=1e-6)

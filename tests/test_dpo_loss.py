@@ -270,7 +270,7 @@ def test_no_pair_takes_no_step_and_keeps_the_version(toy):
     model.transformer.load_state_dict(start)
     metrics = run_update(model, traj, reference, RecipeConfig(), rewards=torch.full((ROWS,), 0.5))
     assert all(torch.equal(v, start[k]) for k, v in model.transformer.state_dict().items())
-    assert metrics["weight_version_after"] == 7 and metrics["dpo/pairs"] == 0 and metrics["dpo/no_pair_steps"] == 1
+    assert metrics["weight_version_after"] == 7 and metrics["dpo/pairs"] == 0 and metrics["dpo/no_pair"] == 1
 
 
 def test_one_update_makes_the_policy_prefer_its_winners(toy):

@@ -78,7 +78,10 @@ Deviations, each on purpose:
 - Several ranks: each rank forms its own pairs; every rank runs the same
   number of minibatches (the largest rank's pair count, the others padded with
   zero-weight pairs) so DDP's collectives line up, and a step in which no rank
-  has a pair takes no optimizer step. `minibatch_size` counts pairs (2 rows each).
+  has a pair takes no optimizer step (`dpo/no_pair` = 1). The loss is each
+  rank's mean over its own pairs, which DDP then averages over ranks (a rank
+  with no pair adds a zero gradient); `dpo/pairs` is the per-rank count,
+  averaged. `minibatch_size` counts pairs (2 rows each).
 
 Defaults, and how they were chosen on the built-in toy task (toy-digits, 8 prompts x
 16 samples, ODE with 10 steps, guidance 1, full fine-tune, seed 0; held-out eval
@@ -100,7 +103,7 @@ loaded 2-core machines):
   to ~0.08: the fixed reference holds the policy only weakly at beta 10.
   Only 16 of the 128 samples of a step are trained on (8 pairs), so an update is
   cheap next to the rollouts. Wall time was not measured on a quiet machine (a step
-  took 1.5-8 s, with the load of other jobs).
+  took 0.9-8 s, median 6 s, with the load of other jobs).
 - beta 25 (lr 1e-3, 80 steps): eval 0.774 (10), 0.847 (20), 0.906 (30), 0.901 (40),
   0.992 (50), 0.984 (60), 0.980 (70), 0.964 (80); judge 0.854, 0.899, 0.882, 0.872,
   0.945, 0.925, 0.946, 0.911; per-class hacking signals 5-7 from step 50 (beta 10:
@@ -340,7 +343,7 @@ def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
     pair_metrics = {"dpo/pairs": float(real), "dpo/groups_used": pairs.groups_used / max(pairs.groups, 1),
                     "dpo/reward_gap": float(pairs.reward_gap.mean()) if real else 0.0}
     if slots == 0:
-        return {**pair_metrics, "dpo/no_pair_steps": 1.0, "weight_version_after": version}
+        return {**pair_metrics, "dpo/no_pair": 1.0, "weight_version_after": version}
     winners, losers = (pairs.losers, pairs.winners) if tc.swap_pairs else (pairs.winners, pairs.losers)
     # Slots past this rank's pairs hold row 0 against itself with weight 0: forwards for DDP, no gradient.
     fill = torch.zeros(slots - real, dtype=torch.long)
@@ -372,7 +375,7 @@ def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
             grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
             grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
         grads.maybe_step(m)
-    return {**grads.metrics(), **pair_metrics, "dpo/no_pair_steps": 0.0}
+    return {**grads.metrics(), **pair_metrics, "dpo/no_pair": 0.0}
 
 
 # ---------------------------------------------------------------------------------------
