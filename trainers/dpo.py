@@ -98,7 +98,9 @@ loaded 2-core machines):
 - Shipped: beta 10, lr 1e-3, best_worst, K = 2 grid times per pair. The no-argument
   run (80 steps): eval 0.842 (10), 0.891 (20), 0.953 (30), 0.963 (40), 0.987 (50),
   0.989 (60), 0.988 (70), 0.993 (80); judge 0.903 (10), 0.913 (20), 0.924 (30),
-  0.935 (40), 0.897 (50), 0.921 (60), 0.934 (70), 0.909 (80). The velocity MSE to
+  0.935 (40), 0.897 (50), 0.921 (60), 0.934 (70), 0.909 (80). Seed 1: eval 0.830,
+  0.894, 0.933, 0.939, 0.932, 0.967 (60), 0.977, 0.986 (80); judge 0.885 -> 0.943
+  (the same evaluation prompts and seeds). The velocity MSE to
   the reference ("kl") grows to ~2.3 and the group diversity falls from 0.18 (base)
   to ~0.08: the fixed reference holds the policy only weakly at beta 10.
   Only 16 of the 128 samples of a step are trained on (8 pairs), so an update is
