@@ -1,13 +1,18 @@
-"""Test helper: start a recipe as its own process and SIGKILL it once a given checkpoint is on disk."""
+"""Helpers of the recipe tests: kill -9 a recipe once a checkpoint is on disk, read a checkpoint, compare
+metrics rows without their timings, and list a config's dotted keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +28,25 @@ def kill_after_checkpoint(recipe: str, run_dir: Path, args: list[str], step: int
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The tensors of a run's checkpoint at `step`."""
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    """Metrics rows without wall-clock keys (time/..., ..._s): what two runs of the same config must share."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
+
+
+def dotted_keys(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass (sections recursed into)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            keys += dotted_keys(type(default), f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import flywheel.loop
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.awm import ANCHOR_PREFIX, Config, ema_anchor, main, validate_config
 
-from recipe_kill import kill_after_checkpoint
+from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two flow times per sample instead of six: a quarter of the default's training forwards.
@@ -32,24 +31,10 @@ def run(tmp_path, name, *overrides):
     return result, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-def without_timings(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
 
 
-def checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
 
-def all_keys(cls, prefix=""):
-    """Every dotted config key of a config dataclass."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        section = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(section):
-            keys += all_keys(type(section), f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
 
 
 # ---- the learning signal --------------------------------------------------------------------
@@ -108,7 +93,7 @@ def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "trainers/awm.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
-    keys = all_keys(Config)
+    keys = dotted_keys(Config)
     assert "train.anchor_beta" in keys and "sampling.sampler" in keys and "train.learning_rate" in keys
     missing = [k for k in keys if k not in out.stdout]
     assert not missing, missing

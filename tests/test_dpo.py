@@ -1,7 +1,6 @@
 """The online Diffusion-DPO recipe end to end on the toy task: learning signal and its swapped-pair control,
 exact resume after kill -9, LoRA's reference, the launcher, --help, the config checks and the shipped configs."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -10,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.dpo import Config, main, validate_config
 
-from recipe_kill import kill_after_checkpoint
+from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
@@ -28,24 +26,10 @@ def run(tmp_path, name, *overrides):
     return result, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-def without_timings(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
 
 
-def checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
 
-def all_keys(cls, prefix=""):
-    """Every dotted config key of a config dataclass."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        section = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(section):
-            keys += all_keys(type(section), f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
 
 
 # ---- the learning signal --------------------------------------------------------------------
@@ -99,7 +83,7 @@ def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "trainers/dpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
-    keys = all_keys(Config)
+    keys = dotted_keys(Config)
     assert "train.beta" in keys and "train.pairing" in keys and "train.swap_pairs" in keys
     missing = [k for k in keys if k not in out.stdout]
     assert not missing, missing

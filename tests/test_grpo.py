@@ -17,7 +17,7 @@ from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
 
-from recipe_kill import kill_after_checkpoint
+from recipe_kill import kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick, but big enough that the reward moves within a few dozen steps.
@@ -32,8 +32,6 @@ def run(tmp_path, name, *overrides):
     return result, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-def without_timings(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
 
 
 def test_unknown_key_is_an_error_naming_the_valid_keys():

@@ -1,6 +1,5 @@
 """The DiffusionNFT recipe end to end on the toy task: config checks, learning signal, exact resume, LoRA, launch."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import flywheel.loop
 from flywheel.recipe.session import RECIPE_TENSOR_PREFIX
@@ -17,7 +15,7 @@ from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.nft import Config, main, validate_config
 
-from recipe_kill import kill_after_checkpoint
+from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
@@ -30,8 +28,6 @@ def run(tmp_path, name, *overrides):
     return result, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-def without_timings(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
 
 
 def config_problems(*overrides) -> str:
@@ -40,17 +36,8 @@ def config_problems(*overrides) -> str:
     return str(err.value)
 
 
-def dotted_keys(cls, prefix=""):
-    for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            yield from dotted_keys(type(default), f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}"
 
 
-def checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
 
 # ---- config -----------------------------------------------------------------------------------
