@@ -9,7 +9,6 @@ the weights after the update equal to plain SGD on that loss.
 """
 
 import copy
-import json
 import math
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from flywheel.runs.rundir import read_metrics
 from trainers.grpo import (Config, chosen_steps, fast_window, grpo_update, main, mixgrpo_window, rollout_window,
                            validate_config, window_span)
 
-from recipe_kill import kill_after_checkpoint
+from recipe_kill import kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
@@ -321,11 +320,7 @@ def test_kill_and_resume_continues_the_windows_and_the_guard(tmp_path):
     kill_after_checkpoint("grpo", interrupted, [*QUICK, *args])
     run(tmp_path, "ignored", f"resume={interrupted}")
     resumed = read_metrics(interrupted / "metrics.jsonl")
-
-    def strip(rows):
-        return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_s")} for r in rows]
-
-    assert strip(resumed) == strip(straight)
+    assert without_timings(resumed) == without_timings(straight)
     assert [r["trained_steps/first"] for r in straight[1:]] == [0, 1, 2, 3, 4, 5]
 
 
