@@ -147,16 +147,29 @@ def test_two_processes_draw_the_same_samples_as_one(tmp_path):
     assert double[2]["weight_version"] == 1
 
 
-GRPO_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if not p.stem.endswith(("_nft", "_awm"))]
+# The other recipes' configs (*_nft, *_awm, *_dpo) are checked by their own recipes' tests.
+GRPO_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if not p.stem.endswith(("_nft", "_awm", "_dpo"))]
 
 
 @pytest.mark.parametrize("path", GRPO_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
-    """Every GRPO config (the NFT and AWM ones, *_nft.yaml / *_awm.yaml, are checked by their recipes' tests)."""
+    """Every GRPO config, the GRPO options' included."""
     cfg = parse_config(Config, ["--config", str(path)])
     assert cfg.model.card in list_cards()
     # Valid in every field (their prompt files are the user's: point them at the built-in set here).
     validate_config(apply_overrides(cfg, ["data.prompts=toy-digits", "data.eval_prompts=toy-digits"]))
+
+
+def test_evaluation_requests_drop_the_rollouts_sde_window():
+    """A window fitted to the rollouts' 10 steps must not reach the 4-step evaluation ODE (it raised there)."""
+    from engine import GenerationRequest
+    from flywheel.recipe.sections import eval_request_kwargs, rollout_request_kwargs
+
+    cfg = parse_config(Config, ["sampling.sde_window=[0,8]", "sampling.eval_steps=4"])
+    validate_config(cfg)
+    kwargs = {**rollout_request_kwargs(cfg.sampling), **eval_request_kwargs(cfg.sampling)}
+    request = GenerationRequest(prompt="a handwritten three", seed=0, **kwargs)
+    assert (request.steps, request.sampler, request.sde_window) == (4, "ode", None)
 
 
 def test_sd3_pickscore_config_matches_flow_grpo_pickscore_sd3():

@@ -232,6 +232,7 @@ def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
 
 
 def eval_request_kwargs(sampling: SamplingConfig) -> dict:
-    """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time."""
+    """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time (no SDE
+    window: the rollouts' window may not fit sampling.eval_steps, and an ODE has none)."""
     return {"sampler": "ode", "guidance_scale": sampling.eval_guidance_scale,
-            "steps": sampling.eval_steps or sampling.steps}
+            "steps": sampling.eval_steps or sampling.steps, "sde_window": None}
