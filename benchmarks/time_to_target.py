@@ -14,7 +14,7 @@ steps, no tracker, and sample grids and checkpoints only at the end (harness
 settings that cost every recipe the same). Each runs its configured steps,
 unless `--stop-after-target N` ends it N evaluations after it reached the
 target. Overrides after `--` go to every recipe. Before anything runs, the configs are resolved and must agree on what
-makes the runs comparable (`COMPARABLE_KEYS`: card, prompts, prompts per step x
+makes the runs comparable (`COMPARABLE_KEYS`: card, reward, prompts, prompts per step x
 group size, seed, evaluation prompts, seeds, steps and guidance); a
 disagreement is an error naming the keys.
 
@@ -92,7 +92,7 @@ NEVER_RUN_STEP = 10**9  # sample_every / save_every: only at the end of the run
 POLL_S = 1.0  # --stop-after-target: how often a running recipe's metrics are read
 
 # Settings that must be equal across recipes for their times to compare.
-COMPARABLE_KEYS = ("model.card", "data.prompts", "data.eval_prompts", "data.prompts_per_step", "data.group_size",
+COMPARABLE_KEYS = ("model.card", "rewards", "data.prompts", "data.eval_prompts", "data.prompts_per_step", "data.group_size",
                    "seed", "eval_every", "sampling.eval_guidance_scale", "sampling.eval_seeds",
                    "sampling.eval_steps", "sampling.height", "sampling.width")
 

@@ -93,13 +93,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
     numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_nft.yaml")])
     validate_config(numbers)
     assert numbers.model.card == "toy-numbers" and numbers.rewards.startswith("number_alignment")
-    # The benchmark compares NFT with GRPO at the same rollout budget per step (prompts x group size).
-    from trainers.grpo import Config as GRPOConfig
-
-    grpo = parse_config(GRPOConfig, ["--config", str(ROOT / "configs" / "toy_numbers_grpo.yaml")])
-    assert (numbers.data.prompts_per_step, numbers.data.group_size) == (grpo.data.prompts_per_step,
-                                                                          grpo.data.group_size)
-    assert (numbers.data.prompts, numbers.data.eval_prompts) == (grpo.data.prompts, grpo.data.eval_prompts)
+    # That it agrees with GRPO's on the task and budget: tests/test_time_to_target.py, for every recipe.
 
 
 # ---- the run ----------------------------------------------------------------------------------

@@ -207,6 +207,18 @@ def test_check_only_resolves_and_compares_the_configs_without_running(tmp_path, 
     assert "data.group_size" in capsys.readouterr().err
 
 
+def test_every_shipped_toy_numbers_config_agrees_with_grpos():
+    """The benchmark's default recipes, as shipped: the same card, reward, prompts, samples per step and evaluation
+    as configs/toy_numbers_grpo.yaml (check_agreement raises naming any key that differs)."""
+    configs = {r: ttt.resolve_recipe_config(r, ttt.config_path_for(ttt.DEFAULT_CONFIGS, r), [])
+               for r in ttt.DEFAULT_RECIPES}
+    settings = {r: ttt.comparable_settings(cfg) for r, cfg in configs.items()}
+    ttt.check_agreement(settings)
+    assert settings["grpo"]["model.card"] == "toy-numbers" and settings["grpo"]["rewards"] == "number_alignment:1.0"
+    assert {cfg.sampling.steps for cfg in configs.values()} == {10}  # the same denoising steps a rollout
+    assert {cfg.sampling.sampler for r, cfg in configs.items() if ttt.trainer_of(r) != "grpo"} == {"ode"}
+
+
 def test_grpo_options_run_grpo_with_their_own_config(tmp_path, capsys):
     assert ttt.trainer_of("grpo_fast") == "grpo" and ttt.trainer_of("mixgrpo") == "grpo"
     assert ttt.trainer_of("nft") == "nft"  # a recipe of its own
