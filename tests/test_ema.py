@@ -151,7 +151,7 @@ def test_bad_values_are_refused_with_what_is_valid():
 
 
 @pytest.mark.slow
-def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_trained_weights(tmp_path, tiny):
+def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_trained_weights(tmp_path, tiny, capfd):
     """Three 2-step GRPO runs: no EMA, an EMA of decay 0 (the weights themselves), and one of decay 0.9."""
     from engine import load_model
 
@@ -189,6 +189,10 @@ def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_tra
         assert torch.equal(e2[name], expected), name
     assert any(not torch.equal(e2[k], w2[k]) for k in w2)
 
+    # Resuming with train.ema off from a run that had one drops the average, and says so.
+    grpo_main([f"resume={tmp_path / 'avg'}", "steps=3", "train.ema=false"])
+    assert "holds a train.ema average and this run has train.ema=false" in capfd.readouterr().err
+    assert not split(checkpoint(tmp_path / "avg", 3))[1]
     # Resuming with train.ema on from a run that had none is refused: the average would start over silently.
     with pytest.raises(ValueError, match="holds no train.ema average"):
         grpo_main([f"resume={tmp_path / 'off'}", "steps=3", "train.ema=true"])

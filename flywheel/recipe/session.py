@@ -124,6 +124,10 @@ class RecipeRun:
     def _start_ema(self, policy: Policy, checkpointed: dict[str, torch.Tensor] | None) -> WeightEMA | None:
         """train.ema's average on the main process: the weights of a fresh run, the checkpoint's on resume."""
         if not self.cfg.train.ema:
+            if checkpointed and self.is_main:  # allowed (evaluation on the trained weights), but never silently
+                print(f"warning: resume={self.cfg.resume} holds a train.ema average and this run has train.ema="
+                      "false: the average is dropped, and the next checkpoints will not hold it (resume with "
+                      "train.ema=true to keep it)", file=sys.stderr, flush=True)
             return None
         if checkpointed is not None and not checkpointed:  # checked on every rank: they all stop together
             raise ValueError(f"resume={self.cfg.resume}: the checkpoint holds no train.ema average (its run had "
