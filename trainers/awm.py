@@ -115,6 +115,7 @@ from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.loop import RolloutBatch
 from flywheel.recipe.ema import WeightEMA
+from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -220,12 +221,6 @@ def validate_config(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------
 # The loss
 # ---------------------------------------------------------------------------------------
-
-
-def matching_error(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Per-row flow-matching error l = mean over elements of (v - (eps - x0))^2, shape [N]."""
-    target = noise.float() - x0.float()
-    return (v_theta.float() - target).pow(2).flatten(1).mean(1)
 
 
 def weighted_error(error: torch.Tensor, t: torch.Tensor, weighting: str, ghuber_power: float = 0.25) -> torch.Tensor:
@@ -436,7 +431,7 @@ def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
         for i in range(k):
             # One t for the minibatch's rows (a scalar t keeps guided_velocity's batched CFG forward valid).
             t, eps = times[i].to(x0.device), noise[i].to(x0.device)
-            x_t = (1 - t) * x0 + t * eps
+            x_t = noised(x0, eps, t)
             with torch.no_grad():
                 v_ref = (None if policy.ref_velocity is None
                          else policy.ref_velocity(x_t, t, cond, uncond_cond, traj.guidance_scale))

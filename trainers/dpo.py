@@ -141,6 +141,7 @@ from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.distributed import all_gather_cat, rank_and_world
 from flywheel.loop import RolloutBatch
+from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -251,11 +252,6 @@ def preference_pairs(rewards: torch.Tensor, valid: torch.Tensor, group_ids: torc
 # ---------------------------------------------------------------------------------------
 
 
-def flow_matching_error(v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Per-row error e = mean over elements of (v - (eps - x0))^2, shape [N] (fp32)."""
-    return (v.float() - (noise.float() - x0.float())).pow(2).flatten(1).mean(1)
-
-
 def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_l: torch.Tensor,
              x0_w: torch.Tensor, x0_l: torch.Tensor, noise: torch.Tensor, beta: float,
              weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -270,9 +266,9 @@ def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_
     if weight is None:
         weight = torch.full((p,), 1.0 / max(p, 1), device=v_w.device)
     weight = weight.float().to(v_w.device)
-    e_w, e_l = flow_matching_error(v_w, x0_w, noise), flow_matching_error(v_l, x0_l, noise)
-    ref_w = flow_matching_error(v_ref_w.detach(), x0_w, noise)
-    ref_l = flow_matching_error(v_ref_l.detach(), x0_l, noise)
+    e_w, e_l = matching_error(v_w, x0_w, noise), matching_error(v_l, x0_l, noise)
+    ref_w = matching_error(v_ref_w.detach(), x0_w, noise)
+    ref_l = matching_error(v_ref_l.detach(), x0_l, noise)
     delta = (e_w - ref_w) - (e_l - ref_l)
     margin = -beta * delta  # the implicit reward margin: > 0 when the policy prefers the winner more than ref
     loss = (weight * -F.logsigmoid(margin)).sum()
@@ -368,8 +364,7 @@ def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
         for i in range(k):
             t = times[slot, i].to(device).repeat(2)
             eps = noise[slot, i].to(device).repeat(2, *([1] * (noise.dim() - 2)))
-            t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
-            x_t = (1 - t_b) * x0 + t_b * eps
+            x_t = noised(x0, eps, t)
             with torch.no_grad():
                 v_ref = policy.ref_velocity(x_t, t, cond)
             v = policy.velocity(transformer, x_t, t, cond)

@@ -121,6 +121,7 @@ from flywheel.advantages import group_advantages
 from flywheel.cli import run_main
 from flywheel.distributed import rank_and_world
 from flywheel.loop import RolloutBatch
+from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -244,7 +245,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise
         raise ValueError(f"loss weighting {weighting!r} is not known; valid: adaptive, uniform")
     b = v_theta.shape[0]
     t_b = t.reshape(b, *([1] * (v_theta.dim() - 1))).to(v_theta.dtype)
-    x_t = (1 - t_b) * x0 + t_b * noise
+    x_t = noised(x0, noise, t_b)
     target = noise - x0
     v_old = v_old.detach()
     v_pos = (1 - beta) * v_old + beta * v_theta
