@@ -19,11 +19,15 @@ class PromptEmbeds(NamedTuple):
     """The conditioning of a batch of prompts.
 
     embeds [B, L, D], pooled [B, D], mask [B, L] (bool, True = real token) or None.
+    extra: per-row conditioning beyond the text, batch-first tensors by name (an
+    image-to-video card's first-frame latents and image embedding), or None. The
+    unconditional branch of CFG gets the same extra as the conditional one.
     """
 
     embeds: torch.Tensor
     pooled: torch.Tensor
     mask: torch.Tensor | None
+    extra: dict[str, torch.Tensor] | None = None
 
 
 class FlowModel(Protocol):
@@ -38,6 +42,13 @@ class FlowModel(Protocol):
     # `ode_scheduler(steps, latent_shape)` returning a fresh diffusers scheduler
     # set for `steps` (the folder's own, e.g. Wan's UniPC) that ODE requests
     # step with instead of the engine's Euler steps, or None to keep Euler.
+    # Optional: `guide(v_uncond, v_cond, guidance_scale)` combining the two CFG
+    # branches when the family does not use v_u + g·(v_c - v_u) (Qwen-Image's
+    # norm-rescaled true CFG, per-modality scales). Optional: `image_conditioned
+    # = True` with `encode_images(paths, latent_shape) -> dict[str, Tensor]`
+    # (per-row tensors put in PromptEmbeds.extra) for cards that take a
+    # `GenerationRequest.image` (image-to-video); such a card refuses requests
+    # without one, and every other card refuses requests with one.
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Embed prompts (an empty string is the unconditional prompt)."""

@@ -126,9 +126,16 @@ class Engine:
 
     def _check_batch(self, requests: list[GenerationRequest]) -> None:
         key = requests[0].batch_key()
+        image_conditioned = getattr(self.model, "image_conditioned", False)
         for i, r in enumerate(requests):
             if r.card != self.card_id:
                 raise ValueError(f"request {i} asks for card {r.card!r} but this engine serves {self.card_id!r}")
+            if image_conditioned and r.image is None:
+                raise ValueError(f"request {i} has no image: card {self.card_id!r} is conditioned on one (set "
+                                 f"GenerationRequest.image to a local image file)")
+            if not image_conditioned and r.image is not None:
+                raise ValueError(f"request {i} has image={r.image!r} but card {self.card_id!r} takes no image; "
+                                 f"only image-conditioned cards (image-to-video) do")
             if r.batch_key() != key:
                 raise ValueError(
                     f"request {i} cannot share a batch with request 0: batch keys differ "
@@ -158,6 +165,11 @@ class Engine:
         uncond = None
         if first.guidance_scale != 1.0 and not getattr(self.model, "embedded_guidance", False):
             uncond = self.encode_prompts([r.negative_prompt for r in requests])
+        if getattr(self.model, "image_conditioned", False):
+            with torch.no_grad():
+                extra = self.model.encode_images([r.image for r in requests], latent_shape)
+            cond = cond._replace(extra=extra)
+            uncond = None if uncond is None else uncond._replace(extra=extra)
         uncond_cond = None if uncond is None else concat_embeds(uncond, cond)
 
         if scheduler is None:
@@ -180,7 +192,7 @@ class Engine:
             negative_prompt_mask=None if uncond is None else uncond.mask,
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
-            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler)
+            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler, condition_extra=cond.extra)
 
     def serving_transformer(self) -> nn.Module:
         """The module rollouts call: the model's transformer, compiled once per module when `compile`."""

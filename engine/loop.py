@@ -32,16 +32,18 @@ from engine.sampling import cps_step, dpm_solver_2m_step, ode_step, sde_step, sd
 def concat_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
     """Stack two conditionings along the batch (for one CFG forward)."""
     mask = None if a.mask is None else torch.cat([a.mask, b.mask])
-    return PromptEmbeds(torch.cat([a.embeds, b.embeds]), torch.cat([a.pooled, b.pooled]), mask)
+    extra = None if a.extra is None else {k: torch.cat([v, b.extra[k]]) for k, v in a.extra.items()}
+    return PromptEmbeds(torch.cat([a.embeds, b.embeds]), torch.cat([a.pooled, b.pooled]), mask, extra)
 
 
 def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t: torch.Tensor,
                     cond: PromptEmbeds, uncond_cond: PromptEmbeds | None, guidance_scale: float) -> torch.Tensor:
-    """Velocity with classifier-free guidance v = v_u + g·(v_c - v_u).
+    """Velocity with classifier-free guidance v = v_u + g·(v_c - v_u), or the model's own `guide`.
 
     `uncond_cond` is the unconditional branch stacked before the conditional
     one (see `concat_embeds`), so both run in a single batched forward. When it
     is None (g = 1, or a guidance-distilled model) only the conditional branch runs.
+    A model with a `guide(v_uncond, v_cond, g)` method combines the branches itself.
     """
     if getattr(model, "embedded_guidance", False):
         # Guidance-distilled models (FLUX.1-dev) take g as an input: no unconditional branch.
@@ -50,6 +52,9 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
         return model.velocity(transformer, x, t, cond)
     v = model.velocity(transformer, torch.cat([x, x]), t, uncond_cond)
     v_uncond, v_cond = v.chunk(2)
+    guide = getattr(model, "guide", None)
+    if guide is not None:
+        return guide(v_uncond, v_cond, guidance_scale)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 

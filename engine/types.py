@@ -58,12 +58,17 @@ class GenerationRequest:
     frames: int | None = None
     card: str = "toy-digits"
     keep_trajectory: bool = True
+    # The conditioning image of an image-conditioned card (image-to-video's first frame): a local file
+    # path. Per row, like the prompt, so not part of the batch key; other cards refuse it.
+    image: str | None = None
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         for name in ("prompt", "negative_prompt", "card"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.image is not None and (not isinstance(self.image, str) or not self.image):
+            raise TypeError(f"image must be a non-empty path string or None, got {self.image!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler={self.sampler!r} is not known; valid samplers: {', '.join(SAMPLERS)}")
         _integer("seed", self.seed, *SEED_RANGE)
@@ -99,9 +104,12 @@ class Trajectory:
     log_probs  [B, T]             fp32, log-prob of each taken step (0 for deterministic steps)
     timesteps  [T+1]              fp32, t from 1 (noise) to 0 (data); for ODE runs stepped by a folder's
                                   own scheduler, that scheduler's sigmas (UniPC starts at 1 - 1e-6)
-    noise_levels [T]              fp32, the `a` used at each step (0 = ODE step)
+    noise_levels [T]              fp32, the `a` used at each step (0 = ODE step); [B, T] when rows took
+                                  different SDE windows (joined by `concat`), [T] again whenever every row
+                                  agrees (`select`, `concat`); `levels_at(j)` reads step j either way
     prompt_embeds / pooled_prompt_embeds / prompt_mask: conditional branch
     negative_*: unconditional branch (None when guidance_scale == 1)
+    condition_extra: per-row conditioning beyond the text (PromptEmbeds.extra), or None
     images     [B, C, H, W] in [0, 1] (videos [B, C, F, H, W])
     """
 
@@ -124,6 +132,7 @@ class Trajectory:
     metadata: list[dict] = field(default_factory=list)
     # The sampler that took the steps: recompute log-probs with engine.sampling.step_log_prob(sampler, ...).
     sampler: str = "sde"
+    condition_extra: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -131,6 +140,16 @@ class Trajectory:
     @property
     def num_steps(self) -> int:
         return self.log_probs.shape[1]
+
+    @property
+    def row_noise_levels(self) -> torch.Tensor:
+        """The noise level of every row and step, [B, T]."""
+        levels = self.noise_levels
+        return levels if levels.dim() == 2 else levels.unsqueeze(0).expand(len(self), -1)
+
+    def levels_at(self, j: int) -> torch.Tensor:
+        """Step j's noise level: a scalar when every row shares it, else [B]."""
+        return self.noise_levels[..., j]
 
     def select(self, index: torch.Tensor | list[int] | slice) -> "Trajectory":
         """The sub-batch at `index` (batch-dimension tensors sliced, the rest shared)."""
@@ -144,30 +163,51 @@ class Trajectory:
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("timesteps", "noise_levels"):
+            if f.name == "timesteps" or (f.name == "noise_levels" and value.dim() == 1):
                 continue
-            if isinstance(value, torch.Tensor):
+            if f.name == "noise_levels":
+                changes[f.name] = _shared_levels(value.index_select(0, idx.to(value.device)))
+            elif isinstance(value, torch.Tensor):
                 changes[f.name] = value.index_select(0, idx.to(value.device))
+            elif isinstance(value, dict):
+                changes[f.name] = {k: v.index_select(0, idx.to(v.device)) for k, v in value.items()}
             elif isinstance(value, list) and len(value) == len(self):
                 changes[f.name] = [value[i] for i in rows]
         return replace(self, **changes)
 
     @staticmethod
     def concat(parts: list["Trajectory"]) -> "Trajectory":
-        """Join trajectories of one batch key (same steps, card and version) along the batch."""
+        """Join trajectories of one card, version, schedule, sampler and guidance along the batch.
+
+        Parts may differ in their SDE windows (per-trajectory windows): the joined
+        noise levels are then [B, T]; the flow times must be the same.
+        """
         first = parts[0]
         if len(parts) == 1:
             return first
         for p in parts[1:]:
-            if p.weight_version != first.weight_version or p.card != first.card or p.num_steps != first.num_steps:
-                raise ValueError("Trajectory.concat needs parts with one card, step count and weight version")
-        changes = {}
+            if (p.weight_version != first.weight_version or p.card != first.card
+                    or p.num_steps != first.num_steps or p.sampler != first.sampler
+                    or p.guidance_scale != first.guidance_scale):
+                raise ValueError("Trajectory.concat needs parts with one card, weight version, step count, sampler "
+                                 "and guidance scale")
+            if not torch.equal(p.timesteps, first.timesteps):
+                raise ValueError("Trajectory.concat needs parts with the same flow times (MixGRPO-Flash compresses "
+                                 "each window's tail differently: its windows cannot be joined)")
+        changes = {"noise_levels": _shared_levels(torch.cat([p.row_noise_levels for p in parts]))}
         for f in fields(first):
             value = getattr(first, f.name)
             if f.name in ("timesteps", "noise_levels"):
                 continue
             if isinstance(value, torch.Tensor):
                 changes[f.name] = torch.cat([getattr(p, f.name) for p in parts])
+            elif isinstance(value, dict):
+                changes[f.name] = {k: torch.cat([getattr(p, f.name)[k] for p in parts]) for k in value}
             elif isinstance(value, list):
                 changes[f.name] = [x for p in parts for x in getattr(p, f.name)]
         return replace(first, **changes)
+
+
+def _shared_levels(levels: torch.Tensor) -> torch.Tensor:
+    """[B, T] noise levels as one [T] row when every row agrees (the common case), else unchanged."""
+    return levels[0] if bool((levels == levels[:1]).all()) else levels

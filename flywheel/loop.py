@@ -56,6 +56,20 @@ def sample_seed(seed: int, step: int, row: int) -> int:
     return int(np.random.SeedSequence([seed, step, row]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
+def generate_in_order(engine, requests: list[GenerationRequest]) -> Trajectory:
+    """One Trajectory of `requests` in their order, one engine batch per batch key (the rows of one SDE window
+    run together when windows differ by trajectory)."""
+    keys: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        keys.setdefault(r.batch_key(), []).append(i)
+    if len(keys) == 1:
+        return engine.generate(requests)
+    groups = list(keys.values())
+    joined = Trajectory.concat([engine.generate([requests[i] for i in rows]) for rows in groups])
+    position = {i: n for n, i in enumerate(i for rows in groups for i in rows)}
+    return joined.select([position[i] for i in range(len(requests))])
+
+
 def group_diversity(images: torch.Tensor, group_ids: torch.Tensor) -> float:
     """Mean per-pixel std of images within each group (0 = every sample alike)."""
     stds = []
@@ -92,9 +106,10 @@ class Flywheel:
             rollout_chunk_size = math.ceil(self.local_batch / 2) if overlap_scoring else self.local_batch
         self.rollout_chunk_size = rollout_chunk_size
         self._executor: ThreadPoolExecutor | None = None
-        # Per-step request fields over `request_kwargs` (a recipe's SDE window that moves with the step):
-        # a function of the step alone, so async prefetching, resuming and several ranks agree on it.
-        self.step_request_overrides: Callable[[int], dict] | None = None
+        # Per-step or per-trajectory request fields over `request_kwargs`
+        # (step, global row) -> request fields that vary by step or by trajectory (the SDE windows of
+        # MixGRPO and Flow-GRPO-Fast); a function of its arguments alone, so async prefetch and resume agree.
+        self.request_overrides: Callable[[int, int], dict] | None = None
 
     def set_rewards(self, rewards: RewardSet | str | dict | list, **kwargs) -> None:
         """Swap the reward between steps: a `RewardSet`, or a spec (plus RewardSet kwargs) to build one.
@@ -126,7 +141,7 @@ class Flywheel:
         trajectories, scored, gen_s = [], [], 0.0
         for chunk in chunks:
             t = time.perf_counter()
-            traj = self.engine.generate(chunk)
+            traj = generate_in_order(self.engine, chunk)
             gen_s += time.perf_counter() - t
             trajectories.append(traj)
             if self.overlap_scoring:
@@ -146,9 +161,9 @@ class Flywheel:
         """Roll out, score and compute advantages for this rank's rows of step `step`."""
         items = self.sampler.batch(step)
         rows = range(self.rank * self.local_batch, (self.rank + 1) * self.local_batch)
-        overrides = self.step_request_overrides(step) if self.step_request_overrides is not None else {}
-        requests = [self._request(items[row // self.group_size], sample_seed(self.seed, step, row), **overrides)
-                    for row in rows]
+        overrides = self.request_overrides or (lambda step, row: {})
+        requests = [self._request(items[row // self.group_size], sample_seed(self.seed, step, row),
+                                  **overrides(step, row)) for row in rows]
         group_ids = torch.tensor([row // self.group_size for row in rows])
 
         trajectory, rewards, timings = self._rollout_and_score(requests)
@@ -166,6 +181,8 @@ class Flywheel:
 
     def _request(self, item: PromptItem, seed: int, **overrides) -> GenerationRequest:
         kwargs = {**self.request_kwargs, **overrides}
+        if "image" in item.metadata:  # a .jsonl dataset's conditioning image (image-to-video cards)
+            kwargs.setdefault("image", item.metadata["image"])
         return GenerationRequest(prompt=item.prompt, seed=seed, card=self.engine.card_id,
                                  metadata=item.metadata, **kwargs)
 

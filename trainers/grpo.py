@@ -78,7 +78,7 @@ plain GRPO 0.256 0.316 0.364 0.453 0.542 0.635 0.724 0.808 at 80):
   (mixgrpo with window_shift_every=10 was slower: 0.697 at 40, 0.805 at 50.)
 
 The window of every step is a function of (config, seed, step) alone, set on
-the flywheel per step (`Flywheel.step_request_overrides`): async rollouts (the
+the flywheel per step (`Flywheel.request_overrides`): async rollouts (the
 next step prefetched during this update) roll out their own step's window, and
 a resumed run draws the windows an uninterrupted one does. Flash is refused
 with async rollouts (the engine process has no Flash solver).
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformer, optimizer = run.prepare(policy, optimizer)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     if cfg.train.variant != "flow_grpo":  # the window of each step's rollouts, a function of the step alone
-        rollouts.flywheel.step_request_overrides = lambda step: {"sde_window": rollout_window(cfg, step)}
+        rollouts.flywheel.request_overrides = lambda step, row: {"sde_window": rollout_window(cfg, step)}
     rollouts.engine.flash_compress = cfg.train.flash_compress  # rollouts only: evaluation samples the ODE
     share_cores = cpu_core_sharing(rollouts.collector, run.accelerator)
 

@@ -30,10 +30,11 @@ def trajectory_conditioning(traj: Trajectory, use_cfg: bool) -> tuple[PromptEmbe
 
     The second is None without guidance (or without negative embeddings): the forward is conditional only.
     """
-    cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask)
+    cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask, traj.condition_extra)
     if not use_cfg or traj.negative_prompt_embeds is None:
         return cond, None
-    uncond = PromptEmbeds(traj.negative_prompt_embeds, traj.negative_pooled_prompt_embeds, traj.negative_prompt_mask)
+    uncond = PromptEmbeds(traj.negative_prompt_embeds, traj.negative_pooled_prompt_embeds, traj.negative_prompt_mask,
+                          traj.condition_extra)
     return cond, concat_embeds(uncond, cond)
 
 

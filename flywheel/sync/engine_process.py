@@ -52,6 +52,7 @@ from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket,
 TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
                       "prompt_mask", "negative_prompt_embeds", "negative_pooled_prompt_embeds",
                       "negative_prompt_mask", "images")
+EXTRA_PREFIX = "condition_extra."  # Trajectory.condition_extra's tensors travel under this prefix
 PARENT_POLL_S = 0.2  # how often the engine process checks that its trainer is alive
 EXIT_ORPHANED = 3  # exit status of an engine process whose trainer died
 
@@ -123,6 +124,8 @@ class _Server:
             traj = e.generate([_request_from_json(r) for r in msg["requests"]])
             tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS
                        if getattr(traj, k) is not None}
+            for name, value in (traj.condition_extra or {}).items():
+                tensors[EXTRA_PREFIX + name] = value.detach().cpu().contiguous()
             header = {"weight_version": traj.weight_version, "prompts": traj.prompts, "seeds": traj.seeds,
                       "card": traj.card, "guidance_scale": traj.guidance_scale, "metadata": traj.metadata,
                       "sampler": traj.sampler}
@@ -368,9 +371,10 @@ class EngineProcess:
         reply, payload = self.call("generate", requests=[asdict(r) for r in requests])
         tensors = load_safetensors(payload)
         optional = {k: tensors.get(k) for k in TRAJECTORY_TENSORS}
+        extra = {k[len(EXTRA_PREFIX):]: v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)}
         return Trajectory(**optional, prompts=reply["prompts"], seeds=reply["seeds"], card=reply["card"],
                           weight_version=reply["weight_version"], guidance_scale=reply["guidance_scale"],
-                          metadata=reply["metadata"], sampler=reply["sampler"])
+                          metadata=reply["metadata"], sampler=reply["sampler"], condition_extra=extra or None)
 
     # -- engine side of weight sync
     @property
