@@ -55,3 +55,4 @@ register_card(ModelCard(
                                 "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"],
                   diffusers_pipeline="WanPipeline", video=True),
 ))
+import engine.families.qwen_image  # noqa: F401,E402  (registers its card)
