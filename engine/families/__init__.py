@@ -56,3 +56,4 @@ register_card(ModelCard(
                   diffusers_pipeline="WanPipeline", video=True),
 ))
 import engine.families.qwen_image  # noqa: F401,E402  (registers its card)
+import engine.families.wan_i2v  # noqa: F401,E402  (registers its card)
