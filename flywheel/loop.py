@@ -70,6 +70,18 @@ def generate_in_order(engine, requests: list[GenerationRequest]) -> Trajectory:
     return joined.select([position[i] for i in range(len(requests))])
 
 
+def reward_inputs(trajectory: Trajectory) -> dict:
+    """What `RewardSet.score` takes beside the images: the rollouts' audio and its sample rate, if any.
+
+    Empty for a trajectory without sound, so a reward set (or a wrapper of one) that takes no
+    audio is called exactly as before.
+    """
+    audio = getattr(trajectory, "audio", None)
+    if audio is None:
+        return {}
+    return {"audio": audio, "sample_rate": getattr(trajectory, "audio_sample_rate", None)}
+
+
 def group_diversity(images: torch.Tensor, group_ids: torch.Tensor) -> float:
     """Mean per-pixel std of images within each group (0 = every sample alike)."""
     stds = []
@@ -134,7 +146,8 @@ class Flywheel:
 
         def score(traj: Trajectory) -> RewardBatch:
             t = time.perf_counter()
-            out = rewards.score(traj.images, traj.prompts, traj.metadata, traj.weight_version)
+            out = rewards.score(traj.images, traj.prompts, traj.metadata, traj.weight_version,
+                                **reward_inputs(traj))
             busy[0] += time.perf_counter() - t
             return out
 
@@ -217,7 +230,8 @@ def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_
     # Classes come from the prompts alone: a bad class is reported before anything is generated.
     classes = eval_classes(judges or {}, [r.prompt for r in requests], [r.metadata for r in requests])
     trajectory = engine.generate(requests)
-    scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version)
+    scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version,
+                           **reward_inputs(trajectory))
     metrics = scored.metrics(prefix="eval/reward")
     if classes is not None:
         rewards_by_class = class_means(scored.total, classes, valid=scored.valid)

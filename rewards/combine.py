@@ -9,7 +9,7 @@ import torch
 
 from rewards.registry import REMOTE, get, parse_spec
 from rewards.remote import check_seconds
-from rewards.types import RewardBatch, Scorer
+from rewards.types import RewardBatch, Scorer, check_audio, check_videos, scorer_inputs, wants_audio, wants_video
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,38 @@ class RewardSet:
         body = ", ".join(f"{n}:{w:g}" for n, w in self.weights.items())
         return f"RewardSet({body}" + (f", mode={self.mode}" if self.mode != "weighted_sum" else "") + ")"
 
-    def _run(self, name: str, images: torch.Tensor, prompts: list[str],
-             metadata: list[dict]) -> tuple[torch.Tensor, str | None]:
+    @property
+    def wants_audio(self) -> bool:
+        """Whether a scorer of this set needs the rollouts' audio (generate with sound for it)."""
+        return any(wants_audio(s) for s in self.scorers.values())
+
+    @property
+    def wants_video(self) -> bool:
+        """Whether a scorer of this set needs whole videos (not only the frame image scorers see)."""
+        return any(wants_video(s) for s in self.scorers.values())
+
+    def _inputs(self, images: torch.Tensor, audio: torch.Tensor | None, sample_rate: int | None,
+                videos: torch.Tensor | None) -> dict[str, dict[str, Any]]:
+        """The extra keyword arguments of each scorer's call; ValueError naming a scorer whose input is missing.
+
+        An error, not a masked batch: a missing input is a mismatch between the reward spec and what the
+        model generates, which no later batch fixes.
+        """
+        if audio is not None:
+            sample_rate = check_audio(audio, sample_rate, images.shape[0])
+        elif sample_rate is not None:
+            raise ValueError("RewardSet.score got a sample_rate but no audio; pass both or neither")
+        if videos is not None:
+            check_videos(videos, images.shape[0])
+        return {name: scorer_inputs(name, scorer, images, audio, sample_rate, videos)
+                for name, scorer in self.scorers.items()}
+
+    def _run(self, name: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+             extra: dict[str, Any]) -> tuple[torch.Tensor, str | None]:
         """One scorer's raw scores as host float32 [B], or all-NaN and the error text if it failed."""
         batch = images.shape[0]
         try:
-            raw = self.scorers[name](images, prompts, metadata)
+            raw = self.scorers[name](images, prompts, metadata, **extra)
             raw = torch.as_tensor(raw).detach()
             if raw.shape != (batch,):
                 raise ValueError(f"returned shape {tuple(raw.shape)}, expected ({batch},)")
@@ -73,18 +99,24 @@ class RewardSet:
             return torch.full((batch,), float("nan")), error
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None,
-              weight_version: int) -> RewardBatch:
-        """Score a batch of images [B, C, H, W] in [0, 1] rolled out with weights `weight_version`."""
+              weight_version: int, *, audio: torch.Tensor | None = None, sample_rate: int | None = None,
+              videos: torch.Tensor | None = None) -> RewardBatch:
+        """Score a batch of images [B, C, H, W] in [0, 1] rolled out with weights `weight_version`.
+
+        `audio` [B, channels, samples] in [-1, 1] with its `sample_rate`, and `videos` [B, C, F, H, W]
+        (when `images` are frames taken from them), go to the scorers that ask for them (see `Scorer`).
+        """
         batch = images.shape[0]
         metadata = [{} for _ in range(batch)] if metadata is None else list(metadata)
         if len(prompts) != batch or len(metadata) != batch:
             raise ValueError(f"got {batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; "
                              "they must be the same length")
+        inputs = self._inputs(images, audio, sample_rate, videos)
         scores, valid_per_scorer, errors = {}, {}, {}
         valid = torch.ones(batch, dtype=torch.bool)
         total = torch.zeros(batch, dtype=torch.float32)
         for name in self.scorer_ids:
-            raw, error = self._run(name, images, prompts, metadata)
+            raw, error = self._run(name, images, prompts, metadata, inputs[name])
             if error is not None:
                 errors[name] = error
             ok = torch.isfinite(raw)

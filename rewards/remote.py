@@ -10,6 +10,11 @@ RewardSet masks the batch and records the error). Other HTTP errors are not
 retried: a scorer error (500) or a refused request (4xx) would fail again.
 A reply must be at most `max_reply_bytes` and hold one number (or null) per
 image; anything else is a `RemoteRewardError` naming what came back.
+
+The server's /health says whether its reward needs audio or whole videos; the
+client then declares the same (`wants_audio`, `wants_video`), so a RewardSet
+hands it those inputs and it sends them (safetensors only). A server that does
+not say is an image reward.
 """
 
 from __future__ import annotations
@@ -97,10 +102,19 @@ class RemoteScorer:
         if not isinstance(health, dict) or health.get("status") != "ok":
             raise RemoteRewardError(f"reward server at {self.url} is not healthy: {reply[:200]!r}")
         self.served_reward: str = str(health.get("reward", "?"))
+        self.wants_audio = health.get("wants_audio") is True
+        self.wants_video = health.get("wants_video") is True
+        if (self.wants_audio or self.wants_video) and encoding != "safetensors":
+            raise ValueError(f"reward server at {self.url} serves {self.served_reward!r}, which needs "
+                             f"{'audio' if self.wants_audio else 'videos'}; these travel only with "
+                             f"encoding='safetensors', not {encoding!r}")
 
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        """Raw scores [B] float32 on the host, computed by the server."""
-        body, content_type = encode_request(images, prompts, metadata, self.encoding)
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], *,
+                 audio: torch.Tensor | None = None, sample_rate: int | None = None,
+                 videos: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw scores [B] float32 on the host, computed by the server (audio and videos sent when given)."""
+        body, content_type = encode_request(images, prompts, metadata, self.encoding, audio=audio,
+                                            sample_rate=sample_rate, videos=videos)
         reply = self._call("POST", "/score", body, content_type, self.timeout_s)
         try:
             return decode_scores(reply, len(prompts))

@@ -1,7 +1,9 @@
 """Serve one reward over HTTP: `python -m rewards.serve --reward ocr [--port 8100]`.
 
-Endpoints: GET /health -> {"status": "ok", "reward": name}; POST /score with a
-safetensors or JSON/PNG body (see rewards.wire) -> {"scores": [...]}. Binds
+Endpoints: GET /health -> {"status": "ok", "reward": name, "wants_audio": bool,
+"wants_video": bool} (what the client must send; see rewards.types); POST /score
+with a safetensors or JSON/PNG body (see rewards.wire) -> {"scores": [...]}; a
+batch without the audio or videos the reward needs is refused (400). Binds
 127.0.0.1 unless --host says otherwise; with a token ($FLYWHEEL_REWARD_TOKEN or
 --token) every request must carry `Authorization: Bearer <token>`, and binding
 another address without one logs a warning. Scoring runs on a worker thread,
@@ -30,7 +32,7 @@ from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add
                                 warn_if_exposed)
 from rewards.registry import get
 from rewards.remote import TOKEN_ENV
-from rewards.types import Scorer
+from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
 from rewards.wire import decode_request, encode_scores
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
         return await handler(request)
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "reward": name})
+        return web.json_response({"status": "ok", "reward": name, "wants_audio": wants_audio(scorer),
+                                  "wants_video": wants_video(scorer)})
 
     async def score(request: web.Request) -> web.Response:
         # The bytes stay reserved until the answer: the decoded batch waiting for the scorer is
@@ -71,15 +74,16 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
     async def _score(request: web.Request) -> web.Response:
         body = await read_body(request, limits)
         try:
-            images, prompts, metadata = decode_request(body, request.content_type)
+            batch = decode_request(body, request.content_type)
+            extra = scorer_inputs(name, scorer, batch.images, batch.audio, batch.sample_rate, batch.videos)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        del body  # the decoded images are what the rest of the request holds
+        del body  # the decoded tensors are what the rest of the request holds
         async with lock:  # one batch at a time: scorers need not be thread-safe
             try:
-                scores = await asyncio.to_thread(scorer, images, prompts, metadata)
+                scores = await asyncio.to_thread(scorer, batch.images, batch.prompts, batch.metadata, **extra)
             except Exception as exc:  # reported to the client, which masks the rows
-                logger.warning("reward %r failed on a batch of %d: %s", name, len(prompts), exc)
+                logger.warning("reward %r failed on a batch of %d: %s", name, len(batch.prompts), exc)
                 return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
         return web.Response(body=encode_scores(scores), content_type="application/json")
 

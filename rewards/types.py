@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -17,12 +18,85 @@ class Scorer(Protocol):
     to its own device and is the only one to bring results to the host. The
     result is a float32 tensor [B] of raw scores; a row it cannot score is NaN
     (or inf), which the combiner masks and counts instead of treating as 0.
+
+    Other outputs of a rollout reach a scorer only if it asks for them, with a
+    class attribute, as extra keyword arguments of the same call (a scorer
+    that declares nothing is called with the three arguments above, as ever):
+
+    - `wants_audio = True`: `audio=` [B, channels, samples] float32 in [-1, 1]
+      and `sample_rate=` (int, Hz).
+    - `wants_video = True`: `videos=` [B, C, F, H, W] float in [0, 1] (the
+      whole clips; `images` is then what image scorers get, e.g. the middle frame).
+
+    A declaration rather than audio in the per-row metadata: metadata is JSON
+    (it is logged and sent to remote scorers as text), a waveform is a tensor
+    batch; and a declared need can be checked before the call, so a batch
+    without audio given to an audio scorer is an error naming that scorer, not a
+    KeyError deep inside it, and a reward set can say up front that it needs audio.
     """
 
     name: str
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """Raw scores [B] float32."""
+
+
+def wants_audio(scorer: object) -> bool:
+    """Whether `scorer` is to be called with `audio=` and `sample_rate=` (see `Scorer`)."""
+    return bool(getattr(scorer, "wants_audio", False))
+
+
+def wants_video(scorer: object) -> bool:
+    """Whether `scorer` is to be called with `videos=` (see `Scorer`)."""
+    return bool(getattr(scorer, "wants_video", False))
+
+
+def scorer_inputs(name: str, scorer: object, images: torch.Tensor, audio: torch.Tensor | None,
+                  sample_rate: int | None, videos: torch.Tensor | None) -> dict:
+    """The keyword arguments `scorer` (called `name`) takes beside (images, prompts, metadata).
+
+    ValueError naming the scorer when it asks for an input the batch lacks. `audio` and `videos`
+    must have been checked (see `check_audio`); `videos` None with 5-D `images` means the images are the videos.
+    """
+    extra: dict = {}
+    if wants_audio(scorer):
+        if audio is None:
+            raise ValueError(f"reward scorer {name!r} needs audio (wants_audio) but this batch has none: "
+                             "generate with audio (a card that makes sound, e.g. ltx2) or take the "
+                             "scorer out of the reward spec")
+        extra.update(audio=audio, sample_rate=sample_rate)
+    if wants_video(scorer):
+        if videos is None and images.dim() != 5:
+            raise ValueError(f"reward scorer {name!r} needs videos (wants_video) but this batch holds "
+                             f"images {tuple(images.shape)}: use it with a video card")
+        extra["videos"] = images if videos is None else videos
+    return extra
+
+
+def check_videos(videos: torch.Tensor, batch: int) -> None:
+    """ValueError unless `videos` is a [batch, C, F, H, W] tensor."""
+    if not isinstance(videos, torch.Tensor) or videos.dim() != 5 or videos.shape[0] != batch:
+        shape = tuple(videos.shape) if isinstance(videos, torch.Tensor) else type(videos).__name__
+        raise ValueError(f"videos must be a tensor [B, C, F, H, W] with B = {batch} (the batch size), got {shape}")
+
+
+def check_audio(audio: torch.Tensor, sample_rate: object, batch: int) -> int:
+    """The sample rate as an int, if `audio` is a [batch, channels, samples] float tensor; ValueError otherwise."""
+    if not isinstance(audio, torch.Tensor) or audio.dim() != 3 or audio.shape[0] != batch:
+        shape = tuple(audio.shape) if isinstance(audio, torch.Tensor) else type(audio).__name__
+        raise ValueError(f"audio must be a tensor [B, channels, samples] with B = {batch} (the batch size), "
+                         f"got {shape}")
+    if not audio.is_floating_point():
+        raise ValueError(f"audio must be floating point in [-1, 1], got dtype {audio.dtype}")
+    if audio.shape[1] < 1 or audio.shape[2] < 1:
+        raise ValueError(f"audio has no samples: shape {tuple(audio.shape)}")
+    try:  # operator.index: numpy and 0-d integer tensors are fine, 16000.0 is not
+        rate = operator.index(sample_rate) if not isinstance(sample_rate, bool) else 0
+    except TypeError:
+        rate = 0
+    if rate < 1:
+        raise ValueError(f"audio needs its sample rate as a positive int (Hz), got {sample_rate!r}")
+    return int(rate)
 
 
 def _mean_std(values: torch.Tensor) -> tuple[float, float]:

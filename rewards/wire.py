@@ -4,6 +4,11 @@ No pickle anywhere: a request is either a safetensors body whose header
 metadata holds the prompts and metadata as JSON strings, or a JSON body with
 base64 PNG images. A response is JSON {"scores": [float | null]}, null for a
 non-finite score (JSON has no NaN).
+
+Audio [B, channels, samples] and whole videos [B, C, F, H, W], for scorers
+that ask for them (see rewards.types), travel only in a safetensors body, as
+float32 tensors "audio" and "videos" beside "images", with the sample rate in
+the header ("sample_rate", decimal text).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import base64
 import io
 import json
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,18 +25,43 @@ from PIL import Image
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from rewards.types import check_audio, check_videos
+
 SAFETENSORS = "application/vnd.flywheel.safetensors"
 JSON = "application/json"
 ENCODINGS = ("safetensors", "png")
 
 
-def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict],
-                   encoding: str = "safetensors") -> tuple[bytes, str]:
-    """(body, content type) of a scoring request; images [B, C, H, W] in [0, 1]."""
+@dataclass
+class ScoringRequest:
+    """One decoded scoring request: the batch and, when sent, its audio (with sample rate) and videos."""
+
+    images: torch.Tensor
+    prompts: list[str]
+    metadata: list[dict]
+    audio: torch.Tensor | None = None
+    sample_rate: int | None = None
+    videos: torch.Tensor | None = None
+
+
+def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict], encoding: str = "safetensors",
+                   *, audio: torch.Tensor | None = None, sample_rate: int | None = None,
+                   videos: torch.Tensor | None = None) -> tuple[bytes, str]:
+    """(body, content type) of a scoring request; images [B, C, H, W] in [0, 1] (audio and videos: see above)."""
     if encoding == "safetensors":
         header = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps(list(metadata))}
-        return st_save({"images": images.detach().float().cpu().contiguous()}, metadata=header), SAFETENSORS
+        tensors = {"images": _float32(images)}
+        if audio is not None:
+            header["sample_rate"] = str(check_audio(audio, sample_rate, images.shape[0]))
+            tensors["audio"] = _float32(audio)
+        if videos is not None:
+            check_videos(videos, images.shape[0])
+            tensors["videos"] = _float32(videos)
+        return st_save(tensors, metadata=header), SAFETENSORS
     if encoding == "png":
+        if audio is not None or videos is not None:
+            raise ValueError("audio and videos travel only in a safetensors request; use encoding='safetensors' "
+                             "for a reward that needs them")
         pngs = [base64.b64encode(png_bytes(img)).decode("ascii") for img in quantise(images)]
         body = {"images": pngs, "channels": int(images.shape[1]), "prompts": list(prompts),
                 "metadata": list(metadata)}
@@ -38,13 +69,22 @@ def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict
     raise ValueError(f"image encoding {encoding!r} is not known; valid encodings: {', '.join(ENCODINGS)}")
 
 
-def decode_request(body: bytes, content_type: str) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """(images, prompts, metadata) from a request body; ValueError on anything malformed."""
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float().cpu().contiguous()
+
+
+def decode_request(body: bytes, content_type: str) -> ScoringRequest:
+    """The `ScoringRequest` in a request body; ValueError on anything malformed."""
+    audio = videos = sample_rate = None
     if content_type == SAFETENSORS:
         try:
-            images = st_load(body)["images"]
+            tensors = st_load(body)
+            images = tensors["images"]
             header = _safetensors_header(body)
             prompts, metadata = json.loads(header["prompts"]), json.loads(header["metadata"])
+            audio, videos = tensors.get("audio"), tensors.get("videos")
+            if audio is not None:
+                sample_rate = int(header.get("sample_rate", "0"))
         except Exception as exc:
             raise ValueError(f"bad safetensors scoring request: {exc}") from None
     elif content_type == JSON:
@@ -59,7 +99,11 @@ def decode_request(body: bytes, content_type: str) -> tuple[torch.Tensor, list[s
     if images.ndim != 4 or len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:
         raise ValueError(f"scoring request has images {tuple(images.shape)}, {len(prompts)} prompts and "
                          f"{len(metadata)} metadata dicts; expected [B, C, H, W] and B of each")
-    return images, prompts, metadata
+    if audio is not None:
+        sample_rate = check_audio(audio, sample_rate, images.shape[0])
+    if videos is not None:
+        check_videos(videos, images.shape[0])
+    return ScoringRequest(images, prompts, metadata, audio, sample_rate, videos)
 
 
 def _safetensors_header(body: bytes) -> dict[str, str]:

@@ -61,20 +61,43 @@ def log_images(accelerator, name: str, images: list, step: int) -> None:
 def log_videos(accelerator, name: str, paths: list, step: int, fps: int = 16) -> None:
     """Log MP4 files (see `flywheel.video.write_mp4`) to whichever trackers are active.
 
-    wandb gets the MP4s; TensorBoard (whose video summaries need moviepy) gets
-    each video's frames side by side as one image.
+    wandb gets the MP4 files as they are, so a clip written with its audio
+    plays with sound there. TensorBoard (whose video summaries need moviepy)
+    gets each video's frames side by side as one image, and its sound, when the
+    file has any, as an audio summary `<name>/<i>/audio` (channels averaged: it
+    plays mono). `fps` is unused: the file carries its frame rate (kept for callers).
     """
     for tracker in accelerator.trackers:
         if tracker.name == "wandb":
             import wandb
 
-            tracker.log({name: [wandb.Video(str(p), fps=fps, format="mp4") for p in paths]}, step=step)
+            # No fps argument: for a file wandb ignores it and warns on every call.
+            tracker.log({name: [wandb.Video(str(p), format="mp4") for p in paths]}, step=step)
         elif tracker.name == "tensorboard":
             import numpy as np
 
-            from flywheel.video import read_mp4
+            from flywheel.video import probe_media, read_audio, read_mp4
 
             for i, p in enumerate(paths):
                 frames = read_mp4(p)
                 tracker.writer.add_image(f"{name}/{i}", np.concatenate(list(frames), axis=1), step,
                                          dataformats="HWC")
+                if probe_media(p)["audio"] is not None:
+                    audio, rate = read_audio(p)
+                    tracker.writer.add_audio(f"{name}/{i}/audio", audio.mean(dim=0, keepdim=True).clamp(-1, 1),
+                                             step, sample_rate=rate)
+
+
+def log_audio(accelerator, name: str, paths: list, step: int) -> None:
+    """Log WAV files (see `flywheel.video.write_wav`) to whichever trackers are active (TensorBoard: mono)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({name: [wandb.Audio(str(p)) for p in paths]}, step=step)
+        elif tracker.name == "tensorboard":
+            from flywheel.video import read_wav
+
+            for i, p in enumerate(paths):
+                audio, rate = read_wav(p)
+                tracker.writer.add_audio(f"{name}/{i}", audio.mean(dim=0, keepdim=True), step, sample_rate=rate)
