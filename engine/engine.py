@@ -23,6 +23,7 @@ Trajectory then carries the scheduler's sigmas as `timesteps`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -133,6 +134,9 @@ class Engine:
             if image_conditioned and r.image is None:
                 raise ValueError(f"request {i} has no image: card {self.card_id!r} is conditioned on one (set "
                                  f"GenerationRequest.image to a local image file)")
+            if r.audio and not getattr(self.model, "generates_audio", False):
+                raise ValueError(f"request {i} asks for audio but card {self.card_id!r} generates no sound; only "
+                                 f"joint audio+video cards (ltx2) take audio=True")
             if not image_conditioned and r.image is not None:
                 raise ValueError(f"request {i} has image={r.image!r} but card {self.card_id!r} takes no image; "
                                  f"only image-conditioned cards (image-to-video) do")
@@ -146,43 +150,61 @@ class Engine:
         latent_shape = self.model.latent_shape(first.height, first.width, first.frames)
         scheduler = self.ode_scheduler(first, latent_shape)
         multistep_from = None
+        joint_audio = getattr(self.model, "generates_audio", False)
+        audio_levels = None
         if scheduler is None:
             timesteps = self.schedule(first.steps, latent_shape)
             noise_levels = step_noise_levels(first.steps, first.sampler, first.noise_level, first.sde_window)
+            if joint_audio:  # the audio's own level in the same window (0 on the video-only path: deterministic)
+                audio_levels = step_noise_levels(first.steps, first.sampler, first.effective_audio_noise_level,
+                                                 first.sde_window)
             window_end = first.sde_window[1] if first.sde_window is not None else first.steps
             if self.flash_compress is not None and first.sampler != "ode" and window_end < first.steps:
                 # Flash: the window's steps as they are, the ODE after it on fewer points, second order.
                 timesteps = compressed_tail(timesteps, window_end, self.flash_compress)
-                noise_levels = noise_levels[:window_end] + [0.0] * (len(timesteps) - 1 - window_end)
+                tail = [0.0] * (len(timesteps) - 1 - window_end)
+                noise_levels = noise_levels[:window_end] + tail
+                audio_levels = None if audio_levels is None else audio_levels[:window_end] + tail
                 multistep_from = window_end
         else:  # the scheduler's own states: its sigmas, one step per scheduler call
             timesteps = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
             noise_levels = [0.0] * len(scheduler.timesteps)
+            audio_levels = list(noise_levels) if joint_audio else None
         initial_noise, step_noise = self._draw_noise(requests, latent_shape, stochastic=first.sampler != "ode")
 
         prompts = [r.prompt for r in requests]
         cond = self.encode_prompts(prompts)
         uncond = None
-        if first.guidance_scale != 1.0 and not getattr(self.model, "embedded_guidance", False):
+        guided = first.guidance_scale != 1.0 or (joint_audio and first.effective_audio_guidance != 1.0)
+        if guided and not getattr(self.model, "embedded_guidance", False):
             uncond = self.encode_prompts([r.negative_prompt for r in requests])
+        extra = {}
         if getattr(self.model, "image_conditioned", False):
             with torch.no_grad():
-                extra = self.model.encode_images([r.image for r in requests], latent_shape)
+                extra.update(self.model.encode_images([r.image for r in requests], latent_shape))
+        if hasattr(self.model, "conditioning_extra"):  # per-row settings the model reads (ltx2: audio guidance)
+            extra.update(self.model.conditioning_extra(requests, latent_shape))
+        if extra:
             cond = cond._replace(extra=extra)
             uncond = None if uncond is None else uncond._replace(extra=extra)
         uncond_cond = None if uncond is None else concat_embeds(uncond, cond)
 
+        joint, loop_levels = {}, noise_levels
+        if joint_audio:
+            joint = self._joint_audio_levels(latent_shape, noise_levels, audio_levels, len(requests))
+            loop_levels = [max(v, a) for v, a in zip(noise_levels, audio_levels)]  # stochastic where either is
         if scheduler is None:
             latents, log_probs = denoise(self.model, self.serving_transformer(), initial_noise, step_noise,
-                                         timesteps, noise_levels, cond, uncond_cond, first.guidance_scale,
+                                         timesteps, loop_levels, cond, uncond_cond, first.guidance_scale,
                                          keep_trajectory=first.keep_trajectory, sampler=first.sampler,
-                                         multistep_from=multistep_from)
+                                         multistep_from=multistep_from, **joint)
         else:
             latents, log_probs = denoise_with_scheduler(self.model, self.serving_transformer(), initial_noise,
                                                         scheduler, cond, uncond_cond, first.guidance_scale,
                                                         keep_trajectory=first.keep_trajectory)
         with torch.no_grad():
             images = self.model.decode(latents[:, -1])
+            audio = self.model.decode_audio(latents[:, -1]) if first.audio else None
         return Trajectory(
             latents=latents, log_probs=log_probs, timesteps=timesteps,
             noise_levels=torch.tensor(noise_levels, dtype=torch.float32, device=self.device),
@@ -192,7 +214,26 @@ class Engine:
             negative_prompt_mask=None if uncond is None else uncond.mask,
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
-            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler, condition_extra=cond.extra)
+            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler, condition_extra=cond.extra,
+            audio_noise_levels=(None if audio_levels is None
+                                else torch.tensor(audio_levels, dtype=torch.float32, device=self.device)),
+            audio_elements=self.model.audio_elements(latent_shape) if joint_audio else 0,
+            modality_log_probs=joint.get("parts_out"), audio=audio,
+            audio_sample_rate=self.model.audio_sample_rate if first.audio else None)
+
+    def _joint_audio_levels(self, latent_shape: tuple[int, ...], video_levels: list[float],
+                            audio_levels: list[float], batch: int) -> dict:
+        """denoise()'s per-element arguments for a flat [video | audio] latent: each step's levels [N] (video
+        elements at the video's level, the audio's at its own), the two parts and their log-prob buffers."""
+        n = math.prod(latent_shape)
+        n_audio = self.model.audio_elements(latent_shape)
+        element_levels = [torch.cat([torch.full((n - n_audio,), v, dtype=torch.float32, device=self.device),
+                                     torch.full((n_audio,), a, dtype=torch.float32, device=self.device)])
+                          for v, a in zip(video_levels, audio_levels)]
+        parts = {"video": (0, n - n_audio), "audio": (n - n_audio, n)}
+        parts_out = {name: torch.zeros((batch, len(video_levels)), dtype=torch.float32, device=self.device)
+                     for name in parts}
+        return {"element_levels": element_levels, "parts": parts, "parts_out": parts_out}
 
     def serving_transformer(self) -> nn.Module:
         """The module rollouts call: the model's transformer, compiled once per module when `compile`."""

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from engine.cards import FlowModel, PromptEmbeds
-from engine.sampling import cps_step, dpm_solver_2m_step, ode_step, sde_step, sde_t_cap
+from engine.sampling import (cps_mean_std, cps_step, dpm_solver_2m_step, gaussian_step_log_prob, ode_step,
+                             part_log_probs, sde_mean_std, sde_step, sde_t_cap)
 
 
 def concat_embeds(a: PromptEmbeds, b: PromptEmbeds) -> PromptEmbeds:
@@ -43,7 +44,8 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
     `uncond_cond` is the unconditional branch stacked before the conditional
     one (see `concat_embeds`), so both run in a single batched forward. When it
     is None (g = 1, or a guidance-distilled model) only the conditional branch runs.
-    A model with a `guide(v_uncond, v_cond, g)` method combines the branches itself.
+    A model with a `guide(v_uncond, v_cond, g)` method combines the branches itself; one that also sets
+    `guide_uses_conditioning = True` is called `guide(v_uncond, v_cond, g, cond)`.
     """
     if getattr(model, "embedded_guidance", False):
         # Guidance-distilled models (FLUX.1-dev) take g as an input: no unconditional branch.
@@ -54,6 +56,9 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
     v_uncond, v_cond = v.chunk(2)
     guide = getattr(model, "guide", None)
     if guide is not None:
+        if getattr(model, "guide_uses_conditioning", False):
+            # Per-row scales carried by the conditioning (ltx2's audio guidance scale in cond.extra).
+            return guide(v_uncond, v_cond, guidance_scale, cond)
         return guide(v_uncond, v_cond, guidance_scale)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
@@ -76,7 +81,9 @@ def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tenso
             timesteps: torch.Tensor, noise_levels: list[float], cond: PromptEmbeds,
             uncond_cond: PromptEmbeds | None, guidance_scale: float,
             keep_trajectory: bool = True, sampler: str = "sde",
-            multistep_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            multistep_from: int | None = None, element_levels: list[torch.Tensor] | None = None,
+            parts: dict[str, tuple[int, int]] | None = None,
+            parts_out: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the sampler from noise to data.
 
     initial_noise [B, *latent]; step_noise [B, T, *latent] (None for a pure ODE run);
@@ -85,6 +92,10 @@ def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tenso
     multistep_from: ODE steps k >= multistep_from (k >= 1) take DPM-Solver++(2M) with
     the previous point's data prediction, except the last step, which stays first
     order (Euler) as DPM-Solver++ ends (MixGRPO-Flash); None = Euler everywhere.
+    element_levels: per-element noise levels of each stochastic step (device tensors [N], flat latents
+    [B, N]: ltx2's video and audio elements at their own levels), used instead of noise_levels[k], which
+    then only says whether step k is stochastic (its largest level); parts / parts_out: each part's
+    element range and a [B, T] buffer the step's log-prob of that part is written to (per modality).
     Returns (latents [B, T+1, *latent] or [B, 1, *latent] with only the
     final latent when keep_trajectory is False, log_probs [B, T]).
     """
@@ -103,6 +114,14 @@ def denoise(model: FlowModel, transformer: nn.Module, initial_noise: torch.Tenso
             x = dpm_solver_2m_step(x, v, t, t_next, x0_prev, timesteps[k - 1])
         elif step_noise is None or noise_levels[k] == 0.0:
             x = ode_step(x, v, t, t_next)
+        elif element_levels is not None:
+            level = element_levels[k]
+            mean, std = (cps_mean_std(x, v, t, t_next, level) if sampler == "cps"
+                         else sde_mean_std(x, v, t, t_next, level, t_cap))
+            x = mean + std * step_noise[:, k]
+            log_probs[:, k] = gaussian_step_log_prob(x, mean, std)
+            for name, value in part_log_probs(x, mean, std, parts or {}).items():
+                parts_out[name][:, k] = value
         elif sampler == "cps":
             x, log_probs[:, k] = cps_step(x, v, t, t_next, noise_levels[k], step_noise[:, k])
         else:

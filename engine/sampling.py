@@ -124,11 +124,27 @@ def sde_mean_std(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torc
     return mean, std
 
 
+def per_element(std: torch.Tensor | float) -> bool:
+    """Whether a std (or noise level) varies per element (ltx2's [video | audio] latent: [N] or [B, N]) rather
+    than being a scalar or one value per sample ([B, 1, ...])."""
+    return isinstance(std, torch.Tensor) and std.dim() > 0 and std.shape[-1] > 1
+
+
 def gaussian_step_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean over elements of log N(x_next; mean, std²); 0 where std == 0."""
+    """Per-sample mean over elements of log N(x_next; mean, std²); 0 where std == 0.
+
+    A per-element std (a joint audio+video latent whose modalities have their own noise levels) averages
+    over the stochastic elements only: a modality stepped deterministically (noise level 0) drops out,
+    and with every element stochastic it is the mean over all of them, as for a scalar std.
+    """
     stochastic = std > 0
     safe_std = torch.where(stochastic, std, torch.ones_like(std))
     log_density = -((x_next - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    if per_element(std):
+        mask = stochastic.expand_as(x_next).flatten(1).to(log_density.dtype)
+        count = mask.sum(dim=1)
+        per_sample = (log_density.flatten(1) * mask).sum(dim=1) / count.clamp(min=1.0)
+        return torch.where(count > 0, per_sample, torch.zeros_like(per_sample))
     per_sample = log_density.flatten(1).mean(dim=1)
     # std is a scalar or broadcasts per sample ([B, 1, ...]): one flag per sample, not a [B, B] broadcast.
     stochastic_per_sample = stochastic.expand_as(x_next).flatten(1)[:, 0]
@@ -154,6 +170,27 @@ def sde_step_log_prob(x: torch.Tensor, x_next: torch.Tensor, v: torch.Tensor, t:
     """
     mean, std = sde_mean_std(x, v, t, t_next, noise_level, t_cap)
     return gaussian_step_log_prob(x_next, mean, std), mean, std
+
+
+def part_log_probs(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                   parts: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Each part's step log-prob [B] (mean over its stochastic elements, 0 if it has none) of flat latents
+    [B, N]; `parts` maps a name to its [start, end) element range (ltx2: {"video": ..., "audio": ...})."""
+    std = std.expand(mean.shape[-1]) if std.dim() == 0 else std
+    return {name: gaussian_step_log_prob(x_next[:, a:b], mean[:, a:b], std[..., a:b]) for name, (a, b) in parts.items()}
+
+
+def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, variance: torch.Tensor | float) -> torch.Tensor:
+    """Per-sample KL of two Gaussians of one variance, |mean - mean_ref|² / (2·variance), averaged over the
+    elements with a positive variance (all of them for a scalar one; a per-element variance leaves out the
+    elements of a modality that stepped deterministically)."""
+    if not per_element(variance):
+        return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * variance)
+    positive = variance > 0
+    safe = torch.where(positive, variance, torch.ones_like(variance))
+    mask = positive.expand_as(mean).flatten(1).to(mean.dtype)
+    kl = (((mean - mean_ref) ** 2 / (2 * safe)).flatten(1) * mask).sum(1)
+    return kl / mask.sum(1).clamp(min=1.0)
 
 
 def cps_mean_std(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor,

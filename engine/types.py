@@ -61,6 +61,11 @@ class GenerationRequest:
     # The conditioning image of an image-conditioned card (image-to-video's first frame): a local file
     # path. Per row, like the prompt, so not part of the batch key; other cards refuse it.
     image: str | None = None
+    # Sound (a card that generates it: ltx2). Off: the card's video-only path. The audio's own CFG scale and
+    # Flow-SDE/CPS noise level, None = the video's (guidance_scale, noise_level); 0 noise = deterministic audio.
+    audio: bool = False
+    audio_guidance_scale: float | None = None
+    audio_noise_level: float | None = None
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -81,6 +86,7 @@ class GenerationRequest:
         if self.sampler == "cps" and not self.noise_level < 1:
             raise ValueError(f"noise_level is CPS's eta and must be in [0, 1) for sampler='cps', "
                              f"got {self.noise_level}")
+        self._check_audio()
         if self.sde_window is not None:
             window = self.sde_window
             if not (isinstance(window, (tuple, list)) and len(window) == 2
@@ -90,10 +96,39 @@ class GenerationRequest:
             if not 0 <= start < end <= self.steps:
                 raise ValueError(f"sde_window={self.sde_window} must satisfy 0 <= start < end <= steps={self.steps}")
 
+    def _check_audio(self) -> None:
+        if not isinstance(self.audio, bool):
+            raise TypeError(f"audio must be True or False, got {self.audio!r}")
+        for name in ("audio_guidance_scale", "audio_noise_level"):
+            if getattr(self, name) is not None and not self.audio:
+                raise ValueError(f"{name}={getattr(self, name)!r} is set but audio=False: it applies to the audio "
+                                 f"only; set audio=True or leave {name}=None")
+        if self.audio_guidance_scale is not None:
+            _number("audio_guidance_scale", self.audio_guidance_scale, 0.0, MAX_GUIDANCE)
+        if self.audio_noise_level is not None:
+            _number("audio_noise_level", self.audio_noise_level, 0.0, MAX_NOISE_LEVEL)
+            if self.sampler == "cps" and not self.audio_noise_level < 1:
+                raise ValueError(f"audio_noise_level is CPS's eta and must be in [0, 1) for sampler='cps', "
+                                 f"got {self.audio_noise_level}")
+
+    @property
+    def effective_audio_guidance(self) -> float:
+        """The audio's CFG scale: audio_guidance_scale, or guidance_scale when it is None or there is no audio."""
+        return self.audio_guidance_scale if self.audio_guidance_scale is not None else self.guidance_scale
+
+    @property
+    def effective_audio_noise_level(self) -> float:
+        """The audio's noise level: audio_noise_level (None = noise_level); 0 without audio (a card's hidden
+        audio companion, ltx2's video-only path, steps deterministically)."""
+        if not self.audio:
+            return 0.0
+        return self.audio_noise_level if self.audio_noise_level is not None else self.noise_level
+
     def batch_key(self) -> tuple:
         """Everything that must agree for two requests to share one batched loop."""
         return (self.card, self.steps, self.guidance_scale, self.sampler, self.noise_level,
-                self.sde_window, self.height, self.width, self.frames, self.keep_trajectory)
+                self.sde_window, self.height, self.width, self.frames, self.keep_trajectory,
+                self.audio, self.audio_guidance_scale, self.audio_noise_level)
 
 
 @dataclass
@@ -111,6 +146,16 @@ class Trajectory:
     negative_*: unconditional branch (None when guidance_scale == 1)
     condition_extra: per-row conditioning beyond the text (PromptEmbeds.extra), or None
     images     [B, C, H, W] in [0, 1] (videos [B, C, F, H, W])
+
+    Joint audio+video cards (ltx2) pack each sample's latent as one flat fp32 vector [video | audio]; the
+    last `audio_elements` entries are the audio latent (0 on every other card):
+    audio_noise_levels [T] (or [B, T])  the audio elements' noise level at each step (0 = deterministic);
+                       None when the latent has no audio part. `noise_levels` is then the video's.
+    modality_log_probs {"video": [B, T], "audio": [B, T]}: each modality's step log-prob (mean over its
+                       stochastic elements, 0 where it stepped deterministically); `log_probs` is the joint one,
+                       the mean over the stochastic elements of both (engine.sampling.gaussian_step_log_prob)
+    audio      [B, channels, samples] float in [-1, 1] (the audio VAE + vocoder's waveform) when audio was
+               asked for, else None; audio_sample_rate its rate in Hz
     """
 
     latents: torch.Tensor
@@ -133,6 +178,11 @@ class Trajectory:
     # The sampler that took the steps: recompute log-probs with engine.sampling.step_log_prob(sampler, ...).
     sampler: str = "sde"
     condition_extra: dict[str, torch.Tensor] | None = None
+    audio_noise_levels: torch.Tensor | None = None
+    audio_elements: int = 0
+    modality_log_probs: dict[str, torch.Tensor] | None = None
+    audio: torch.Tensor | None = None
+    audio_sample_rate: int | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -143,13 +193,29 @@ class Trajectory:
 
     @property
     def row_noise_levels(self) -> torch.Tensor:
-        """The noise level of every row and step, [B, T]."""
-        levels = self.noise_levels
-        return levels if levels.dim() == 2 else levels.unsqueeze(0).expand(len(self), -1)
+        """The noise level of every row and step, [B, T]. With an audio part: the larger of the video's and
+        the audio's, so a step is stochastic (positive transition std) where either modality is."""
+        levels = _rows(self.noise_levels, len(self))
+        if self.audio_noise_levels is None:
+            return levels
+        return torch.maximum(levels, _rows(self.audio_noise_levels, len(self)))
 
     def levels_at(self, j: int) -> torch.Tensor:
-        """Step j's noise level: a scalar when every row shares it, else [B]."""
-        return self.noise_levels[..., j]
+        """Step j's noise level: a scalar when every row shares it, else [B].
+
+        With an audio part, per element: [1, N] when every row shares the levels, else [B, N] (video
+        elements at the video's level, the last `audio_elements` at the audio's), which
+        engine.sampling.step_log_prob takes as it takes a scalar (row 0 of the [1, N] form included).
+        """
+        if self.audio_noise_levels is None:
+            return self.noise_levels[..., j]
+        video, audio = self.noise_levels[..., j], self.audio_noise_levels[..., j]
+        rows = 1 if video.dim() == 0 and audio.dim() == 0 else len(self)
+        width = self.latents[0, 0].numel()
+        out = torch.empty((rows, width), dtype=torch.float32, device=self.noise_levels.device)
+        out[:, :width - self.audio_elements] = video.reshape(-1, 1)
+        out[:, width - self.audio_elements:] = audio.reshape(-1, 1)
+        return out
 
     def select(self, index: torch.Tensor | list[int] | slice) -> "Trajectory":
         """The sub-batch at `index` (batch-dimension tensors sliced, the rest shared)."""
@@ -163,9 +229,9 @@ class Trajectory:
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "timesteps" or (f.name == "noise_levels" and value.dim() == 1):
+            if f.name == "timesteps" or (f.name in LEVEL_FIELDS and (value is None or value.dim() == 1)):
                 continue
-            if f.name == "noise_levels":
+            if f.name in LEVEL_FIELDS:
                 changes[f.name] = _shared_levels(value.index_select(0, idx.to(value.device)))
             elif isinstance(value, torch.Tensor):
                 changes[f.name] = value.index_select(0, idx.to(value.device))
@@ -186,6 +252,10 @@ class Trajectory:
         if len(parts) == 1:
             return first
         for p in parts[1:]:
+            if ((p.audio is None) != (first.audio is None) or p.audio_elements != first.audio_elements
+                    or p.audio_sample_rate != first.audio_sample_rate):
+                raise ValueError("Trajectory.concat needs parts that all have audio or all have none (with the same "
+                                 "audio latent size and sample rate): generate audio and video-only rows apart")
             if (p.weight_version != first.weight_version or p.card != first.card
                     or p.num_steps != first.num_steps or p.sampler != first.sampler
                     or p.guidance_scale != first.guidance_scale):
@@ -194,10 +264,13 @@ class Trajectory:
             if not torch.equal(p.timesteps, first.timesteps):
                 raise ValueError("Trajectory.concat needs parts with the same flow times (MixGRPO-Flash compresses "
                                  "each window's tail differently: its windows cannot be joined)")
-        changes = {"noise_levels": _shared_levels(torch.cat([p.row_noise_levels for p in parts]))}
+        changes = {"noise_levels": _shared_levels(torch.cat([_rows(p.noise_levels, len(p)) for p in parts]))}
+        if first.audio_noise_levels is not None:
+            changes["audio_noise_levels"] = _shared_levels(torch.cat([_rows(p.audio_noise_levels, len(p))
+                                                                      for p in parts]))
         for f in fields(first):
             value = getattr(first, f.name)
-            if f.name in ("timesteps", "noise_levels"):
+            if f.name == "timesteps" or f.name in LEVEL_FIELDS:
                 continue
             if isinstance(value, torch.Tensor):
                 changes[f.name] = torch.cat([getattr(p, f.name) for p in parts])
@@ -206,6 +279,14 @@ class Trajectory:
             elif isinstance(value, list):
                 changes[f.name] = [x for p in parts for x in getattr(p, f.name)]
         return replace(first, **changes)
+
+
+LEVEL_FIELDS = ("noise_levels", "audio_noise_levels")  # [T] shared by every row, or [B, T]
+
+
+def _rows(levels: torch.Tensor, batch: int) -> torch.Tensor:
+    """[T] or [B, T] noise levels as [B, T]."""
+    return levels if levels.dim() == 2 else levels.unsqueeze(0).expand(batch, -1)
 
 
 def _shared_levels(levels: torch.Tensor) -> torch.Tensor:
