@@ -6,6 +6,12 @@ A dataset is a list of `PromptItem`s: built-in names (`toy-digits`,
 key; the other keys travel as metadata to the rewards, e.g. {"prompt": "a 7",
 "digit": 7}).
 
+An "image" key in a .jsonl row is the conditioning image of an image-to-video
+card (its first frame): a path, relative paths taken from the .jsonl's own
+folder. It is stored resolved in the item's metadata (the flywheel passes it on
+as `GenerationRequest.image`), and every row's image must exist when the file is
+loaded: the missing ones are named together, with their lines, before any work.
+
 `toy-numbers` is the train numbers in the train phrasings; `toy-numbers-heldout`
 is ten numbers, five of them never trained on, in held-out phrasings, number by
 number (engine/toy/numbers.py).
@@ -17,6 +23,9 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+MISSING_IMAGES_SHOWN = 10  # a dataset's missing images named in its error (the count covers all of them)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ def load_prompts(source: str) -> list[PromptItem]:
         raise FileNotFoundError(
             f"prompt dataset {source!r} is neither a built-in ({', '.join(BUILTIN_DATASETS)}) nor an existing file")
     items: list[PromptItem] = []
+    missing_images: list[str] = []  # every missing image is named in one error, after the whole file is read
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             line = line.strip()
@@ -72,12 +82,29 @@ def load_prompts(source: str) -> list[PromptItem]:
                     raise ValueError(f"{path}:{line_no}: expected a JSON object with a non-empty \"prompt\" string, "
                                      f"got {got}")
                 prompt = row.pop("prompt")
+                if "image" in row:
+                    row["image"] = _image_path(path, line_no, row["image"], missing_images)
                 items.append(PromptItem(prompt, row))
             else:
                 items.append(PromptItem(line))
+    if missing_images:
+        shown = "; ".join(missing_images[:MISSING_IMAGES_SHOWN])
+        more = len(missing_images) - MISSING_IMAGES_SHOWN
+        raise FileNotFoundError(f"{path}: {len(missing_images)} image(s) not found (relative paths are read from "
+                                f"{path.parent}): {shown}" + (f"; and {more} more" if more > 0 else ""))
     if not items:
         raise ValueError(f"prompt file {path} holds no prompts")
     return items
+
+
+def _image_path(dataset: Path, line_no: int, value, missing: list[str]) -> str:
+    """A row's "image" resolved against the dataset's folder; a missing file is noted in `missing`."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{dataset}:{line_no}: \"image\" must be a non-empty path string, got {value!r}")
+    resolved = (dataset.parent / Path(value).expanduser()).resolve()
+    if not resolved.is_file():
+        missing.append(f"line {line_no}: {value!r}" + ("" if str(resolved) == value else f" ({resolved})"))
+    return str(resolved)
 
 
 class PromptSampler:
