@@ -122,8 +122,13 @@ class QwenImageModel(DiffusersFlowModel):
 
     def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """The scheduler's sigmas for the pipeline's grid linspace(1, 1/T, T), shifted by resolution."""
-        return scheduler_flow_times(self.scheduler_config, steps, image_seq_len=self.tokens(latent_shape),
-                                    flux_sigmas=True)
+        times = scheduler_flow_times(self.scheduler_config, steps, image_seq_len=self.tokens(latent_shape),
+                                     flux_sigmas=True)
+        if not torch.isfinite(times).all():  # host-side, before any denoising
+            raise ValueError(f"{CARD_ID}: the folder's scheduler gives non-finite flow times for steps={steps} "
+                             f"(shift_terminal={self.scheduler_config.get('shift_terminal')} stretches a one-step "
+                             f"grid by 0/0, in the stock pipeline too); use steps >= 2")
+        return times
 
     def ode_scheduler(self, steps: int, latent_shape: tuple[int, ...]):
         """The folder's scheduler for an ODE request (None for Euler), set as QwenImagePipeline sets it: its
