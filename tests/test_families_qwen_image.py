@@ -282,3 +282,32 @@ def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(qwen_fol
     assert (stock_base - base).abs().max() <= 1e-5
     assert (tuned - base).abs().max() > 1e-3  # the adapter matters...
     assert (stock_tuned - tuned).abs().max() <= 1e-5  # ...and the same way in the stock pipeline
+
+
+def test_qwen_image_ocr_config_follows_verls_published_run(qwen_model):
+    """configs/qwen_image_ocr.yaml says it follows verl's run_qwen_image_ocr_lora.sh (commit 2456339) and the
+    defaults it leaves to diffusion_rollout.yaml / diffusion_actor.yaml; its LoRA targets exist in the model."""
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    cfg = parse_config(Config, ["--config", str(ROOT / "configs" / "qwen_image_ocr.yaml")])
+    verl = {  # verl's key -> (its value, ours)
+        "data.train_batch_size": (32, cfg.data.prompts_per_step), "rollout.n": (16, cfg.data.group_size),
+        "optim.lr": (3e-4, cfg.train.learning_rate), "optim.weight_decay": (1e-4, cfg.train.weight_decay),
+        "lora_rank": (64, cfg.model.lora_rank), "lora_alpha": (128, cfg.model.lora_alpha),
+        "true_cfg_scale": (4.0, cfg.sampling.guidance_scale), "algo.noise_level": (1.2, cfg.sampling.noise_level),
+        "algo.sde_type": ("sde", cfg.sampling.sampler), "algo.sde_window_size": (2, cfg.train.window_size),
+        "algo.sde_window_range": ((0, 5), tuple(cfg.train.window_range)),
+        "num_inference_steps": (10, cfg.sampling.steps), "val num_inference_steps": (50, cfg.sampling.eval_steps),
+        "height x width": ((512, 512), (cfg.sampling.height, cfg.sampling.width)),
+        "clip_ratio": (1e-4, cfg.train.clip_range), "adv_clip_max": (5.0, cfg.train.adv_clip_max),
+        "use_kl_loss": (False, cfg.train.kl_beta > 0), "model_dtype": ("bfloat16", cfg.model.dtype),
+        "mini batches per step (32 / 16 prompts)": (2, cfg.train.updates_per_rollout),
+        "micro batch": (16, cfg.train.minibatch_size), "total_training_steps": (300, cfg.steps),
+        "max_sequence_length": (256, qwen_model.max_sequence_length),
+    }
+    assert {k: ours for k, (_, ours) in verl.items()} == {k: theirs for k, (theirs, _) in verl.items()}
+    assert cfg.model.card == CARD and cfg.train.variant == "fast"
+    linear_names = [n for n, m in qwen_model.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    for target in cfg.model.lora_targets:
+        assert any(n.endswith("." + target) for n in linear_names), target
