@@ -86,18 +86,3 @@ def log_videos(accelerator, name: str, paths: list, step: int, fps: int = 16) ->
                     audio, rate = read_audio(p)
                     tracker.writer.add_audio(f"{name}/{i}/audio", audio.mean(dim=0, keepdim=True).clamp(-1, 1),
                                              step, sample_rate=rate)
-
-
-def log_audio(accelerator, name: str, paths: list, step: int) -> None:
-    """Log WAV files (see `flywheel.video.write_wav`) to whichever trackers are active (TensorBoard: mono)."""
-    for tracker in accelerator.trackers:
-        if tracker.name == "wandb":
-            import wandb
-
-            tracker.log({name: [wandb.Audio(str(p)) for p in paths]}, step=step)
-        elif tracker.name == "tensorboard":
-            from flywheel.video import read_wav
-
-            for i, p in enumerate(paths):
-                audio, rate = read_wav(p)
-                tracker.writer.add_audio(f"{name}/{i}", audio.mean(dim=0, keepdim=True), step, sample_rate=rate)
