@@ -62,8 +62,8 @@ def scorer_inputs(name: str, scorer: object, images: torch.Tensor, audio: torch.
     if wants_audio(scorer):
         if audio is None:
             raise ValueError(f"reward scorer {name!r} needs audio (wants_audio) but this batch has none: "
-                             "generate with audio (a card that makes sound, e.g. ltx2) or take the "
-                             "scorer out of the reward spec")
+                             "generate with sound (a card that makes it, e.g. ltx2 with audio=True in the "
+                             "request) or take the scorer out of the reward spec")
         extra.update(audio=audio, sample_rate=sample_rate)
     if wants_video(scorer):
         if videos is None and images.dim() != 5:

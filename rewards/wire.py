@@ -8,7 +8,9 @@ non-finite score (JSON has no NaN).
 Audio [B, channels, samples] and whole videos [B, C, F, H, W], for scorers
 that ask for them (see rewards.types), travel only in a safetensors body, as
 float32 tensors "audio" and "videos" beside "images", with the sample rate in
-the header ("sample_rate", decimal text).
+the header ("sample_rate", decimal text). Videos are large (4 bytes per
+value: 8 clips of 3x33x480x832 take 1.3 GB), so mind the server's
+--max-body-bytes when a remote reward asks for them.
 """
 
 from __future__ import annotations
