@@ -196,7 +196,10 @@ register_card(ModelCard(
                 "[B, C, F, H, W].",
     load=load_wan_i2v,
     defaults=dict(steps=10, guidance_scale=5.0, noise_level=0.7, height=480, width=832, frames=33,
-                  lora_targets=LORA_TARGETS, diffusers_pipeline=PIPELINE, video=True),
+                  lora_targets=LORA_TARGETS, diffusers_pipeline=PIPELINE, video=True,
+                  # every request (and every prompt dataset row) must give a first frame: a config check can
+                  # read this without loading the model
+                  image_conditioned=True),
     components={"prompt_encoder": "UMT5-XXL", "image_encoder": "CLIP ViT-H/14 (penultimate layer)",
                 "transformer": "WanTransformer3DModel (36 input channels, image cross-attention)",
                 "decoder": "AutoencoderKLWan"},
