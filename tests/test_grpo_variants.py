@@ -76,11 +76,22 @@ def test_fast_window_is_uniform_in_its_range_and_a_function_of_seed_and_step():
     assert {fast_window(0, step, 10, ranged)[0] for step in range(200)} == {4, 5, 6}
 
 
+def test_fast_windows_are_drawn_per_trajectory_from_seed_step_and_row():
+    tc = config("train.variant=fast").train
+    assert tc.window_per == "trajectory"
+    rows = [fast_window(0, 5, 10, tc, row) for row in range(32)]
+    assert rows == [fast_window(0, 5, 10, tc, row) for row in range(32)]  # every rank and a resume agree
+    assert {start for start, _ in rows} == {0, 1, 2, 3} and all(end - start == 2 for start, end in rows)
+    assert rows != [fast_window(0, 6, 10, tc, row) for row in range(32)]
+    per_step = config("train.variant=fast", "train.window_per=step", "seed=4")
+    assert {rollout_window(per_step, 5, row) for row in range(32)} == {fast_window(4, 5, 10, tc)}
+
+
 def test_cps_windows_leave_out_its_deterministic_last_step():
     cfg = config("sampling.sampler=cps", "sampling.noise_level=0.5", "train.variant=mixgrpo", "train.window_size=3",
                  "train.window_shift_every=1")
     assert window_span("cps", 10) == 9
-    assert {rollout_window(cfg, step)[1] for step in range(20)} <= set(range(3, 10))
+    assert {rollout_window(cfg, step, 0)[1] for step in range(20)} <= set(range(3, 10))
 
 
 def rollout(model, window, steps=6, sampler="sde", noise=NOISE):
@@ -129,6 +140,78 @@ def test_only_the_windows_steps_are_trained_and_the_others_log_probs_never_read(
     for name, value in model.transformer.state_dict().items():
         assert torch.equal(value, after_clean[name]), name
     assert any(not torch.equal(value, start[name]) for name, value in after_clean.items())
+
+
+# ---- Flow-GRPO-Fast's per-trajectory windows --------------------------------------------------
+
+FAST_WINDOWS = [(0, 2), (3, 5), (1, 3), (0, 2), (2, 4), (2, 4), (4, 6), (1, 3)]  # one per row, w = 2 of 6
+
+
+def per_row_rollout(model):
+    """Rows with their own SDE windows, generated as the flywheel does (one engine batch per window)."""
+    prompts = ["a handwritten three", "the digit seven"]
+    requests = [GenerationRequest(prompt=prompts[i // 4], seed=100 + i, steps=6, noise_level=NOISE,
+                                  sde_window=FAST_WINDOWS[i]) for i in range(ROWS)]
+    return flywheel.loop.generate_in_order(Engine(model), requests), requests
+
+
+def test_rows_of_different_windows_come_back_in_order_with_their_own_noise_levels():
+    model = load_model("toy-digits")
+    traj, requests = per_row_rollout(model)
+    assert traj.noise_levels.shape == (ROWS, 6) and traj.seeds == [r.seed for r in requests]
+    for i, (start, end) in enumerate(FAST_WINDOWS):
+        expected = torch.tensor([NOISE if start <= k < end else 0.0 for k in range(6)])
+        torch.testing.assert_close(traj.noise_levels[i], expected, rtol=0, atol=0)
+        assert bool((traj.log_probs[i, start:end] != 0).all())
+        assert bool((traj.log_probs[i, :start] == 0).all()) and bool((traj.log_probs[i, end:] == 0).all())
+        alone = Engine(model).generate([requests[i]])  # batch invariance: <= 1e-5 on the CPU (engine docstring)
+        torch.testing.assert_close(traj.latents[i], alone.latents[0], rtol=0, atol=1e-5)
+    same = traj.select([0, 3])  # rows of one window: one shared [T] row again
+    assert same.noise_levels.shape == (6,)
+
+
+def fast_oracle(model, traj, cfg):
+    """SGD on Flow-GRPO-Fast's loss written per row: each row's PPO-clip terms averaged over its own window's
+    steps (single-row forwards), rows weighted usable / number usable, one optimizer step per minibatch."""
+    tc = cfg.train
+    transformer = model.transformer
+    opt = torch.optim.SGD(transformer.parameters(), lr=LR)
+    t1 = float(traj.timesteps[1])
+    for rows in ([0, 1, 2, 3], [4, 5, 6, 7]):
+        usable = USABLE[rows].float()
+        loss = torch.zeros(())
+        for i, r in enumerate(rows):
+            start, end = FAST_WINDOWS[r]
+            for j in range(start, end):
+                lp, _, _ = oracle_terms(model, transformer, traj, [r], j, t1)
+                ratio = torch.exp(lp - traj.log_probs[r, j])
+                ppo = torch.maximum(-ADV[r] * ratio, -ADV[r] * ratio.clamp(1 - tc.clip_range, 1 + tc.clip_range))
+                loss = loss + usable[i] / usable.sum() * ppo.sum() / (end - start)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_per_trajectory_windows_train_each_rows_own_steps_and_read_no_other_log_prob():
+    model = load_model("toy-digits")
+    traj, _ = per_row_rollout(model)
+    start = copy.deepcopy(model.transformer.state_dict())
+    cfg = small_config("train.variant=fast")
+    poisoned = copy.copy(traj)
+    poisoned.log_probs = traj.log_probs.clone()
+    for i, (lo, hi) in enumerate(FAST_WINDOWS):  # every log-prob outside the row's own window
+        poisoned.log_probs[i, [k for k in range(6) if not lo <= k < hi]] = float("nan")
+    metrics = recipe_update(model, poisoned, cfg)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["trained_steps/first"] == 0.0 and metrics["trained_steps/count"] == 2.0
+    assert metrics["trained_steps/first_mean"] == sum(lo for lo, _ in FAST_WINDOWS) / ROWS
+    trained = copy.deepcopy(model.transformer.state_dict())
+
+    model.transformer.load_state_dict(start)
+    fast_oracle(model, traj, cfg)
+    for name, value in model.transformer.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(not torch.equal(value, start[name]) for name, value in trained.items())
 
 
 # ---- GRPO-Guard against its formulas --------------------------------------------------------
@@ -239,6 +322,8 @@ def test_guard_ratio_is_centred_where_the_plain_ratio_is_not():
     (["train.variant=mixgrpo", "train.flash_compress=0"], "train.flash_compress=0"),
     (["train.flash_compress=0.5"], "train.flash_compress needs ODE steps"),
     (["train.variant=mixgrpo", "train.flash_compress=0.5", "async_rollouts=true"], "async_rollouts=true"),
+    (["train.variant=fast", "train.flash_compress=0.5"], "train.window_per=step"),
+    (["train.variant=fast", "train.timestep_fraction=0.5"], "train.timestep_fraction=1.0"),
     (["sampling.sampler=cps", "sampling.noise_level=0.5", "train.variant=mixgrpo", "train.window_size=10"],
      "less the deterministic last step of cps"),
 ])
@@ -252,11 +337,12 @@ def test_each_bad_window_key_is_named_with_what_is_valid(overrides, named):
 
 def test_variant_configs_are_valid_and_help_lists_the_keys():
     for overrides in (["train.variant=mixgrpo", "train.flash_compress=0.4"], ["train.variant=fast"],
+                      ["train.variant=fast", "train.window_per=step", "train.flash_compress=0.5"],
                       ["train.guard=true"], ["sampling.sde_window=[0,4]", "train.flash_compress=0.5"]):
         validate_config(config(*overrides))
     out = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for key in ("variant", "window_size", "window_shift_every", "window_stride", "window_end", "window_range",
+    for key in ("variant", "window_size", "window_shift_every", "window_stride", "window_end", "window_range", "window_per",
                 "flash_compress", "guard"):
         assert f"train.{key}" in out, key
     assert "GRPO-Guard" in out and "MixGRPO" in out and "Flow-GRPO-Fast" in out
@@ -291,14 +377,19 @@ def run(tmp_path, name, *overrides):
     return result, read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-def test_a_fast_run_trains_the_window_its_step_draws(tmp_path):
-    """End to end: each step's rollouts used the window fast_window names, and only it was trained
-    (mixgrpo's windows are checked end to end by the async and the resume tests below)."""
-    _, rows = run(tmp_path, "fast", "steps=4", "eval_every=4", "data.prompts_per_step=2", "data.group_size=4",
-                  "train.variant=fast", "seed=3")
-    expected = [rollout_window(config("train.variant=fast", "seed=3"), s)[0] for s in range(4)]
-    assert [r["trained_steps/first"] for r in rows[1:]] == expected and len(set(expected)) > 1
+@pytest.mark.parametrize("per", ["step", "trajectory"])
+def test_a_fast_run_trains_the_windows_it_draws(tmp_path, per):
+    """End to end: each trajectory's rollout used the window fast_window names for its (step, row), and only
+    it was trained (mixgrpo's windows are checked end to end by the async and the resume tests below)."""
+    args = ["train.variant=fast", f"train.window_per={per}", "seed=3"]
+    _, rows = run(tmp_path, "fast", "steps=4", "eval_every=4", "data.prompts_per_step=2", "data.group_size=4", *args)
+    cfg = config(*args)
+    starts = [[rollout_window(cfg, s, row)[0] for row in range(8)] for s in range(4)]
+    assert [r["trained_steps/first"] for r in rows[1:]] == [min(x) for x in starts]
+    assert [r["trained_steps/first_mean"] for r in rows[1:]] == [sum(x) / 8 for x in starts]
     assert all(r["trained_steps/count"] == 2 for r in rows[1:])
+    distinct = [len(set(x)) for x in starts]
+    assert distinct == [1] * 4 if per == "step" else max(distinct) > 1
 
 
 def test_async_rollouts_roll_out_each_steps_own_window_and_guard_uses_the_proximal_means(tmp_path):

@@ -35,11 +35,16 @@ Options (train.*), each independent of the others:
 - variant=fast, Flow-GRPO-Fast (github.com/yifan123/flow_grpo, the *_fast
   pipelines and config/grpo.py): a window of w steps (configs: 2 or 3) whose
   start is uniform in [lo, hi - w] of sde_window_range = (0, T // 2); ODE before
-  and after; only the window is trained. Deviation: the code draws one window
-  per sampling call (a few prompts); the engine runs a batch with one window
-  (GenerationRequest.sde_window is part of the batch key), so here the window
-  is drawn per training step, shared by all its trajectories and ranks, from
-  (seed, step), which also makes resume and async prefetching draw the same.
+  and after; only the window is trained. The window is drawn per trajectory
+  (train.window_per=trajectory, the default) from (seed, step, global row): the
+  flywheel runs the rows of each window as one engine batch (sde_window is part
+  of the batch key), the joined Trajectory carries [B, T] noise levels, and each
+  step's forward runs on the rows trained at that step; each row's loss is the
+  mean over its own window's steps. Deviation: the code draws one window per
+  sampling call (a few prompts' images share it); train.window_per=step draws one
+  per training step, shared by all its trajectories and ranks (one batch, fewer
+  forwards). Both are functions of their indices alone, so resume and async
+  prefetching draw the same windows.
 - guard=true, GRPO-Guard (arXiv 2510.22319): RatioNorm and gradient
   reweighting, see `grpo_step_loss`. The formulas are those of the authors'
   release as reproduced in public reimplementations and verl-omni's
@@ -131,7 +136,7 @@ class GRPOConfig(OptimConfig):
     variant: Literal["flow_grpo", "mixgrpo", "fast"] = "flow_grpo"
     """which steps are stochastic, hence trained: "flow_grpo" those of sampling.sde_window (default every step);
     "mixgrpo" a window of window_size steps that slides over the schedule as training proceeds (MixGRPO);
-    "fast" a window of window_size steps at a random position each step (Flow-GRPO-Fast); ODE steps elsewhere"""
+    "fast" a window of window_size steps at a random position per trajectory (Flow-GRPO-Fast); ODE elsewhere"""
     window_size: int | None = None
     """mixgrpo / fast: stochastic (trained) steps per rollout, w; null = the variant's released value: 4 for
     mixgrpo (its scripts: 4 of 25 steps), 2 for fast (Flow-GRPO-Fast's configs: 2, some 3)"""
@@ -145,6 +150,9 @@ class GRPOConfig(OptimConfig):
     window_range: tuple[int, int] | None = None
     """fast: [lo, hi) of the steps the random window lies in; null = the first half, (0, T // 2), as
     Flow-GRPO-Fast's sde_window_range"""
+    window_per: Literal["trajectory", "step"] = "trajectory"
+    """fast: draw a window for every trajectory ("trajectory": the rows of one window run as one engine batch)
+    or one window per training step shared by all its trajectories ("step": one batch, fewer forwards)"""
     flash_compress: float | None = None
     """MixGRPO-Flash: the ODE steps after the SDE window run DPM-Solver++(2M) through max(1, int(n·f)) of their n
     steps (its released Flash scripts: f = 0.4, Flash*: 0.2); null = Euler on every step (evaluation never changes)"""
@@ -172,25 +180,40 @@ class Config(RunConfig):
 # ---------------------------------------------------------------------------------------
 
 
+def step_level(traj: Trajectory, j: int) -> torch.Tensor:
+    """Step j's noise level, shared by the rows of `traj` (the rows trained together at a step share it)."""
+    level = traj.levels_at(j)
+    if level.dim() == 0:
+        return level
+    if not bool((level == level[0]).all()):
+        raise ValueError(f"the rows of this batch have different noise levels at step {j}: train together only "
+                         f"rows that share it (trained_mask selects them)")
+    return level[0]
+
+
 def step_policy(model, transformer, traj: Trajectory, j: int, use_cfg: bool):
     """Step j of a trajectory batch under `transformer`: (log_prob [B], mean, std, cond, uncond_cond)."""
     x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
     t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
     cond, uncond_cond = trajectory_conditioning(traj, use_cfg)
     v = guided_velocity(model, transformer, x, t, cond, uncond_cond, traj.guidance_scale)
-    log_prob, mean, std = step_log_prob(traj.sampler, x, x_next, v, t, t_next, traj.noise_levels[j],
+    log_prob, mean, std = step_log_prob(traj.sampler, x, x_next, v, t, t_next, step_level(traj, j),
                                         sde_t_cap(traj.timesteps))
     return log_prob, mean, std, cond, uncond_cond
 
 
 def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
                    usable: torch.Tensor, cfg: GRPOConfig, proximal: torch.Tensor | None = None,
-                   old_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   old_mean: torch.Tensor | None = None,
+                   weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip loss (+ beta·KL) of stochastic step j of a trajectory batch under the current weights.
 
     Flow-GRPO (arXiv 2505.05470, Eq. 8): per sample and step, with r = pi_theta / pi_old,
         loss = max(-A·r, -A·clip(r, 1 - eps, 1 + eps)) + beta·KL(pi_theta || pi_ref),
-    averaged over the usable samples (those whose group has a spread of rewards).
+    averaged over the usable samples (those whose group has a spread of rewards). `weight` [B]
+    replaces that average's weights (usable / number usable) when rows are weighted otherwise
+    (per-trajectory windows: each row's mean over its own trained steps); the stats stay
+    averages over the usable rows given.
 
     `proximal` is for rollouts that lag the trainer (async): decoupled PPO as in
     AReaL (arXiv 2505.24298). The log-probs of step j under the weights at the
@@ -234,7 +257,8 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         is_weight = torch.exp(proximal - behaviour).clamp(max=cfg.importance_cap)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
-    weight = usable.float() / usable.float().sum().clamp(min=1.0)
+    average = usable.float() / usable.float().sum().clamp(min=1.0)
+    weight = average if weight is None else weight
     loss = (is_weight * torch.maximum(unclipped, clipped) * weight).sum()
     if cfg.guard:
         loss = loss / (t - t_next)
@@ -244,7 +268,7 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
         with torch.no_grad():
             v_ref = ref_velocity(x, t, cond, uncond_cond, traj.guidance_scale)
-            _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, traj.noise_levels[j],
+            _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, step_level(traj, j),
                                            sde_t_cap(traj.timesteps))
         variance = std**2 if cfg.kl_form == "exact" else std**2 / (t - t_next)
         kl_per_sample = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * variance)
@@ -255,23 +279,34 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     stats = {
         "loss": loss.detach(),
         "kl": kl.detach(),
-        "ratio/mean": (ratio.detach() * weight).sum(),
-        "clipfrac": ((deviation > cfg.clip_range).float() * weight).sum(),
+        "ratio/mean": (ratio.detach() * average).sum(),
+        "clipfrac": ((deviation > cfg.clip_range).float() * average).sum(),
         # Exactly 0 on the first minibatch of a step: the rollout's (or proximal) weights, recomputed.
         "ratio/max_dev": (deviation * usable).max(),
         # Trainer-vs-rollout log-prob gap: 0 on-policy, the policy's drift when rollouts lag.
         "logprob_gap/max": ((log_prob.detach() - behaviour).abs() * usable).max(),
-        "is_weight/mean": (is_weight * weight).sum(),
+        "is_weight/mean": (is_weight * average).sum(),
     }
     if cfg.guard:
-        stats["guard/shift"] = (guard_shift.detach() * weight).sum()
+        stats["guard/shift"] = (guard_shift.detach() * average).sum()
     return loss, stats
 
 
+def stochastic_mask(traj: Trajectory) -> torch.Tensor:
+    """[B, T]: whether each row's step has a transition with a positive std (a log-probability to train)."""
+    return transition_std(traj.sampler, traj.timesteps, traj.row_noise_levels) > 0
+
+
 def stochastic_steps(traj: Trajectory) -> list[int]:
-    """The steps whose transition has a positive std: the only ones with a log-probability to train."""
-    std = transition_std(traj.sampler, traj.timesteps, traj.noise_levels)
-    return (std > 0).nonzero().flatten().tolist()
+    """The steps stochastic in at least one row: the only ones with a log-probability to train."""
+    return stochastic_mask(traj).any(0).nonzero().flatten().tolist()
+
+
+def trained_mask(traj: Trajectory, steps: list[int]) -> torch.Tensor:
+    """[B, T]: the (row, step) pairs an update trains: the chosen steps where the row is stochastic."""
+    chosen = torch.zeros(traj.num_steps, dtype=torch.bool)
+    chosen[steps] = True
+    return stochastic_mask(traj).cpu() & chosen
 
 
 def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator,
@@ -334,42 +369,59 @@ def mixgrpo_window(step: int, span: int, tc: GRPOConfig) -> tuple[int, int]:
 FAST_WINDOW_STREAM = 0x46415354  # "FAST"
 
 
-def fast_window(seed: int, step: int, span: int, tc: GRPOConfig) -> tuple[int, int]:
+def fast_window(seed: int, step: int, span: int, tc: GRPOConfig, row: int | None = None) -> tuple[int, int]:
     """Flow-GRPO-Fast's window [start, start + w): start uniform in [lo, hi - w] of train.window_range
-    (default (0, T // 2)), drawn from (seed, step) alone, so a resumed or async run draws the same windows."""
+    (default (0, T // 2)), drawn from (seed, step, row) alone (row None: one window for the step), so a
+    resumed or async run, and every rank, draw the same windows."""
     lo, hi = tc.window_range if tc.window_range is not None else (0, span // 2)
-    generator = update_generator(seed, step, stream=FAST_WINDOW_STREAM)
+    # The step's own window is rank 0 of the stream; trajectory `row` (a global row index) is rank row + 1.
+    generator = update_generator(seed, step, rank=0 if row is None else row + 1, stream=FAST_WINDOW_STREAM)
     w = window_size(tc)
     start = lo + int(torch.randint(hi - lo - w + 1, (1,), generator=generator))
     return start, start + w
 
 
-def rollout_window(cfg: Config, step: int) -> tuple[int, int] | None:
-    """The SDE window of step `step`'s rollouts: sampling.sde_window for flow_grpo, else the variant's."""
+def rollout_window(cfg: Config, step: int, row: int) -> tuple[int, int] | None:
+    """The SDE window of trajectory `row` (global index) of step `step`: sampling.sde_window for flow_grpo,
+    else the variant's (Flow-GRPO-Fast's per trajectory unless train.window_per=step)."""
     tc = cfg.train
     span = window_span(cfg.sampling.sampler, cfg.sampling.steps)
     if tc.variant == "mixgrpo":
         return mixgrpo_window(step, span, tc)
     if tc.variant == "fast":
-        return fast_window(cfg.seed, step, span, tc)
+        return fast_window(cfg.seed, step, span, tc, row if tc.window_per == "trajectory" else None)
     return cfg.sampling.sde_window
 
 
-@torch.no_grad()
-def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: list[list[int]], steps: list[int],
-                          use_cfg: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [N, T], means [N, T, *latent]) of the chosen steps under the weights now, before any optimizer
-    step of the update: the proximal policy of async rollouts, and GRPO-Guard's mu_old.
+def rows_at(trained: torch.Tensor, j: int) -> list[int]:
+    """The rows (of a minibatch's [b, T] trained mask) trained at step j: the ones its forward runs on."""
+    return trained[:, j].nonzero().flatten().tolist()
 
-    Computed with the minibatches and forwards the loss will use, so the first
+
+def step_rows(traj: Trajectory, rows: list[int]) -> Trajectory:
+    """The trajectory rows of one step's forward; the batch itself when that is every row (no copy)."""
+    return traj if len(rows) == len(traj) else traj.select(rows)
+
+
+@torch.no_grad()
+def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: list[list[int]],
+                          trained: torch.Tensor, use_cfg: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [N, T], means [N, T, *latent]) of the trained (row, step) pairs under the weights now,
+    before any optimizer step of the update: the proximal policy of async rollouts, and GRPO-Guard's mu_old.
+
+    Computed with the row groups and forwards the loss will use, so the first
     minibatch's ratio against them is exactly 1.
     """
     log_probs = torch.zeros_like(traj.log_probs)
     means = torch.zeros_like(traj.latents[:, 1:])
     for rows in minibatches:
-        sub = traj.select(rows)
-        for j in steps:
-            log_probs[rows, j], means[rows, j] = step_policy(model, transformer, sub, j, use_cfg)[:2]
+        sub, mask = traj.select(rows), trained[rows]
+        for j in range(traj.num_steps):
+            local = rows_at(mask, j)
+            if local:
+                at = [rows[i] for i in local]
+                log_probs[at, j], means[at, j] = step_policy(model, transformer, step_rows(sub, local), j,
+                                                             use_cfg)[:2]
     return log_probs, means
 
 
@@ -378,32 +430,49 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
                 before_each_step=lambda: None) -> dict[str, float]:
     """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + `sync()`.
 
+    Each row's loss is the mean over its own trained steps (every chosen step when
+    all rows share one window; its window's steps under per-trajectory windows,
+    where a step's forward runs on the rows trained there), and rows are averaged
+    over the usable ones, as Flow-GRPO averages over samples and steps.
     `before_each_step()` runs before every denoising step's forward (async rollouts adjust threads there).
     """
     tc = cfg.train
     traj = batch.trajectory
     steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step),
                          tc.timestep_selection)
+    trained = trained_mask(traj, steps)
+    per_row = trained.sum(1)
     grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
     minibatches = grads.minibatches(len(traj))
     # The policy before any optimizer step: async's proximal policy, and Guard's mu_old once the weights move
     # within the update (before that, the current means are mu_old exactly).
     several_steps = len(minibatches) > grads.accumulation
-    start = (start_of_update_steps(model, transformer, traj, minibatches, steps, tc.cfg_in_train)
+    start = (start_of_update_steps(model, transformer, traj, minibatches, trained, tc.cfg_in_train)
              if cfg.async_rollouts or (tc.guard and several_steps) else None)
     for m, rows in enumerate(minibatches):
-        sub = traj.select(rows)
+        sub, mask = traj.select(rows), trained[rows]
         adv, usable = batch.advantages[rows], batch.usable[rows]
-        for i, j in enumerate(steps):
+        # usable / number usable, times K / (the row's own trained steps): exactly 1 when every row has all K.
+        weight = (usable.float() / usable.float().sum().clamp(min=1.0)
+                  * (len(steps) / per_row[rows].clamp(min=1)).to(usable.device))
+        here = [j for j in steps if mask[:, j].any()]
+        for i, j in enumerate(here):
             before_each_step()
-            loss, stats = grpo_step_loss(model, transformer, ref_velocity, sub, j, adv, usable, tc,
-                                         proximal=start[0][rows, j] if cfg.async_rollouts else None,
-                                         old_mean=None if start is None else start[1][rows, j])
-            grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(steps) - 1)
+            local = rows_at(mask, j)
+            at = [rows[r] for r in local]
+            loss, stats = grpo_step_loss(model, transformer, ref_velocity, step_rows(sub, local), j, adv[local],
+                                         usable[local], tc,
+                                         proximal=start[0][at, j] if cfg.async_rollouts else None,
+                                         old_mean=None if start is None else start[1][at, j], weight=weight[local])
+            grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
             grads.record(stats)
         grads.maybe_step(m)
-    # Which steps were trained (the SDE window of mixgrpo / fast): first and count, in the step's metrics row.
-    return {**grads.metrics(), "trained_steps/first": float(steps[0]), "trained_steps/count": float(len(steps))}
+    # Which steps were trained (the SDE windows of mixgrpo / fast): the first of any row, the mean first
+    # step over rows, and the mean count per row, in the step's metrics row.
+    first_per_row = torch.where(trained, torch.arange(traj.num_steps), traj.num_steps).amin(1)
+    return {**grads.metrics(), "trained_steps/first": float(steps[0]),
+            "trained_steps/first_mean": float(first_per_row.float().mean()),
+            "trained_steps/count": float(per_row.float().mean())}
 
 
 # ---------------------------------------------------------------------------------------
@@ -470,6 +539,14 @@ def check_window_keys(cfg: Config, checks) -> None:
         if tc.window_range is None and span // 2 < w <= span:
             checks.fail(f"the window size {w} does not fit the default train.window_range (0, {span // 2}) of a "
                         f"{cfg.sampling.steps}-step rollout: lower train.window_size or set train.window_range")
+        if tc.window_per == "trajectory" and tc.flash_compress is not None:
+            checks.fail("train.flash_compress with train.variant=fast and train.window_per=trajectory: Flash "
+                        "compresses the steps after each window, so trajectories of different windows have "
+                        "different schedules and cannot be trained as one batch; set train.window_per=step")
+        if tc.window_per == "trajectory" and tc.timestep_fraction != 1.0:
+            checks.fail(f"train.timestep_fraction={tc.timestep_fraction} with train.variant=fast and "
+                        "train.window_per=trajectory: each trajectory trains every step of its own window (use "
+                        "train.window_size for fewer steps); set train.timestep_fraction=1.0")
 
 
 # ---------------------------------------------------------------------------------------
@@ -487,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformer, optimizer = run.prepare(policy, optimizer)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     if cfg.train.variant != "flow_grpo":  # the window of each step's rollouts, a function of the step alone
-        rollouts.flywheel.request_overrides = lambda step, row: {"sde_window": rollout_window(cfg, step)}
+        rollouts.flywheel.request_overrides = lambda step, row: {"sde_window": rollout_window(cfg, step, row)}
     rollouts.engine.flash_compress = cfg.train.flash_compress  # rollouts only: evaluation samples the ODE
     share_cores = cpu_core_sharing(rollouts.collector, run.accelerator)
 
