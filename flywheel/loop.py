@@ -193,11 +193,7 @@ class Flywheel:
                             usable.to(trajectory.latents.device), group_ids, metrics)
 
     def _request(self, item: PromptItem, seed: int, **overrides) -> GenerationRequest:
-        kwargs = {**self.request_kwargs, **overrides}
-        if "image" in item.metadata:  # a .jsonl dataset's conditioning image (image-to-video cards)
-            kwargs.setdefault("image", item.metadata["image"])
-        return GenerationRequest(prompt=item.prompt, seed=seed, card=self.engine.card_id,
-                                 metadata=item.metadata, **kwargs)
+        return item_request(item, seed, self.engine.card_id, {**self.request_kwargs, **overrides})
 
     def evaluate(self, items: list[PromptItem], seeds_per_prompt: int, eval_kwargs: dict,
                  judges: dict | None = None) -> tuple[dict[str, float], Trajectory]:
@@ -207,6 +203,15 @@ class Flywheel:
 
 
 EVAL_SEED_OFFSET = 10_000  # evaluation seeds never coincide with the first training rows
+
+
+def item_request(item: PromptItem, seed: int, card: str, request_kwargs: dict) -> GenerationRequest:
+    """The request of a dataset item: its prompt and metadata, and its conditioning image when a .jsonl row
+    names one (image-to-video cards), over `request_kwargs`."""
+    kwargs = dict(request_kwargs)
+    if "image" in item.metadata:
+        kwargs.setdefault("image", item.metadata["image"])
+    return GenerationRequest(prompt=item.prompt, seed=seed, card=card, metadata=item.metadata, **kwargs)
 
 
 @torch.no_grad()
@@ -224,8 +229,7 @@ def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_
     `eval/judge/<name>/min_class` (the worst class): reward hacking usually
     starts in one class, where the overall mean hides it.
     """
-    requests = [GenerationRequest(prompt=item.prompt, seed=EVAL_SEED_OFFSET + s, card=engine.card_id,
-                                  metadata=item.metadata, **request_kwargs)
+    requests = [item_request(item, EVAL_SEED_OFFSET + s, engine.card_id, request_kwargs)
                 for item in items for s in range(seeds_per_prompt)]
     # Classes come from the prompts alone: a bad class is reported before anything is generated.
     classes = eval_classes(judges or {}, [r.prompt for r in requests], [r.metadata for r in requests])
