@@ -51,8 +51,9 @@ from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket,
 # Trajectory fields that travel as tensors (the optional ones only when present).
 TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
                       "prompt_mask", "negative_prompt_embeds", "negative_pooled_prompt_embeds",
-                      "negative_prompt_mask", "images")
+                      "negative_prompt_mask", "images", "audio_noise_levels", "audio")
 EXTRA_PREFIX = "condition_extra."  # Trajectory.condition_extra's tensors travel under this prefix
+MODALITY_PREFIX = "modality_log_probs."  # and Trajectory.modality_log_probs' under this one
 PARENT_POLL_S = 0.2  # how often the engine process checks that its trainer is alive
 EXIT_ORPHANED = 3  # exit status of an engine process whose trainer died
 
@@ -124,11 +125,13 @@ class _Server:
             traj = e.generate([_request_from_json(r) for r in msg["requests"]])
             tensors = {k: getattr(traj, k).detach().cpu().contiguous() for k in TRAJECTORY_TENSORS
                        if getattr(traj, k) is not None}
-            for name, value in (traj.condition_extra or {}).items():
-                tensors[EXTRA_PREFIX + name] = value.detach().cpu().contiguous()
+            for prefix, named in ((EXTRA_PREFIX, traj.condition_extra), (MODALITY_PREFIX, traj.modality_log_probs)):
+                for name, value in (named or {}).items():
+                    tensors[prefix + name] = value.detach().cpu().contiguous()
             header = {"weight_version": traj.weight_version, "prompts": traj.prompts, "seeds": traj.seeds,
                       "card": traj.card, "guidance_scale": traj.guidance_scale, "metadata": traj.metadata,
-                      "sampler": traj.sampler}
+                      "sampler": traj.sampler, "audio_elements": traj.audio_elements,
+                      "audio_sample_rate": traj.audio_sample_rate}
             return header, save_safetensors(tensors)
         if op == "pause":
             e.pause(msg.get("mode", "drain"))
@@ -372,9 +375,12 @@ class EngineProcess:
         tensors = load_safetensors(payload)
         optional = {k: tensors.get(k) for k in TRAJECTORY_TENSORS}
         extra = {k[len(EXTRA_PREFIX):]: v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)}
+        modality = {k[len(MODALITY_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODALITY_PREFIX)}
         return Trajectory(**optional, prompts=reply["prompts"], seeds=reply["seeds"], card=reply["card"],
                           weight_version=reply["weight_version"], guidance_scale=reply["guidance_scale"],
-                          metadata=reply["metadata"], sampler=reply["sampler"], condition_extra=extra or None)
+                          metadata=reply["metadata"], sampler=reply["sampler"], condition_extra=extra or None,
+                          audio_elements=reply["audio_elements"], audio_sample_rate=reply["audio_sample_rate"],
+                          modality_log_probs=modality or None)
 
     # -- engine side of weight sync
     @property
