@@ -1,13 +1,22 @@
-"""Rollout throughput and peak memory: the engine (Flow-SDE with log-probs) vs diffusers' StableDiffusion3Pipeline.
+"""Rollout throughput and peak memory: the engine (Flow-SDE with log-probs) vs a family's stock diffusers pipeline.
 
-    python benchmarks/rollout_vs_diffusers.py [--quick] [--json out.json]
+    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image}] [--quick] [--json out.json]
     python benchmarks/rollout_vs_diffusers.py --device cuda --dtype bfloat16 --large --json gpu.json
 
-Both run the same random SD3 (default: 4 layers, width 128, 32x32 latents;
---large: 12 layers, width 1536, 64x64 latents), batch 8, 10 steps, CFG 4.5,
+Both run the same random model of the family (`FAMILIES`: SD3 by default, 4
+layers, width 128, 32x32 latents; --large: 12 layers, width 1536, 64x64
+latents; Qwen-Image the same depths and widths), batch 8, 10 steps, the
+family's CFG (SD3 4.5; Qwen-Image's true CFG 4.0 with its norm rescale),
 decode included, prompt embeddings precomputed for both (the engine's from its
-cache, the pipeline's passed as prompt_embeds). The engine additionally records
-the whole trajectory and per-step log-probs, which the pipeline does not.
+cache, the pipeline's passed as prompt_embeds; Qwen-Image's cut to the longest
+prompt with their mask, as its encode_prompt pads, while the engine pads every
+prompt to 256 tokens). The
+engine additionally records the whole trajectory and per-step log-probs, which
+the pipeline does not.
+
+A family is one row of `FAMILIES`: how its random pipeline is built, the
+engine's model over that pipeline, and how the stock pipeline is called on
+precomputed embeddings.
 
 Three sides: the engine with `compile=True` (engine/compiling.py; `model.compile=true`
 in a recipe), the engine eager (the default), and the stock pipeline.
@@ -34,14 +43,14 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: never ask the hub
-SMALL = dict(num_layers=4, heads=4, head_dim=32, sample_size=32)
-LARGE = dict(num_layers=12, heads=24, head_dim=64, sample_size=64)
 PROMPT = "a photo of a red fox in the snow"
 SIDES = ("engine", "engine_eager", "pipeline")
 LABELS = {"engine": "engine, compiled", "engine_eager": "engine, eager", "pipeline": "diffusers pipeline"}
@@ -70,31 +79,101 @@ def peak_allocated_bytes(run, device) -> int:
     return peak
 
 
+# ---- the families: one row each ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family is benchmarked."""
+
+    card: str
+    label: str
+    guidance: float
+    noise_level: float
+    small: dict
+    """builder sizes of the default model"""
+    large: dict
+    """builder sizes of --large"""
+    setup: Callable
+    """(sizes, device, dtype) -> (pipeline on device, the engine's FlowModel over it, image side in pixels)"""
+    call: Callable
+    """(pipe, cond, uncond, noise [B, *latent], steps, guidance, pixels) -> images [B, 3, H, W] in [0, 1]"""
+
+
+def sd3_setup(sizes, device, dtype):
+    from engine.families.common import prepare_pipeline
+    from engine.families.sd3 import SD3Model
+    from engine.families.tiny import tiny_sd3_pipeline
+
+    pipe = prepare_pipeline(tiny_sd3_pipeline(seed=0, **sizes), device, dtype)
+    return pipe, SD3Model(pipe, dtype, dict(pipe.scheduler.config)), sizes["sample_size"] * pipe.vae_scale_factor
+
+
+def sd3_call(pipe, cond, uncond, noise, steps, guidance, pixels):
+    dtype = pipe.transformer.dtype
+    return pipe(prompt_embeds=cond.embeds.to(dtype), pooled_prompt_embeds=cond.pooled.to(dtype),
+                negative_prompt_embeds=uncond.embeds.to(dtype), negative_pooled_prompt_embeds=uncond.pooled.to(dtype),
+                latents=noise, num_inference_steps=steps, guidance_scale=guidance, height=pixels,
+                width=pixels, output_type="pt").images
+
+
+def qwen_image_setup(sizes, device, dtype):
+    from engine.families.common import prepare_pipeline
+    from engine.families.qwen_image import QwenImageModel
+    from engine.families.tiny_qwen_image import tiny_qwen_image_pipeline
+
+    builder = {k: v for k, v in sizes.items() if k != "latent_size"}
+    pipe = prepare_pipeline(tiny_qwen_image_pipeline(seed=0, **builder), device, dtype)
+    model = QwenImageModel(pipe, dtype, dict(pipe.scheduler.config))
+    return pipe, model, sizes["latent_size"] * pipe.vae_scale_factor
+
+
+def qwen_image_call(pipe, cond, uncond, noise, steps, guidance, pixels):
+    """True CFG (true_cfg_scale = the engine's guidance) on the engine's embeddings, cut back to the longest
+    prompt of each branch as the pipeline's own encode_prompt pads them: the engine's fixed 256-token
+    padding is its own cost, measured here. The pipeline reads its latents packed into 2x2 patches."""
+    from engine.families.flux import pack_latents
+
+    def trimmed(embeds):
+        n = int(embeds.mask.sum(1).max())
+        return embeds.embeds[:, :n].to(pipe.transformer.dtype), embeds.mask[:, :n]
+
+    (cond_embeds, cond_mask), (uncond_embeds, uncond_mask) = trimmed(cond), trimmed(uncond)
+    return pipe(prompt_embeds=cond_embeds, prompt_embeds_mask=cond_mask, negative_prompt_embeds=uncond_embeds,
+                negative_prompt_embeds_mask=uncond_mask, true_cfg_scale=guidance, latents=pack_latents(noise),
+                num_inference_steps=steps, height=pixels, width=pixels, output_type="pt").images
+
+
+FAMILIES = {
+    "sd3": Family("sd3", "SD3", 4.5, 0.7, small=dict(num_layers=4, heads=4, head_dim=32, sample_size=32),
+                  large=dict(num_layers=12, heads=24, head_dim=64, sample_size=64), setup=sd3_setup, call=sd3_call),
+    "qwen-image": Family("qwen-image", "Qwen-Image", 4.0, 1.2,
+                         small=dict(num_layers=4, heads=4, head_dim=32, latent_size=32),
+                         large=dict(num_layers=12, heads=24, head_dim=64, latent_size=64),
+                         setup=qwen_image_setup, call=qwen_image_call),
+}
+
+
 def build_sides(args) -> tuple[dict, int]:
     """Callables running one batch on each side, sharing one set of random weights."""
     import torch
 
     from engine import Engine, GenerationRequest
-    from engine.families.common import prepare_pipeline
-    from engine.families.sd3 import SD3Model
-    from engine.families.tiny import tiny_sd3_pipeline
 
     torch.set_num_threads(args.threads) if args.device == "cpu" else None
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    sizes = LARGE if args.large else SMALL
-    pipe = prepare_pipeline(tiny_sd3_pipeline(seed=0, **sizes), device, dtype)
-    model = SD3Model(pipe, dtype, dict(pipe.scheduler.config))
+    family = FAMILIES[args.family]
+    pipe, model, pixels = family.setup(family.large if args.large else family.small, device, dtype)
     engines = {"engine": Engine(model, device=device, compile=True), "engine_eager": Engine(model, device=device)}
-    pixels = sizes["sample_size"] * pipe.vae_scale_factor
-    batch, steps, guidance = args.batch, args.steps, 4.5
+    batch, steps, guidance = args.batch, args.steps, family.guidance
     encoder = engines["engine_eager"]
     cond, uncond = encoder.encode_prompts([PROMPT] * batch), encoder.encode_prompts([""] * batch)
     latent_shape = model.latent_shape(pixels, pixels, None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run_engine(engine, seed):
-        requests = [GenerationRequest(prompt=PROMPT, seed=seed * 1000 + i, card="sd3", steps=steps, sampler="sde",
-                                      noise_level=0.7, guidance_scale=guidance, height=pixels, width=pixels)
+        requests = [GenerationRequest(prompt=PROMPT, seed=seed * 1000 + i, card=family.card, steps=steps,
+                                      sampler="sde", noise_level=family.noise_level, guidance_scale=guidance,
+                                      height=pixels, width=pixels)
                     for i in range(batch)]
         images = engine.generate(requests).images
         sync()
@@ -102,13 +181,9 @@ def build_sides(args) -> tuple[dict, int]:
 
     def run_pipeline(seed):
         g = torch.Generator(device).manual_seed(seed)
-        latents = torch.randn((batch, *latent_shape), generator=g, device=device, dtype=dtype)
+        noise = torch.randn((batch, *latent_shape), generator=g, device=device, dtype=dtype)
         with torch.no_grad():
-            images = pipe(prompt_embeds=cond.embeds.to(dtype), pooled_prompt_embeds=cond.pooled.to(dtype),
-                          negative_prompt_embeds=uncond.embeds.to(dtype),
-                          negative_pooled_prompt_embeds=uncond.pooled.to(dtype), latents=latents,
-                          num_inference_steps=steps, guidance_scale=guidance, height=pixels, width=pixels,
-                          output_type="pt").images
+            images = family.call(pipe, cond, uncond, noise, steps, guidance, pixels)
         sync()
         return images
 
@@ -140,6 +215,7 @@ def measure(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the flat result object here")
+    parser.add_argument("--family", default="sd3", choices=sorted(FAMILIES), help="the model family (default sd3)")
     parser.add_argument("--quick", action="store_true", help="one timing round (under a minute)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -159,10 +235,11 @@ def main() -> None:
     images_per_s = {side: args.batch / statistics.median(times[side]) for side in SIDES}
     mib = {side: memory[side] / 2**20 for side in SIDES}
     memory_ratio = {side: memory[side] / max(memory["pipeline"], 1) for side in SIDES}
+    family = FAMILIES[args.family]
     result = {
-        "device": args.device, "dtype": args.dtype, "model": "large" if args.large else "small",
+        "family": args.family, "device": args.device, "dtype": args.dtype, "model": "large" if args.large else "small",
         "transformer_params": measured["transformer_params"], "batch": args.batch, "steps": args.steps,
-        "cfg": 4.5, "rounds": args.rounds, "threads": args.threads,
+        "cfg": family.guidance, "rounds": args.rounds, "threads": args.threads,
         "diffusers_images_per_s": images_per_s["pipeline"], "diffusers_peak_mem_mb": mib["pipeline"],
         "memory_measure": "peak tensor memory allocated during one call over the memory allocated before it",
     }
@@ -178,8 +255,8 @@ def main() -> None:
     for side in SIDES:
         print(f"{LABELS[side]:<20}{images_per_s[side]:>10.2f}{speedup[side]:>9.2f}{mib[side]:>10.1f}"
               f"{memory_ratio[side]:>14.2f}")
-    print(f"({result['model']} SD3, {result['transformer_params'] / 1e6:.1f}M params, {args.device} {args.dtype}, "
-          f"batch {args.batch}, {args.steps} steps, CFG 4.5; speedup: median of {args.rounds} paired rounds; "
+    print(f"({result['model']} {family.label}, {result['transformer_params'] / 1e6:.1f}M params, {args.device} "
+          f"{args.dtype}, batch {args.batch}, {args.steps} steps, CFG {family.guidance}; speedup: median of {args.rounds} paired rounds; "
           f"memory: {result['memory_measure']})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

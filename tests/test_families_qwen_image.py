@@ -248,6 +248,7 @@ def test_schedule_is_the_pipelines_resolution_shifted_grid(qwen_model):
 
 # ---- GRPO with LoRA, and the adapter in the stock pipeline --------------------------------------
 
+@pytest.mark.slow
 def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(qwen_folder, tmp_path):
     from trainers.grpo import main
 

@@ -3,7 +3,7 @@
 Every component is the class `QwenImagePipeline` loads: a Qwen2.5-VL text
 encoder (one text layer of width 32 and a one-block vision tower that text
 prompts never run), a byte-level BPE Qwen2 tokenizer built in memory with the
-chat-template special tokens the pipeline's prompt template uses, a
+chat-template special tokens and the template's words, a
 one-block QwenImage transformer, and the smallest AutoencoderKLQwenImage the
 config allows (2x spatial compression: `vae_scale_factor` is 2 ** number of
 temporal-downsample flags, so one flag for one spatial down-sampling).
@@ -37,14 +37,32 @@ def _byte_alphabet() -> tuple[str, ...]:
     return tuple(chars)
 
 
+# The words of QwenImagePipeline's system prompt and chat roles. With one token per word (as Qwen2's real
+# vocabulary has) the template's prefix up to the user's text is 34 tokens, the count the pipeline drops
+# (`prompt_template_encode_start_idx`), so the embeddings hold the prompt and the closing turn only.
+TEMPLATE_WORDS = ("system", "user", "assistant", "Describe", " the", " image", " by", " detailing", " color",
+                  " shape", " size", " texture", " quantity", " text", " spatial", " relationships", " of",
+                  " objects", " and", " background")
+
+
 def qwen2_tokenizer():
-    """A Qwen2 byte-level BPE tokenizer with no merges (every byte is a token) and the chat special tokens."""
+    """A Qwen2 byte-level BPE tokenizer: every byte is a token, merges build the template's words, and the
+    chat special tokens; prompts outside the template are mostly one token per byte."""
     from transformers import Qwen2Tokenizer
 
-    vocab = {c: i for i, c in enumerate(_byte_alphabet())}
+    to_bytes = _byte_alphabet()
+    vocab = {c: i for i, c in enumerate(to_bytes)}
+    merges = []
+    for word in TEMPLATE_WORDS:  # left-to-right merges: "Ġ t" -> "Ġt", "Ġt h" -> "Ġth", ...
+        pieces = [to_bytes[b] for b in word.encode()]
+        for i in range(1, len(pieces)):
+            left, merged = "".join(pieces[:i]), "".join(pieces[:i + 1])
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((left, pieces[i]))
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", eos_token="<|im_end|>",
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token="<|endoftext|>", eos_token="<|im_end|>",
                                pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     return tokenizer
@@ -92,17 +110,22 @@ def qwen_image_scheduler():
                                            time_shift_type="exponential")
 
 
-def tiny_qwen_image_pipeline(seed: int = 0, scheduler=None):
-    """The QwenImagePipeline of `build_tiny_qwen_image`, in memory (random weights from `seed`)."""
+def tiny_qwen_image_pipeline(seed: int = 0, scheduler=None, num_layers: int = 1, heads: int = 2,
+                             head_dim: int = 16):
+    """The QwenImagePipeline of `build_tiny_qwen_image`, in memory (random weights from `seed`); the
+    transformer's depth and width (heads·head_dim, head_dim a multiple of 16) are for benchmarks."""
     from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
+    if head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (its rotary sections are even); got {head_dim}")
     tokenizer = qwen2_tokenizer()
     torch.manual_seed(seed)
-    # axes_dims_rope sum to the head dim (frame, height, width rotary sections).
+    # The rotary sections (frame, height, width) sum to the head dim: a quarter for the frame axis.
+    rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * LATENT_CHANNELS,
-                                              out_channels=LATENT_CHANNELS, num_layers=1, attention_head_dim=16,
-                                              num_attention_heads=2, joint_attention_dim=TEXT_WIDTH,
-                                              axes_dims_rope=(4, 6, 6)).eval()
+                                              out_channels=LATENT_CHANNELS, num_layers=num_layers,
+                                              attention_head_dim=head_dim, num_attention_heads=heads,
+                                              joint_attention_dim=TEXT_WIDTH, axes_dims_rope=rope).eval()
     return QwenImagePipeline(scheduler=scheduler or qwen_image_scheduler(), vae=qwen_image_vae(seed),
                              text_encoder=qwen25_vl_text_encoder(len(tokenizer), seed + 1), tokenizer=tokenizer,
                              transformer=transformer)
