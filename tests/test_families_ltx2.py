@@ -214,6 +214,26 @@ def test_recomputed_joint_and_per_modality_log_probs_equal_the_recorded_ones(eng
     assert stochastic >= 2  # CPS's last step (t_next = 0) is deterministic
 
 
+def test_joint_denoise_loop_makes_no_host_transfers(engine):
+    from engine import forbid_host_transfers
+    from engine.loop import concat_embeds, denoise
+
+    reqs = requests(sampler="sde", noise_level=0.7, guidance_scale=2.0, audio=True, audio_guidance_scale=4.0,
+                    audio_noise_level=0.3, steps=2)
+    shape = engine.model.latent_shape(SIZE["height"], SIZE["width"], SIZE["frames"])
+    extra = engine.model.conditioning_extra(reqs, shape)
+    cond = engine.encode_prompts(PROMPTS)._replace(extra=extra)
+    uncond_cond = concat_embeds(engine.encode_prompts([""] * 3)._replace(extra=extra), cond)
+    joint = engine._joint_audio_levels(shape, [0.7, 0.7], [0.3, 0.3], 3)
+    timesteps = engine.schedule(2, shape)
+    with forbid_host_transfers():
+        latents, log_probs = denoise(engine.model, engine.model.transformer, torch.randn(3, *shape),
+                                     torch.randn(3, 2, *shape), timesteps, [0.7, 0.7], cond, uncond_cond, 2.0,
+                                     **joint)
+    assert torch.isfinite(latents).all() and (log_probs != 0).all()
+    assert (joint["parts_out"]["audio"] != 0).all() and (joint["parts_out"]["video"] != 0).all()
+
+
 def test_per_element_log_prob_and_kl_average_over_the_stochastic_elements_only():
     """Golden values by hand: std (1, 1, 0) on a 3-element latent, x_next - mean = (1, 0, 5)."""
     x_next, mean = torch.tensor([[1.0, 0.0, 5.0]]), torch.zeros(1, 3)
@@ -250,6 +270,29 @@ def test_select_and_concat_carry_the_audio_fields(engine):
     video_only = engine.generate(requests(sampler="sde", noise_level=0.7, guidance_scale=2.0)[:1])
     with pytest.raises(ValueError, match="all have audio or all have none"):
         Trajectory.concat([first, video_only])
+
+
+@pytest.mark.slow
+def test_engine_process_round_trip_carries_the_audio_fields(folder, engine):
+    """The trainer's copy of a rollout made in another process: the waveform, the audio levels, the
+    per-modality log-probs and the geometry (a tensor with no elements) all arrive, and a trainer can
+    recompute the joint log-prob from it."""
+    from flywheel.sync.engine_process import EngineProcess
+
+    fields = dict(sampler="sde", noise_level=0.7, guidance_scale=2.0, audio=True, audio_noise_level=0.4, steps=2)
+    local = engine.generate(requests(**fields))
+    remote_engine = EngineProcess.start("ltx2", path=str(folder))
+    try:
+        remote = remote_engine.generate(requests(**fields))
+    finally:
+        remote_engine.close()
+    for name in ("latents", "log_probs", "audio", "audio_noise_levels", "noise_levels"):
+        assert torch.equal(getattr(remote, name), getattr(local, name)), name
+    for name in ("video", "audio"):
+        assert torch.equal(remote.modality_log_probs[name], local.modality_log_probs[name])
+    assert remote.condition_extra["ltx2_grid"].shape == (3, 3, 4, 8, 5, 0)
+    assert (remote.audio_elements, remote.audio_sample_rate) == (80, 400)
+    assert torch.equal(recompute(engine, remote, 0)[0], local.log_probs[:, 0])
 
 
 # ---- training ------------------------------------------------------------------------------
