@@ -8,7 +8,6 @@ train through trainers/grpo.py with the audio switched on by patching the rollou
 """
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

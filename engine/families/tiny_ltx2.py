@@ -4,8 +4,9 @@ Every component is the stock diffusers/transformers class at the smallest size
 its config allows: a 1-layer Gemma-3 text encoder (with a 1-layer SigLIP vision
 tower, which LTX-2 never calls), 1-layer text connectors, a 1-layer
 LTX2VideoTransformer3DModel of width 16 (audio stream width 8), a one-level
-video VAE (8x spatial, 1x temporal), the audio VAE at base width 4 (its 4x
-time and mel compression is fixed) and a two-stage vocoder. Saved with
+video VAE (8x spatial, 2x temporal), the audio VAE at base width 16 (its 4x
+time and mel compression is fixed; its latent statistics are 16 = 4 channels x
+4 mel bins wide) and a two-stage vocoder (400 Hz output). Saved with
 `save_pretrained`, so it loads through the path a user's folder takes.
 """
 
@@ -47,8 +48,8 @@ def gemma_text_encoder(seed: int = 0):
 
 
 def build_tiny_ltx2(folder: str | Path, seed: int = 0) -> Path:
-    """A tiny random LTX-2 folder: video latents [4, F', H/8, W/8] (F' = (F-1)+1... 1x temporal), audio
-    latents [4, L, 4] (16 mel bins / 4); 16 kHz mel frames of hop 160, vocoder to 16 x 10 = 160 Hz... see below."""
+    """A tiny random LTX-2 folder: video latents [4, (F-1)/2+1, H/8, W/8] (H, W multiples of 32, as
+    LTX2Pipeline asks), audio latents [4, L, 4] with L = round(F/24 s x 25 latents/s), waveforms at 400 Hz."""
     tiny_ltx2_pipeline(seed).save_pretrained(str(folder))
     return Path(folder)
 
