@@ -256,8 +256,8 @@ def main() -> None:
         print(f"{LABELS[side]:<20}{images_per_s[side]:>10.2f}{speedup[side]:>9.2f}{mib[side]:>10.1f}"
               f"{memory_ratio[side]:>14.2f}")
     print(f"({result['model']} {family.label}, {result['transformer_params'] / 1e6:.1f}M params, {args.device} "
-          f"{args.dtype}, batch {args.batch}, {args.steps} steps, CFG {family.guidance}; speedup: median of {args.rounds} paired rounds; "
-          f"memory: {result['memory_measure']})")
+          f"{args.dtype}, batch {args.batch}, {args.steps} steps, CFG {family.guidance}; speedup: median of "
+          f"{args.rounds} paired rounds; memory: {result['memory_measure']})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from engine import Engine, GenerationRequest, get_card, list_cards, load_model
 from flywheel.lora import adapters_disabled, add_lora
 from flywheel.runs.checkpoint import latest_checkpoint
+from flywheel.runs.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CARD = "qwen-image"
@@ -261,7 +262,12 @@ def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(qwen_fol
           "sampling.eval_guidance_scale=2.0", "rewards=jpeg_compressibility:1.0", "eval_every=1000",
           "sample_every=1000", "sampling.eval_steps=2", "train.log_kl=false", "train.learning_rate=0.02",
           "train.clip_range=0.2", f"sampling.height={SIZE['height']}", f"sampling.width={SIZE['width']}",
-          "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8"])
+          "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=true"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # Training's forward (masks and CFG branches rebuilt from the trajectory) recomputes the rollout's
+    # log-probs: the first update is on-policy.
+    assert rows[1]["ratio/max_dev"] < 1e-5
     trained = load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
     lora_b = [v for k, v in trained.items() if "lora_B" in k]
     assert lora_b and all("lora_" in k for k in trained)  # only the adapter was trained
