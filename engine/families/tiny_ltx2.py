@@ -47,14 +47,17 @@ def gemma_text_encoder(seed: int = 0):
     return Gemma3ForConditionalGeneration(config).eval()
 
 
-def build_tiny_ltx2(folder: str | Path, seed: int = 0) -> Path:
+def build_tiny_ltx2(folder: str | Path, seed: int = 0, **sizes) -> Path:
     """A tiny random LTX-2 folder: video latents [4, (F-1)/2+1, H/8, W/8] (H, W multiples of 32, as
     LTX2Pipeline asks), audio latents [4, L, 4] with L = round(F/24 s x 25 latents/s), waveforms at 400 Hz."""
-    tiny_ltx2_pipeline(seed).save_pretrained(str(folder))
+    tiny_ltx2_pipeline(seed, **sizes).save_pretrained(str(folder))
     return Path(folder)
 
 
-def tiny_ltx2_pipeline(seed: int = 0):
+def tiny_ltx2_pipeline(seed: int = 0, num_layers: int = 1, heads: int = 2, head_dim: int = 8,
+                       audio_heads: int = 2, audio_head_dim: int = 4):
+    """The LTX2Pipeline of `build_tiny_ltx2`, in memory (random weights from `seed`); the transformer's depth
+    and widths (video heads·head_dim, audio audio_heads·audio_head_dim) are parameters for benchmarks."""
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
                            LTX2Pipeline, LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
@@ -67,9 +70,11 @@ def tiny_ltx2_pipeline(seed: int = 0):
                                     audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8,
                                     audio_connector_num_layers=1, audio_connector_num_learnable_registers=None).eval()
     transformer = LTX2VideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, vae_scale_factors=(1, 8, 8), audio_in_channels=16, audio_out_channels=16,
-        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=1,
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=heads,
+        attention_head_dim=head_dim, cross_attention_dim=heads * head_dim, vae_scale_factors=(1, 8, 8),
+        audio_in_channels=16, audio_out_channels=16, audio_num_attention_heads=audio_heads,
+        audio_attention_head_dim=audio_head_dim, audio_cross_attention_dim=audio_heads * audio_head_dim,
+        num_layers=num_layers,
         caption_channels=TEXT_WIDTH, pos_embed_max_pos=20, base_height=256, base_width=256).eval()
     vae = AutoencoderKLLTX2Video(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
                                  down_block_types=("LTX2VideoDownBlock3D",), decoder_block_out_channels=(8,),
