@@ -325,9 +325,6 @@ def image_prompts(images, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="flywheel.loop.evaluate builds its requests without the row's image, so the run's first "
-                          "evaluation is refused (request 0 has no image); remove this mark with that one-line fix")
 def test_grpo_lora_run_on_first_frames_changes_the_adapter_and_loads_into_the_stock_pipeline(
         folder, stock, image_prompts, images, tmp_path):
     from safetensors.torch import load_file
