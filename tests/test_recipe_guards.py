@@ -55,6 +55,15 @@ def test_each_bad_field_is_named_with_its_valid_range(override, names):
     assert "must" in message  # says what is valid, not only what is wrong
 
 
+def test_audio_keys_are_checked_against_the_card_and_each_other():
+    message = config_problems("sampling.audio=true")  # the default card is toy-digits: no sound
+    assert "sampling.audio=true" in message and "'toy-digits' generates no sound" in message and "ltx2" in message
+    assert "sampling.audio=false" in config_problems("sampling.audio_guidance_scale=4.0")
+    assert "sampling.audio=false" in config_problems("sampling.audio_noise_level=0.0")
+    message = config_problems("model.card=ltx2", "sampling.audio=true", "sampling.audio_noise_level=-1")
+    assert "sampling.audio_noise_level=-1" in message and "must be in [0, 10]" in message
+
+
 def test_all_problems_are_reported_at_once():
     message = config_problems("steps=0", "save_every=0", "train.kl_form=flow_grpo", "sampling.sampler=cps",
                               "sampling.noise_level=0.5")

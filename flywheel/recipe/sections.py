@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engine import get_card
+from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
 from flywheel.runs.checkpoint import resolve_resume
 from flywheel.runs.checks import ConfigChecks, config_value
@@ -79,6 +79,12 @@ class SamplingConfig:
     """image / video width in pixels; None uses the card's native size"""
     frames: int | None = None
     """video frames (video cards only; None uses the card's default)"""
+    audio: bool = False
+    """generate sound with the video (joint audio+video cards: ltx2); false = the card's video-only path"""
+    audio_guidance_scale: float | None = None
+    """the audio's classifier-free guidance (rollouts and evaluation); null = the video's"""
+    audio_noise_level: float | None = None
+    """the audio's Flow-SDE / CPS noise level in rollouts; null = noise_level, 0 = deterministic audio steps"""
 
 
 @dataclass
@@ -200,6 +206,7 @@ def check_shared_sections(cfg) -> ConfigChecks:
     checks.require("sampling.sde_window", lambda w: 0 <= w[0] < w[1] <= cfg.sampling.steps,
                    f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
                    allow_none=True)
+    check_audio_keys(cfg, checks)
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
     for key in ("reward_timeout_s", "reward_budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
@@ -224,15 +231,47 @@ def check_shared_sections(cfg) -> ConfigChecks:
     return checks
 
 
+def check_audio_keys(cfg, checks: ConfigChecks) -> None:
+    """sampling.audio only on a card that generates sound; its own guidance and noise level only with it."""
+    sampling = cfg.sampling
+    if sampling.audio:
+        try:
+            generates_sound = bool(get_card(cfg.model.card).defaults.get("audio", False))
+        except KeyError:
+            return  # the unknown card is reported by the card check
+        if not generates_sound:
+            checks.fail(f"sampling.audio=true: card {cfg.model.card!r} generates no sound; joint audio+video cards: "
+                        f"{', '.join(c for c in list_cards() if get_card(c).defaults.get('audio'))}")
+    for key in ("sampling.audio_guidance_scale", "sampling.audio_noise_level"):
+        if config_value(cfg, key) is not None and not sampling.audio:
+            checks.fail(f"{key}={config_value(cfg, key)} is set but sampling.audio=false: it applies to the audio "
+                        f"only; set sampling.audio=true or {key}=null")
+    checks.require("sampling.audio_guidance_scale", lambda v: 0 <= v <= 100, "must be in [0, 100] or null",
+                   allow_none=True)
+    checks.require("sampling.audio_noise_level", lambda v: 0 <= v <= 10,
+                   "must be in [0, 10] or null (0 = deterministic audio steps)", allow_none=True)
+
+
+def audio_request_kwargs(sampling: SamplingConfig) -> dict:
+    """The audio fields of a request: none without sound, so video-only cards see unchanged requests."""
+    if not sampling.audio:
+        return {}
+    return dict(audio=True, audio_guidance_scale=sampling.audio_guidance_scale)
+
+
 def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
     """The GenerationRequest fields of a training rollout, from the sampling section."""
-    return dict(steps=sampling.steps, sampler=sampling.sampler, noise_level=sampling.noise_level,
-                guidance_scale=sampling.guidance_scale, sde_window=sampling.sde_window,
-                height=sampling.height, width=sampling.width, frames=sampling.frames)
+    kwargs = dict(steps=sampling.steps, sampler=sampling.sampler, noise_level=sampling.noise_level,
+                  guidance_scale=sampling.guidance_scale, sde_window=sampling.sde_window,
+                  height=sampling.height, width=sampling.width, frames=sampling.frames,
+                  **audio_request_kwargs(sampling))
+    if sampling.audio:
+        kwargs["audio_noise_level"] = sampling.audio_noise_level
+    return kwargs
 
 
 def eval_request_kwargs(sampling: SamplingConfig) -> dict:
     """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time (no SDE
     window: the rollouts' window may not fit sampling.eval_steps, and an ODE has none)."""
     return {"sampler": "ode", "guidance_scale": sampling.eval_guidance_scale,
-            "steps": sampling.eval_steps or sampling.steps, "sde_window": None}
+            "steps": sampling.eval_steps or sampling.steps, "sde_window": None, "audio_noise_level": None}

@@ -286,7 +286,12 @@ class RecipeRun:
             first = slice(None, None, cfg.sampling.eval_seeds)
             shown = traj.images[first].detach().cpu()
             if is_video(shown):
-                paths = [write_mp4(v, self.dir.samples_dir / f"step-{step:06d}-{i:02d}.mp4")
+                # With the sound of a joint audio+video card muxed in, at the card's frame rate.
+                audio = traj.audio[first].detach().cpu() if getattr(traj, "audio", None) is not None else None
+                fps = self.policy.card_defaults.get("fps", 16)
+                paths = [write_mp4(v, self.dir.samples_dir / f"step-{step:06d}-{i:02d}.mp4", fps=fps,
+                                   audio=None if audio is None else audio[i],
+                                   sample_rate=None if audio is None else traj.audio_sample_rate)
                          for i, v in enumerate(shown[:8])]
                 log_videos(self.accelerator, "eval/videos", paths, step)
                 shown = middle_frame(shown)
