@@ -215,6 +215,24 @@ def test_sde_rollout_recomputed_with_the_trajectorys_conditioning_is_on_policy(m
     assert (traj.log_probs[:, :2] != 0).all()
 
 
+def test_denoise_loop_with_the_first_frame_makes_no_host_transfers(model, images):
+    """The conditioning is encoded once, before the loop; inside it the velocity only concatenates tensors."""
+    from engine import forbid_host_transfers
+    from engine.loop import concat_embeds, denoise
+    from engine.sampling import step_noise_levels
+
+    engine = Engine(model)
+    shape = model.latent_shape(SIZE["height"], SIZE["width"], SIZE["frames"])
+    extra = model.encode_images(images, shape)
+    cond = engine.encode_prompts(PROMPTS)._replace(extra=extra)
+    uncond_cond = concat_embeds(engine.encode_prompts([""] * 3)._replace(extra=extra), cond)
+    timesteps = engine.schedule(2, shape)
+    with forbid_host_transfers():
+        latents, log_probs = denoise(model, model.transformer, torch.randn(3, *shape), torch.randn(3, 2, *shape),
+                                     timesteps, step_noise_levels(2, "sde", 0.7), cond, uncond_cond, 3.0)
+    assert torch.isfinite(latents).all() and torch.isfinite(log_probs).all()
+
+
 # ---- LoRA: the stock pipeline's load_lora_weights reproduces the engine ---------------------
 
 
