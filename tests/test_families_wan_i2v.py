@@ -142,6 +142,10 @@ def test_a_request_without_an_image_and_an_image_on_a_text_only_card_are_errors(
         toy.generate([GenerationRequest(prompt="a 3", seed=0, card="toy-digits", image=images[0])])
     with pytest.raises(FileNotFoundError, match=r"first-frame image '.*nowhere\.png' does not exist"):
         engine.generate(requests([str(tmp_path / "nowhere.png")] * 3, 2.0))
+    # A training forward handed conditioning without the first frame (a trajectory of another card) is named.
+    text_only = engine.encode_prompts(PROMPTS[:1])
+    with pytest.raises(ValueError, match=r"no first frame .*got extra=None"):
+        model.velocity(model.transformer, torch.zeros(1, 16, 2, 2, 4), 0.5, text_only)
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("not a picture")
     with pytest.raises(ValueError, match=r"cannot read the first-frame image '.*notes\.png'"):
@@ -297,7 +301,8 @@ def test_jsonl_images_resolve_against_the_dataset_folder_and_missing_ones_are_na
 
     many = data / "many.jsonl"
     many.write_text("".join(json.dumps({"prompt": "p", "image": f"x{i}.png"}) + "\n" for i in range(13)))
-    with pytest.raises(FileNotFoundError, match=rf"13 image\(s\) not found.*line {MISSING_IMAGES_SHOWN}: .*; and 3 more$"):
+    shown_last = rf"line {MISSING_IMAGES_SHOWN}: 'x{MISSING_IMAGES_SHOWN - 1}\.png'"
+    with pytest.raises(FileNotFoundError, match=rf"13 image\(s\) not found.*{shown_last}[^;]*; and 3 more$"):
         load_prompts(str(many))
     for bad in ('""', "3", "null"):
         (data / "bad.jsonl").write_text('{"prompt": "p", "image": ' + bad + "}\n")

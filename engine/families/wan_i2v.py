@@ -115,8 +115,9 @@ class WanI2VModel(WanModel):
     def velocity(self, transformer, latents: torch.Tensor, t, cond: PromptEmbeds) -> torch.Tensor:
         """Velocity (fp32) of the noisy latents, given the first-frame condition and image embedding."""
         if cond.extra is None or not {"condition", "image_embeds"} <= set(cond.extra):
+            got = None if cond.extra is None else sorted(cond.extra)
             raise ValueError(f"{CARD_ID}: the conditioning has no first frame (PromptEmbeds.extra needs 'condition' "
-                             f"and 'image_embeds' from encode_images); got extra={None if cond.extra is None else sorted(cond.extra)}")
+                             f"and 'image_embeds' from encode_images); got extra={got}")
         timestep = flow_time_to_batch(t, latents.shape[0], latents.device) * 1000.0
         hidden = torch.cat([latents, cond.extra["condition"].to(latents.dtype)], dim=1)
         out = transformer(hidden_states=hidden.to(self.dtype), timestep=timestep,
