@@ -151,13 +151,42 @@ def test_two_processes_draw_the_same_samples_as_one(tmp_path):
 GRPO_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if not p.stem.endswith(("_nft", "_awm", "_dpo"))]
 
 
+def image_prompts(folder: Path, rows: int = 2, with_image: bool = True) -> Path:
+    """A .jsonl prompt file whose rows name first frames (image-to-video cards), the images beside it."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(folder / "frame.png")
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"a red square {i}", **({"image": "frame.png"} if with_image
+                                                                            else {})}) + "\n" for i in range(rows)))
+    return path
+
+
 @pytest.mark.parametrize("path", GRPO_CONFIGS, ids=lambda p: p.name)
-def test_shipped_configs_parse(path):
+def test_shipped_configs_parse(path, tmp_path):
     """Every GRPO config, the GRPO options' included."""
     cfg = parse_config(Config, ["--config", str(path)])
     assert cfg.model.card in list_cards()
-    # Valid in every field (their prompt files are the user's: point them at the built-in set here).
-    validate_config(apply_overrides(cfg, ["data.prompts=toy-digits", "data.eval_prompts=toy-digits"]))
+    # Valid in every field (their prompt files are the user's: point them at a built-in set, or at
+    # prompts with first frames for an image-to-video card).
+    from engine import get_card
+
+    prompts = image_prompts(tmp_path) if get_card(cfg.model.card).defaults.get("image_conditioned") else "toy-digits"
+    validate_config(apply_overrides(cfg, [f"data.prompts={prompts}", f"data.eval_prompts={prompts}"]))
+
+
+def test_datasets_must_match_the_cards_image_conditioning(tmp_path):
+    """Checked with the config, before any model loads: first frames for image-to-video, none elsewhere."""
+    with_images = image_prompts(tmp_path / "with")
+    with pytest.raises(ConfigError, match=r"prompt\(s\) 1, 2 name an \"image\" but card 'toy-digits' takes none"):
+        validate_config(parse_config(Config, [f"data.prompts={with_images}"]))
+    without = image_prompts(tmp_path / "without", rows=12, with_image=False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(Config, ["model.card=wan2.1-i2v", f"data.prompts={without}",
+                                              f"data.eval_prompts={with_images}"]))
+    assert "data.prompts=" in str(err.value) and "prompt(s) 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 2 more" in str(err.value)
+    assert "data.eval_prompts" not in str(err.value)
 
 
 def test_evaluation_requests_drop_the_rollouts_sde_window():

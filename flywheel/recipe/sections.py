@@ -225,10 +225,32 @@ def check_shared_sections(cfg) -> ConfigChecks:
         checks.fail(f"model.card={cfg.model.card!r}: {e}")
     for key in ("data.prompts", "data.eval_prompts"):
         try:
-            load_prompts(config_value(cfg, key))
+            items = load_prompts(config_value(cfg, key))
         except (OSError, ValueError) as e:
             checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
+        else:
+            check_dataset_images(cfg, key, items, checks)
     return checks
+
+
+def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
+    """An image-conditioned card (image-to-video) needs an "image" in every row of its datasets, and no other
+    card takes one: refused here, before a model of many GB is loaded for the first generate to fail."""
+    try:
+        conditioned = bool(get_card(cfg.model.card).defaults.get("image_conditioned", False))
+    except KeyError:
+        return  # the unknown card is reported by the card check
+    rows = [i + 1 for i, item in enumerate(items) if ("image" in item.metadata) != conditioned]
+    if not rows:
+        return
+    shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
+    if conditioned:
+        checks.fail(f"{key}={config_value(cfg, key)!r}: card {cfg.model.card!r} generates from a first image, but "
+                    f"prompt(s) {shown} have none: use a .jsonl whose rows are "
+                    f"{{\"prompt\": ..., \"image\": \"path.png\"}}")
+    else:
+        checks.fail(f"{key}={config_value(cfg, key)!r}: prompt(s) {shown} name an \"image\" but card "
+                    f"{cfg.model.card!r} takes none; only image-conditioned cards (image-to-video) do")
 
 
 def check_audio_keys(cfg, checks: ConfigChecks) -> None:
