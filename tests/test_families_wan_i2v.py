@@ -107,7 +107,11 @@ def test_folder_errors_name_what_is_missing_or_unsupported(folder, tmp_path):
         load_model(CARD, path=str(broken))
     # Both missing components in one message, and only them (the present ones are not listed).
     listed = str(err.value).split("missing: ", 1)[1].split("; ")
-    assert sorted(listed) == ["image_encoder/ (model)", "image_processor/preprocessor_config.json"]
+    assert sorted(listed) == ["image_encoder/ (model)", "image_processor/ (processor)"]
+    (broken / "image_processor").mkdir()  # the folder without its file is named by the file
+    with pytest.raises(FileNotFoundError,
+                       match=r"missing: image_encoder/ \(model\); image_processor/preprocessor_config\.json$"):
+        load_model(CARD, path=str(broken))
 
     def variant(name, file, **changes):
         copy = tmp_path / name

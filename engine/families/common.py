@@ -25,7 +25,8 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
     """Fail with one message listing everything missing from a local diffusers folder.
 
     components maps a subfolder to its kind: "model" (config.json + weights),
-    "tokenizer" (tokenizer files) or "scheduler" (scheduler_config.json).
+    "tokenizer" (tokenizer files), "scheduler" (scheduler_config.json) or
+    "processor" (an image processor's preprocessor_config.json).
     """
     if path is None:
         raise ValueError(f"model card {card_id!r} needs model.path: a local diffusers folder "
@@ -53,6 +54,9 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
         elif kind == "scheduler":
             if not (folder / "scheduler_config.json").is_file():
                 missing.append(f"{sub}/scheduler_config.json")
+        elif kind == "processor":
+            if not (folder / "preprocessor_config.json").is_file():
+                missing.append(f"{sub}/preprocessor_config.json")
     if missing:
         raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; missing: "
                                 + "; ".join(missing))

@@ -70,9 +70,9 @@ class WanModel(DiffusersFlowModel):
         height, width, frames = height or 480, width or 832, frames or 33
         step = self.spatial_scale * self.transformer.config.patch_size[1]
         if height % step or width % step:
-            raise ValueError(f"{CARD_ID}: height and width must be multiples of {step}; got {height}x{width}")
+            raise ValueError(f"{self.card_id}: height and width must be multiples of {step}; got {height}x{width}")
         if (frames - 1) % self.temporal_scale:
-            raise ValueError(f"{CARD_ID}: frames must be {self.temporal_scale}k+1 (e.g. 33, 81); got {frames}")
+            raise ValueError(f"{self.card_id}: frames must be {self.temporal_scale}k+1 (e.g. 33, 81); got {frames}")
         return (self.vae.config.z_dim, (frames - 1) // self.temporal_scale + 1,
                 height // self.spatial_scale, width // self.spatial_scale)
 

@@ -50,14 +50,12 @@ import torch
 
 from engine.cards import ModelCard, PromptEmbeds, register_card
 from engine.families.common import check_diffusers_folder, flow_time_to_batch, prepare_pipeline, read_json
-from engine.families.wan import CARD_ID as T2V_CARD_ID
 from engine.families.wan import WanModel
 
 CARD_ID = "wan2.1-i2v"
 PIPELINE = "WanImageToVideoPipeline"
 COMPONENTS = {"transformer": "model", "vae": "model", "scheduler": "scheduler", "text_encoder": "model",
-              "tokenizer": "tokenizer", "image_encoder": "model"}
-PROCESSOR_FILE = "image_processor/preprocessor_config.json"
+              "tokenizer": "tokenizer", "image_encoder": "model", "image_processor": "processor"}
 TEXT_TOKENS = 512  # diffusers' WanAttnProcessor takes the last 512 context tokens as text
 LORA_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                 "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
@@ -126,14 +124,6 @@ class WanI2VModel(WanModel):
                           return_dict=False)[0]
         return out.float()
 
-    def latent_shape(self, height: int | None, width: int | None, frames: int | None) -> tuple[int, ...]:
-        """As the T2V card: (16, (F-1)/4+1, H/8, W/8), H and W multiples of 16, F = 4k+1 (default 480x832, 33)."""
-        try:
-            return super().latent_shape(height, width, frames)
-        except ValueError as e:  # the T2V card's rule, named after this card
-            raise ValueError(str(e).replace(T2V_CARD_ID, CARD_ID)) from None
-
-
 def load_first_frame(path: str):
     """The RGB PIL image at a local path (EXIF rotation applied, as diffusers' load_image does)."""
     from pathlib import Path
@@ -170,18 +160,7 @@ def check_wan21_i2v_folder(root) -> None:
 
 def load_wan_i2v(path, device: torch.device, dtype: torch.dtype) -> WanI2VModel:
     """Load Wan2.1 I2V from a local diffusers folder (every component in `dtype`)."""
-    from pathlib import Path
-
-    processor_missing = path is not None and Path(path).expanduser().is_dir() \
-        and not (Path(path).expanduser() / PROCESSOR_FILE).is_file()
-    try:
-        root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
-    except FileNotFoundError as e:
-        if processor_missing:  # one message listing everything missing, the image processor included
-            raise FileNotFoundError(f"{e}; {PROCESSOR_FILE}") from None
-        raise
-    if processor_missing:
-        raise FileNotFoundError(f"{CARD_ID}: the diffusers folder {root} is incomplete; missing: {PROCESSOR_FILE}")
+    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
     check_wan21_i2v_folder(root)
     import diffusers
 
