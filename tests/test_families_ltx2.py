@@ -3,8 +3,7 @@
 Parity runs the engine's own loop and the stock LTX2Pipeline.__call__ on the same weights, prompt
 embeddings and initial noise (the pipeline set to plain CFG: no STG, no modality isolation, no
 rescale, as engine/families/ltx2.py documents), and compares both final latents. The GRPO runs
-train through trainers/grpo.py with the audio switched on by patching the rollout request fields
-(the grpo config has no sampling.audio key yet).
+train through trainers/grpo.py with sampling.audio=true.
 """
 
 import math
@@ -303,18 +302,8 @@ def grpo_args(folder, prompts_file, run_dir, *extra):
             "data.group_size=2", "sampling.steps=2", "sampling.eval_seeds=1", "sampling.guidance_scale=2.0",
             "sampling.eval_guidance_scale=2.0", "eval_every=1000", "sampling.eval_steps=2",
             "train.log_kl=false", "train.clip_range=0.2", f"sampling.height={SIZE['height']}",
-            f"sampling.width={SIZE['width']}", f"sampling.frames={SIZE['frames']}", *extra]
-
-
-@pytest.fixture
-def audio_rollouts(monkeypatch):
-    """Rollouts (and evaluations, which start from the rollout fields) with the audio on."""
-    import flywheel.recipe.rollouts as rollouts
-    from flywheel.recipe.sections import rollout_request_kwargs
-
-    monkeypatch.setattr(rollouts, "rollout_request_kwargs",
-                        lambda sampling: {**rollout_request_kwargs(sampling), "audio": True,
-                                          "audio_noise_level": 0.5})
+            f"sampling.width={SIZE['width']}", f"sampling.frames={SIZE['frames']}", "sampling.audio=true",
+            "sampling.audio_noise_level=0.5", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +315,7 @@ def prompts_file(tmp_path_factory):
 
 @pytest.mark.slow
 def test_grpo_lora_run_with_audio_and_the_saved_lora_loads_into_the_stock_pipeline(folder, pipe, prompts_file,
-                                                                                   tmp_path, audio_rollouts):
+                                                                                   tmp_path):
     from trainers.grpo import main
 
     run_dir = tmp_path / "run"
@@ -369,8 +358,7 @@ class WaveformLoudness:
 
 
 @pytest.mark.slow
-def test_grpo_raises_an_audio_reward_and_negated_advantages_lower_it(folder, prompts_file, tmp_path,
-                                                                    audio_rollouts, monkeypatch):
+def test_grpo_raises_an_audio_reward_and_negated_advantages_lower_it(folder, prompts_file, tmp_path, monkeypatch):
     """The tiny vocoder's output moves little with its input (RMS 0.156, about +-0.002 over the latents
     tried), so the margins are small in absolute terms; the evaluation is the ODE on fixed seeds, so they
     are the training's doing. Measured: 0.15633 -> 0.15682 (real), -> 0.15555 (negated), 6 steps."""
