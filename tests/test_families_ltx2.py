@@ -327,6 +327,13 @@ def test_grpo_lora_run_with_audio_and_the_saved_lora_loads_into_the_stock_pipeli
     lora_b = [v for k, v in trained.items() if "lora_B" in k]
     assert lora_b and all("lora_" in k for k in trained)
     assert any("audio_attn1" in k for k in trained) and max(v.abs().max() for v in lora_b) > 0
+    # Evaluation samples: playable MP4s with the sound muxed in, at the card's 24 fps (read back by ffmpeg).
+    from flywheel.video import probe_media
+
+    samples = sorted((run_dir / "samples").glob("*.mp4"))
+    assert len(samples) == 4  # two prompts, at the start and the end
+    media = probe_media(samples[-1])
+    assert media["audio"] is not None and media["video"]["fps"] == 24
 
     model = load_model("ltx2", path=str(folder))
     add_lora(model.transformer, 4, 8, get_card("ltx2").defaults["lora_targets"])
