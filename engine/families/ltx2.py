@@ -134,10 +134,10 @@ class LTX2Model(DiffusersFlowModel):
                              f"served ({known}); one engine serves one of them (e.g. not both HxW and WxH)")
         return (n,)
 
-    def grid(self, latent_shape_or_latents) -> Grid:
+    def grid(self, shape_or_latents: tuple[int, ...] | torch.Tensor) -> Grid:
         """The geometry of a latent shape (N,) or of flat latents [..., N] of a size this model has served."""
-        n = latent_shape_or_latents[-1] if isinstance(latent_shape_or_latents, tuple) \
-            else latent_shape_or_latents.shape[-1]
+        shape = shape_or_latents if isinstance(shape_or_latents, tuple) else tuple(shape_or_latents.shape)
+        n = shape[-1]
         if n not in self._grids:
             raise ValueError(f"{CARD_ID}: no request size gives a latent of {n} elements; call latent_shape first")
         return self._grids[n]
