@@ -301,7 +301,7 @@ def grpo_args(folder, prompts_file, run_dir, *extra):
             f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
             "data.group_size=2", "sampling.steps=2", "sampling.eval_seeds=1", "sampling.guidance_scale=2.0",
             "sampling.eval_guidance_scale=2.0", "eval_every=1000", "sampling.eval_steps=2",
-            "train.log_kl=false", "train.clip_range=0.2", f"sampling.height={SIZE['height']}",
+            "train.clip_range=0.2", f"sampling.height={SIZE['height']}",
             f"sampling.width={SIZE['width']}", f"sampling.frames={SIZE['frames']}", "sampling.audio=true",
             "sampling.audio_noise_level=0.5", *extra]
 

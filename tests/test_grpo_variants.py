@@ -324,6 +324,7 @@ def test_guard_ratio_is_centred_where_the_plain_ratio_is_not():
     (["train.variant=mixgrpo", "train.flash_compress=0.5", "async_rollouts=true"], "async_rollouts=true"),
     (["train.variant=fast", "train.flash_compress=0.5"], "train.window_per=step"),
     (["train.variant=fast", "train.timestep_fraction=0.5"], "train.timestep_fraction=1.0"),
+    (["model.card=ltx2", "train.guard=true"], "one per modality"),
     (["sampling.sampler=cps", "sampling.noise_level=0.5", "train.variant=mixgrpo", "train.window_size=10"],
      "less the deterministic last step of cps"),
 ])

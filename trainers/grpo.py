@@ -97,9 +97,9 @@ from typing import Literal
 
 import torch
 
-from engine import Trajectory
+from engine import Trajectory, get_card
 from engine.loop import guided_velocity
-from engine.sampling import sde_t_cap, step_log_prob, transition_std
+from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_std
 from flywheel.cli import run_main
 from flywheel.loop import RolloutBatch
 from flywheel.recipe.policy import build_policy, make_optimizer
@@ -271,7 +271,7 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
             _, mean_ref, _ = step_log_prob(traj.sampler, x, x_next, v_ref, t, t_next, step_level(traj, j),
                                            sde_t_cap(traj.timesteps))
         variance = std**2 if cfg.kl_form == "exact" else std**2 / (t - t_next)
-        kl_per_sample = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * variance)
+        kl_per_sample = gaussian_kl(mean, mean_ref, variance)  # per element for a joint audio+video latent
         kl = (kl_per_sample * weight).sum()
         loss = loss + cfg.kl_beta * kl
 
@@ -496,12 +496,23 @@ def validate_config(cfg: Config) -> None:
         checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
                     "train.kl_form=exact")
     check_window_keys(cfg, checks)
+    if cfg.train.guard and card_generates_sound(cfg.model.card):
+        checks.fail(f"train.guard=true with model.card={cfg.model.card}: GRPO-Guard rescales each step by its one "
+                    "transition std, and a joint audio+video card has one per modality (its video-only path "
+                    "included); set train.guard=false")
     if not cfg.train.cfg_in_train and cfg.sampling.guidance_scale != 1.0:
         # The rollouts sampled the guided policy; training the unguided one is off-policy from the first step.
         checks.fail(f"train.cfg_in_train=false with sampling.guidance_scale={cfg.sampling.guidance_scale}: the "
                     "training forward would score a policy other than the one that sampled (every ratio far "
                     "from 1). Set train.cfg_in_train=true, or sampling.guidance_scale=1")
     checks.raise_if_any()
+
+
+def card_generates_sound(card: str) -> bool:
+    try:
+        return bool(get_card(card).defaults.get("audio", False))
+    except KeyError:
+        return False  # the unknown card is reported by the shared checks
 
 
 def check_window_keys(cfg: Config, checks) -> None:
