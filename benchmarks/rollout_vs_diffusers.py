@@ -1,12 +1,14 @@
 """Rollout throughput and peak memory: the engine (Flow-SDE with log-probs) vs a family's stock diffusers pipeline.
 
-    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image}] [--quick] [--json out.json]
+    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image,ltx2}] [--quick] [--json out.json]
     python benchmarks/rollout_vs_diffusers.py --device cuda --dtype bfloat16 --large --json gpu.json
 
 Both run the same random model of the family (`FAMILIES`: SD3 by default, 4
 layers, width 128, 32x32 latents; --large: 12 layers, width 1536, 64x64
-latents; Qwen-Image the same depths and widths), batch 8, 10 steps, the
-family's CFG (SD3 4.5; Qwen-Image's true CFG 4.0 with its norm rescale),
+latents; Qwen-Image the same depths and widths; LTX-2 the same depths, 64x64
+pixels and 9 frames with sound, --large 256x256), batch 8, 10 steps, the
+family's CFG (SD3 4.5; Qwen-Image's true CFG 4.0 with its norm rescale; LTX-2
+3.0 on both modalities, STG, modality isolation and rescale off as in the engine),
 decode included, prompt embeddings precomputed for both (the engine's from its
 cache, the pipeline's passed as prompt_embeds; Qwen-Image's cut to the longest
 prompt with their mask, as its encode_prompt pads, while the engine pads every
@@ -43,7 +45,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -96,7 +98,10 @@ class Family:
     setup: Callable
     """(sizes, device, dtype) -> (pipeline on device, the engine's FlowModel over it, image side in pixels)"""
     call: Callable
-    """(pipe, cond, uncond, noise [B, *latent], steps, guidance, pixels) -> images [B, 3, H, W] in [0, 1]"""
+    """(pipe, cond, uncond, noise [B, *latent], steps, guidance, pixels) -> images [B, 3, H, W] (videos
+    [B, 3, F, H, W]) in [0, 1]"""
+    request: dict = field(default_factory=dict)
+    """GenerationRequest fields of the family's rollouts beyond the common ones (video frames, audio)"""
 
 
 def sd3_setup(sizes, device, dtype):
@@ -143,6 +148,47 @@ def qwen_image_call(pipe, cond, uncond, noise, steps, guidance, pixels):
                 num_inference_steps=steps, height=pixels, width=pixels, output_type="pt").images
 
 
+LTX2_FRAMES = 9  # the tiny VAE compresses time 2x: 5 latent frames; audio: round(9/24 s x 25/s) = 9 tokens
+_LTX2_TEXT: dict = {}  # batch size -> the pipeline's Gemma inputs, computed once outside the timings
+
+
+def ltx2_setup(sizes, device, dtype):
+    from engine.families.common import prepare_pipeline
+    from engine.families.ltx2 import LTX2Model
+    from engine.families.tiny_ltx2 import tiny_ltx2_pipeline
+
+    builder = {k: v for k, v in sizes.items() if k != "pixels"}
+    pipe = prepare_pipeline(tiny_ltx2_pipeline(seed=0, **builder), device, dtype)
+    return pipe, LTX2Model(pipe, dtype, dict(pipe.scheduler.config)), sizes["pixels"]
+
+
+def ltx2_call(pipe, cond, uncond, noise, steps, guidance, pixels):
+    """Plain CFG on both modalities (STG, modality isolation and rescale off: the engine's guidance), from
+    the engine's flat [video | audio] noise. The pipeline runs its text connectors itself, so it gets
+    Gemma's hidden states, computed once per batch size outside the timings (the engine's embeddings come
+    from its cache). Both decode the video and the audio (the engine's requests ask for audio); returns
+    the videos [B, 3, F, H, W]."""
+    from engine.families.common import sequence_length
+
+    batch, device = noise.shape[0], noise.device
+    if batch not in _LTX2_TEXT:
+        _LTX2_TEXT[batch] = pipe.encode_prompt([PROMPT] * batch, negative_prompt="", device=device,
+                                               max_sequence_length=sequence_length(pipe.tokenizer, 1024))
+    embeds, mask, negative, negative_mask = _LTX2_TEXT[batch]
+    frames = (LTX2_FRAMES - 1) // pipe.vae_temporal_compression_ratio + 1
+    side = pixels // pipe.vae_spatial_compression_ratio
+    video_elements = frames * side * side * pipe.transformer.config.in_channels
+    video = noise[:, :video_elements].reshape(batch, -1, pipe.transformer.config.in_channels)
+    audio = noise[:, video_elements:].reshape(batch, -1, pipe.transformer.config.audio_in_channels)
+    audio = audio * pipe.audio_vae.latents_std.to(audio) + pipe.audio_vae.latents_mean.to(audio)
+    videos, _ = pipe(prompt_embeds=embeds, prompt_attention_mask=mask, negative_prompt_embeds=negative,
+                     negative_prompt_attention_mask=negative_mask, latents=video, audio_latents=audio,
+                     num_inference_steps=steps, guidance_scale=guidance, stg_scale=0.0, audio_stg_scale=0.0,
+                     modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
+                     height=pixels, width=pixels, num_frames=LTX2_FRAMES, output_type="pt", return_dict=False)
+    return videos.permute(0, 2, 1, 3, 4)  # "pt" videos are [B, F, C, H, W]
+
+
 FAMILIES = {
     "sd3": Family("sd3", "SD3", 4.5, 0.7, small=dict(num_layers=4, heads=4, head_dim=32, sample_size=32),
                   large=dict(num_layers=12, heads=24, head_dim=64, sample_size=64), setup=sd3_setup, call=sd3_call),
@@ -150,6 +196,10 @@ FAMILIES = {
                          small=dict(num_layers=4, heads=4, head_dim=32, latent_size=32),
                          large=dict(num_layers=12, heads=24, head_dim=64, latent_size=64),
                          setup=qwen_image_setup, call=qwen_image_call),
+    "ltx2": Family("ltx2", "LTX-2 (video + audio)", 3.0, 0.7,
+                   small=dict(num_layers=4, heads=4, head_dim=32, audio_heads=4, audio_head_dim=16, pixels=64),
+                   large=dict(num_layers=12, heads=24, head_dim=64, audio_heads=16, audio_head_dim=64, pixels=256),
+                   setup=ltx2_setup, call=ltx2_call, request=dict(frames=LTX2_FRAMES, audio=True)),
 }
 
 
@@ -167,13 +217,13 @@ def build_sides(args) -> tuple[dict, int]:
     batch, steps, guidance = args.batch, args.steps, family.guidance
     encoder = engines["engine_eager"]
     cond, uncond = encoder.encode_prompts([PROMPT] * batch), encoder.encode_prompts([""] * batch)
-    latent_shape = model.latent_shape(pixels, pixels, None)
+    latent_shape = model.latent_shape(pixels, pixels, family.request.get("frames"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run_engine(engine, seed):
         requests = [GenerationRequest(prompt=PROMPT, seed=seed * 1000 + i, card=family.card, steps=steps,
                                       sampler="sde", noise_level=family.noise_level, guidance_scale=guidance,
-                                      height=pixels, width=pixels)
+                                      height=pixels, width=pixels, **family.request)
                     for i in range(batch)]
         images = engine.generate(requests).images
         sync()
@@ -199,7 +249,7 @@ def measure(args) -> dict:
     runs, params = build_sides(args)
     for side, run in runs.items():
         images = run(0)
-        assert tuple(images.shape) == (args.batch, 3, images.shape[-1], images.shape[-1]), (side, images.shape)
+        assert tuple(images.shape[:2]) == (args.batch, 3), (side, images.shape)  # images, or videos [B, 3, F, H, W]
     times = {side: [] for side in runs}
     for r in tqdm(range(args.rounds), desc="rounds", disable=args.rounds < 2):
         order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
