@@ -64,7 +64,9 @@ option (`python trainers/grpo.py train.<option>=...`, configs/toy_<option>.yaml)
 eval reward / digit_svc judge at steps 10, 20, ..., 80 (base 0.481 / 0.572):
   plain GRPO   0.600 0.732 0.842 0.896 0.945 0.986 0.995 0.997 / judge 0.943 at 80; 79 s
   mixgrpo      0.700 0.805 0.889 0.968 0.996 0.991 0.999 0.997 / judge 0.939; 42 s
-  fast         0.604 0.761 0.837 0.963 0.982 0.962 0.938 0.971 / judge 0.945; 31 s
+  fast         0.685 0.805 0.863 0.967 0.985 0.980 0.989 0.998 / judge 0.941; 37 s (2 threads)
+               (window per trajectory; one per step: 0.604 0.761 0.837 0.963 0.982 0.962
+               0.938 0.971 / judge 0.945; 31 s)
   guard        0.683 0.825 0.919 0.961 0.981 0.993 1.000 1.000 / judge 0.932; 83 s
   mixgrpo + flash_compress=0.4: 0.978 at 40, then 0.682 at 70 and 0.418 at 80
   (judge 0.780): late windows leave 3 steps after them, compressed to one Euler
@@ -78,7 +80,8 @@ toy-numbers (configs/toy_numbers_<option>.yaml: GRPO's task, budget and keys plu
 the option at its defaults), eval reward at 10, 20, ..., 120 (base 0.198 / judge 0.255;
 plain GRPO 0.256 0.316 0.364 0.453 0.542 0.635 0.724 0.808 at 80):
   mixgrpo  0.325 0.459 0.595 0.770 0.887 0.911 0.942 0.939 0.938 0.941 0.955 0.954; judge 0.867 at 90, 0.835 at 120
-  fast     0.308 0.409 0.527 0.614 0.722 0.811 0.877 0.889 0.889 0.888 0.926 0.942; judge 0.851 at 120
+  fast     0.261 0.371 0.512 0.606 0.728 0.841 0.916 0.927 0.919 0.930 0.943 0.908; judge 0.854 at 90, 0.826 at 120
+           (one window per step: 0.308 0.409 0.527 0.614 0.722 0.811 0.877 0.889 0.889 0.888 0.926 0.942)
   guard    0.307 0.394 0.516 0.651 0.788 0.882 0.912 0.928 0.941 0.959 0.958 0.956; judge 0.879 at 110, 0.860 at 120
   (mixgrpo with window_shift_every=10 was slower: 0.697 at 40, 0.805 at 50.)
 
