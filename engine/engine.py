@@ -84,22 +84,27 @@ class Engine:
 
     # ---- generation -------------------------------------------------------------------
 
-    def generate(self, requests: list[GenerationRequest]) -> Trajectory:
+    def generate(self, requests: list[GenerationRequest], init_latents: torch.Tensor | None = None) -> Trajectory:
         """Generate every request; one Trajectory in request order.
 
         All requests must share a batch key (card, steps, sampler, guidance,
-        size); they run in chunks of at most `max_batch`.
+        size); they run in chunks of at most `max_batch`. `init_latents`
+        [B, *latent]: image-to-image (SDEdit), each row's clean latent, which
+        requests with `start_step` = k > 0 noise to t_k with their own seed
+        before running steps k..T-1 (the Trajectory then holds those T-k steps).
         """
         if not requests:
             raise ValueError("generate() needs at least one request")
         self._check_batch(requests)
+        self._check_init_latents(requests, init_latents)
         with self._state:
             while self._paused:
                 self._state.wait()
             self._in_flight += 1
             version = self._weight_version
         try:
-            parts = [self._generate_batch(requests[i:i + self.max_batch], version)
+            parts = [self._generate_batch(requests[i:i + self.max_batch], version,
+                                          None if init_latents is None else init_latents[i:i + self.max_batch])
                      for i in range(0, len(requests), self.max_batch)]
             return Trajectory.concat(parts)
         finally:
@@ -145,7 +150,30 @@ class Engine:
                     f"request {i} cannot share a batch with request 0: batch keys differ "
                     f"({r.batch_key()} vs {key}); send them in separate generate() calls")
 
-    def _generate_batch(self, requests: list[GenerationRequest], version: int) -> Trajectory:
+    def _check_init_latents(self, requests: list[GenerationRequest], init_latents: torch.Tensor | None) -> None:
+        """Initial latents come with start_step > 0 (image-to-image) and only then, one row per request."""
+        start = requests[0].start_step
+        if init_latents is None:
+            if start > 0:
+                raise ValueError(f"start_step={start} starts from an image: pass its latents as "
+                                 f"generate(requests, init_latents=[B, *latent])")
+            return
+        if start == 0:
+            raise ValueError("init_latents were given but start_step=0 starts from pure noise and would ignore "
+                             "them; set start_step in 1..steps-1 (the step the image is noised to)")
+        first = requests[0]
+        shape = (len(requests), *self.model.latent_shape(first.height, first.width, first.frames))
+        if tuple(init_latents.shape) != shape:
+            raise ValueError(f"init_latents must be [B, *latent] = {list(shape)} for these requests, "
+                             f"got {list(init_latents.shape)}")
+        if self.ode_scheduler(first, shape[1:]) is not None or (self.flash_compress is not None
+                                                                and first.sampler != "ode"):
+            raise ValueError(f"start_step > 0 runs the engine's own Euler/SDE steps; card {self.card_id!r} "
+                             f"steps ODE requests with its folder's scheduler (or flash_compress is set), "
+                             f"which this engine cannot start mid-schedule")
+
+    def _generate_batch(self, requests: list[GenerationRequest], version: int,
+                        init_latents: torch.Tensor | None = None) -> Trajectory:
         first = requests[0]
         latent_shape = self.model.latent_shape(first.height, first.width, first.frames)
         scheduler = self.ode_scheduler(first, latent_shape)
@@ -171,6 +199,13 @@ class Engine:
             noise_levels = [0.0] * len(scheduler.timesteps)
             audio_levels = list(noise_levels) if joint_audio else None
         initial_noise, step_noise = self._draw_noise(requests, latent_shape, stochastic=first.sampler != "ode")
+        if first.start_step > 0:  # SDEdit: x_{t_k} = (1 - t_k)·x0 + t_k·eps, then steps k..T-1 only
+            k = first.start_step
+            t_k = timesteps[k]
+            initial_noise = (1 - t_k) * init_latents.to(device=self.device, dtype=torch.float32) + t_k * initial_noise
+            timesteps, noise_levels = timesteps[k:], noise_levels[k:]
+            audio_levels = None if audio_levels is None else audio_levels[k:]
+            step_noise = None if step_noise is None else step_noise[:, k:]
 
         prompts = [r.prompt for r in requests]
         cond = self.encode_prompts(prompts)

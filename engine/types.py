@@ -66,6 +66,10 @@ class GenerationRequest:
     audio: bool = False
     audio_guidance_scale: float | None = None
     audio_noise_level: float | None = None
+    # Image-to-image (SDEdit): start at step `start_step` of the `steps`-step schedule from an initial latent
+    # the caller gives (Engine.generate(init_latents=...)), noised to t_start with this request's seed; only
+    # steps start_step..steps-1 run. 0 = from pure noise (text-to-image), every existing request.
+    start_step: int = 0
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -87,6 +91,7 @@ class GenerationRequest:
             raise ValueError(f"noise_level is CPS's eta and must be in [0, 1) for sampler='cps', "
                              f"got {self.noise_level}")
         self._check_audio()
+        _integer("start_step", self.start_step, 0, self.steps - 1)
         if self.sde_window is not None:
             window = self.sde_window
             if not (isinstance(window, (tuple, list)) and len(window) == 2
@@ -128,7 +133,7 @@ class GenerationRequest:
         """Everything that must agree for two requests to share one batched loop."""
         return (self.card, self.steps, self.guidance_scale, self.sampler, self.noise_level,
                 self.sde_window, self.height, self.width, self.frames, self.keep_trajectory,
-                self.audio, self.audio_guidance_scale, self.audio_noise_level)
+                self.audio, self.audio_guidance_scale, self.audio_noise_level, self.start_step)
 
 
 @dataclass
