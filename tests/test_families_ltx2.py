@@ -334,13 +334,21 @@ def test_grpo_lora_run_with_audio_and_the_saved_lora_loads_into_the_stock_pipeli
     assert len(samples) == 4  # two prompts, at the start and the end
     media = probe_media(samples[-1])
     assert media["audio"] is not None and media["video"]["fps"] == 24
+    from flywheel.video import read_wav
+
+    sounds = sorted((run_dir / "samples").glob("*.wav"))  # and each clip's sound alone, as 16-bit PCM
+    assert [p.stem for p in sounds] == [p.stem for p in samples]
+    wave, rate = read_wav(sounds[-1])
+    assert wave.shape[0] == 2 and wave.abs().max() > 0
 
     model = load_model("ltx2", path=str(folder))
     add_lora(model.transformer, 4, 8, get_card("ltx2").defaults["lora_targets"])
     assert not model.transformer.load_state_dict(trained, strict=False).unexpected_keys
     engine = Engine(model)
     ode = dict(sampler="ode", guidance_scale=2.0, audio=True, audio_guidance_scale=4.0)
-    tuned = model.split_latents(engine.generate(requests(**ode)).latents[:, -1])
+    tuned_traj = engine.generate(requests(**ode))
+    assert rate == tuned_traj.audio_sample_rate  # the WAV keeps the vocoder's own rate (the MP4's AAC may not)
+    tuned = model.split_latents(tuned_traj.latents[:, -1])
     with adapters_disabled(model.transformer):
         base = model.split_latents(engine.generate(requests(**ode)).latents[:, -1])
     stock_base = pipeline_latents(pipe, model, 3, 2.0, 4.0)
