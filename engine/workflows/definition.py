@@ -109,13 +109,18 @@ class Workflow:
     @property
     def requires(self) -> tuple[str, ...]:
         """Every card the workflow runs, nested workflows' included, sorted."""
+        return tuple(sorted(self._cards(())))
+
+    def _cards(self, chain: tuple[str, ...]) -> set[str]:
+        if self.id in chain:  # only a builder that changed after registration gets here
+            raise WorkflowCycleError(f"workflow {self.id!r} reaches itself: {' -> '.join(chain + (self.id,))}")
         cards: set[str] = set()
         for stage in self.stages:
             if self.registry is not None and self.registry.is_workflow(stage.target):
-                cards.update(self.registry.get(stage.target).requires)
+                cards.update(self.registry.get(stage.target)._cards(chain + (self.id,)))
             else:
                 cards.add(stage.target)
-        return tuple(sorted(cards))
+        return cards
 
     def validate(self, available_cards) -> None:
         """MissingCardsError naming every required card not in `available_cards`."""

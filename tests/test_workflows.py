@@ -1,0 +1,181 @@
+"""Workflows as servables: ids in the cards' namespace, requires/validate, cycles, the runner, SDEdit refinement."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import Engine, GenerationRequest, list_cards
+from engine.workflows import (FromImage, FromText, MissingCardsError, Stage, Workflow, WorkflowCycleError, WorkflowError,
+                              WorkflowRegistry, WorkflowRunner, default_registry)
+
+PROMPTS = ["a photo of the digit 3", "a photo of the digit 7"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_card("toy-digits")
+
+
+def requests(workflow="toy.digits_then_refine", sampler="ode", seeds=(1, 2), **kwargs):
+    return [GenerationRequest(prompt=p, seed=s, card=workflow, sampler=sampler, **kwargs)
+            for p, s in zip(PROMPTS, seeds)]
+
+
+def builder(workflow_id, *targets):
+    """A builder of a workflow whose stages run `targets` in order (text first, then image-to-image)."""
+    stages = tuple(Stage(f"s{i}", t, FromImage(0.5) if i else FromText()) for i, t in enumerate(targets))
+    return lambda: Workflow(workflow_id, "test", stages)
+
+
+# ---- registry: ids, requires, validate, cycles -------------------------------------------------------
+
+
+def test_catalog_workflows_are_addressable_by_id_with_their_required_cards():
+    registry = default_registry()
+    assert {"toy.digits_then_refine", "toy.refine_twice", "image_video.t2i_i2v"} <= set(registry.ids())
+    assert registry.get("toy.digits_then_refine").requires == ("toy-digits",)
+    assert registry.get("toy.refine_twice").requires == ("toy-digits",)  # through the nested workflow
+    assert registry.get("image_video.t2i_i2v").requires == ("sd3", "wan2.1-i2v")
+    described = registry.get("toy.refine_twice").describe()
+    assert described["kind"] == "workflow" and [s["target"] for s in described["stages"]] == [
+        "toy.digits_then_refine", "toy-digits"]
+    with pytest.raises(KeyError, match="unknown workflow 'toy.nope'.*toy.digits_then_refine"):
+        registry.get("toy.nope")
+
+
+def test_validate_fails_fast_naming_every_missing_card():
+    workflow = default_registry().get("image_video.t2i_i2v")
+    workflow.validate(["sd3", "wan2.1-i2v", "toy-digits"])
+    with pytest.raises(MissingCardsError, match=r"needs card\(s\) wan2\.1-i2v .*available: sd3") as err:
+        workflow.validate(["sd3"])
+    assert err.value.missing == ["wan2.1-i2v"]
+    with pytest.raises(MissingCardsError) as err:
+        WorkflowRunner({}).run("image_video.t2i_i2v", requests("image_video.t2i_i2v"))  # before any stage runs
+    assert err.value.missing == ["sd3", "wan2.1-i2v"]
+
+
+def test_a_workflow_id_that_is_a_card_id_or_not_dotted_and_unknown_targets_are_refused():
+    registry = WorkflowRegistry(cards=lambda: ["toy-digits", "a.card"])
+    with pytest.raises(WorkflowError, match="'a.card' is a card id"):
+        registry.register("a.card", builder("a.card", "toy-digits"))
+    with pytest.raises(WorkflowError, match="must be dotted"):
+        registry.register("nodot", builder("nodot", "toy-digits"))
+    with pytest.raises(WorkflowError, match="targets 'sd9', which is neither a card nor a registered workflow"):
+        registry.register("t.x", builder("t.x", "toy-digits", "sd9"))
+    with pytest.raises(WorkflowError, match="must return a Workflow with that id"):
+        registry.register("t.y", builder("t.other", "toy-digits"))
+    registry.register("t.ok", builder("t.ok", "toy-digits"))
+    with pytest.raises(WorkflowError, match="already registered"):
+        registry.register("t.ok", builder("t.ok", "toy-digits"))
+
+
+def test_a_card_registered_later_under_a_workflow_id_is_caught_before_a_run():
+    cards = ["toy-digits"]
+    registry = WorkflowRegistry(cards=lambda: list(cards))
+    registry.register("t.w", builder("t.w", "toy-digits"))
+    cards.append("t.w")  # engine.cards accepted it: the registry refuses to run with the clash
+    with pytest.raises(WorkflowError, match="t.w name both a card and a workflow"):
+        WorkflowRunner({}, registry=registry).run("t.w", requests("t.w"))
+
+
+def test_cycles_are_refused_at_registration_directly_and_through_nesting():
+    registry = WorkflowRegistry(cards=lambda: ["toy-digits"])
+    with pytest.raises(WorkflowCycleError, match="stage 's1' runs the workflow itself"):
+        registry.register("t.self", builder("t.self", "toy-digits", "t.self"))
+    registry.register("t.b", builder("t.b", "toy-digits"))
+    registry.register("t.a", builder("t.a", "t.b", "toy-digits"))
+    registry.register("t.c", builder("t.c", "t.a"))
+    # Re-pointing t.b at t.c closes t.b -> t.c -> t.a -> t.b: refused, and t.b keeps its old builder.
+    with pytest.raises(WorkflowCycleError, match="t.b -> t.c -> t.a -> t.b"):
+        registry.register("t.b", builder("t.b", "toy-digits", "t.c"), replace=True)
+    assert registry.get("t.b").requires == ("toy-digits",)
+
+
+def test_a_workflow_that_runs_itself_at_run_time_is_caught(engine):
+    """Two ways past the registration check: a builder that changes after registration (builders are called at
+    every look-up), and an engine that runs the workflow from inside one of its stages."""
+    registry = WorkflowRegistry(cards=lambda: ["toy-digits"])
+    registry.register("t.inner", builder("t.inner", "toy-digits"))
+    registry.register("t.outer", builder("t.outer", "t.inner", "toy-digits"))
+    runner = WorkflowRunner({"toy-digits": engine}, registry=registry)
+    registry._builders["t.inner"] = builder("t.inner", "toy-digits", "t.outer")  # what a changing builder does
+    with pytest.raises(WorkflowCycleError, match="reaches itself: t.outer -> t.inner -> t.outer"):
+        runner.run("t.outer", requests("t.outer", steps=4))
+    registry._builders["t.inner"] = builder("t.inner", "toy-digits")
+
+    class Reentrant:  # a stage engine that (wrongly) serves its card through the workflow itself
+        card_id, weight_version, model, device = "toy-digits", 0, engine.model, engine.device
+
+        def generate(self, stage_requests, **kwargs):
+            return runner.run("t.outer", stage_requests).trajectory
+
+    runner.engines["toy-digits"] = Reentrant()
+    with pytest.raises(WorkflowCycleError, match="re-entered itself at run time: t.outer -> t.inner -> t.outer"):
+        runner.run("t.outer", requests("t.outer", steps=4))
+
+
+# ---- the engine side of a refine stage (SDEdit) -------------------------------------------------------
+
+
+def test_start_step_noises_the_given_latent_with_the_seed_and_runs_the_last_steps(engine):
+    model = engine.model
+    clean = torch.rand(2, 1, 8, 8) * 2 - 1
+    reqs = [replace(r, card="toy-digits", start_step=6) for r in requests(steps=10)]
+    traj = engine.generate(reqs, init_latents=clean)
+    # Linear schedule of 10 steps: t_6 = 0.4; x_{t_6} = 0.6·x0 + 0.4·eps with eps the seed's first draw.
+    eps = torch.stack([torch.randn((1, 8, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)])
+    assert torch.allclose(traj.latents[:, 0], 0.6 * clean + 0.4 * eps, atol=1e-6)
+    assert traj.num_steps == 4 and torch.allclose(traj.timesteps, torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0]))
+    # Four Euler steps x <- x + (t' - t)·v from there, written out by hand.
+    cond = engine.encode_prompts(PROMPTS)
+    x = 0.6 * clean + 0.4 * eps
+    with torch.no_grad():
+        for t, t_next in [(0.4, 0.3), (0.3, 0.2), (0.2, 0.1), (0.1, 0.0)]:
+            x = x + (t_next - t) * model.velocity(model.transformer, x, torch.tensor(t), cond)
+    assert torch.allclose(traj.latents[:, -1], x, atol=1e-5)
+    assert torch.allclose(traj.images, ((x + 1) / 2).clamp(0, 1), atol=1e-5)
+
+
+def test_start_step_and_init_latents_come_together_with_the_right_shape(engine):
+    plain = [replace(r, card="toy-digits") for r in requests(steps=4)]
+    with pytest.raises(ValueError, match="start_step=2 starts from an image"):
+        engine.generate([replace(r, start_step=2) for r in plain])
+    with pytest.raises(ValueError, match="start_step=0 starts from pure noise"):
+        engine.generate(plain, init_latents=torch.zeros(2, 1, 8, 8))
+    with pytest.raises(ValueError, match=r"init_latents must be \[B, \*latent\] = \[2, 1, 8, 8\]"):
+        engine.generate([replace(r, start_step=2) for r in plain], init_latents=torch.zeros(2, 8, 8))
+    with pytest.raises(ValueError, match="start_step=4 is out of range"):
+        GenerationRequest("x", seed=0, steps=4, start_step=4)
+    assert plain[0].batch_key() != replace(plain[0], start_step=1).batch_key()
+
+
+# ---- the runner: toy workflows, intermediates, versions ---------------------------------------------
+
+
+def test_toy_refine_runs_draw_then_sdedit_from_the_drawn_image(engine):
+    runner = WorkflowRunner({"toy-digits": engine})
+    out = runner.run("toy.digits_then_refine", requests(steps=10))
+    assert out.stages == {}  # final only by default
+    assert out.weight_versions == {"toy-digits": engine.weight_version}
+    full = runner.run("toy.digits_then_refine", requests(steps=10), intermediates=True)
+    assert list(full.stages) == ["draw", "refine"]
+    assert torch.equal(full.images, out.images) and torch.equal(full.stages["refine"].images, out.images)
+    draw, refine = full.stages["draw"].trajectory, full.stages["refine"].trajectory
+    # The same as running the two stages by hand: the draw, then strength 0.5 (start at step 5) from its image.
+    by_hand = engine.generate([replace(r, card="toy-digits") for r in requests(steps=10)])
+    assert torch.equal(draw.images, by_hand.images)
+    again = engine.generate([replace(r, card="toy-digits", start_step=5) for r in requests(steps=10)],
+                            init_latents=by_hand.images * 2 - 1)
+    assert torch.equal(refine.images, again.images) and refine.num_steps == 5
+    assert not torch.equal(refine.images, draw.images)
+
+
+def test_nested_workflow_returns_every_stage_by_dotted_path_and_stamps_each_engines_version(engine):
+    frozen = Engine(engine.model, weight_version=7)
+    runner = WorkflowRunner({"toy-digits": engine}, stage_engines={"again": frozen})
+    out = runner.run("toy.refine_twice", requests("toy.refine_twice", steps=10), intermediates=True)
+    assert list(out.stages) == ["first.draw", "first.refine", "again"]
+    assert out.stages["again"].trajectory.num_steps == 3  # strength 0.3 of 10 steps
+    assert out.weight_versions == {"toy-digits": engine.weight_version, "toy-digits@again": 7}
+    assert torch.equal(out.images, out.stages["again"].images)
