@@ -158,6 +158,14 @@ def flow_time_to_batch(t: torch.Tensor | float, batch: int, device: torch.device
     return torch.as_tensor(t, dtype=torch.float32, device=device).reshape(-1).expand(batch)
 
 
+def load_family(model_class, pipeline_class: str, components: dict[str, str], path, device, dtype: torch.dtype):
+    """A family's FlowModel from a local folder: the folder checked (every missing component in one error),
+    its stock pipeline loaded in `dtype` on `device`, and `model_class(pipe, dtype, scheduler config)`."""
+    root = check_diffusers_folder(path, model_class.card_id, components)
+    pipe = load_pipeline(pipeline_class, root, torch.device(device), dtype)
+    return model_class(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))
+
+
 def load_pipeline(pipeline_class: str, root: Path, device: torch.device, dtype: torch.dtype):
     """The stock diffusers pipeline of a local folder, every component in `dtype` on `device`, eval mode."""
     import diffusers

@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, decode_image_latents,
-                                    flow_time_to_batch, flux_shift_mu, folder_ode_scheduler, image_latent_shape,
-                                    load_pipeline, read_json, scheduler_flow_times)
+from engine.families.common import (DiffusersFlowModel, decode_image_latents, flow_time_to_batch, flux_shift_mu,
+                                    folder_ode_scheduler, image_latent_shape, load_family, scheduler_flow_times)
 
 CARD_ID = "flux"
 PIPELINE = "FluxPipeline"
@@ -111,6 +110,4 @@ class FluxModel(DiffusersFlowModel):
 
 def load_flux(path, device: torch.device, dtype: torch.dtype) -> FluxModel:
     """Load FLUX.1 from a local diffusers folder (every component in `dtype`)."""
-    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
-    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
-    return FluxModel(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))
+    return load_family(FluxModel, PIPELINE, COMPONENTS, path, device, dtype)

@@ -47,9 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, flow_time_to_batch,
-                                    flux_shift_mu, folder_ode_scheduler, load_pipeline, read_json,
-                                    scheduler_flow_times)
+from engine.families.common import (DiffusersFlowModel, flow_time_to_batch, flux_shift_mu, folder_ode_scheduler,
+                                    load_family, scheduler_flow_times)
 
 CARD_ID = "ltx2"
 PIPELINE = "LTX2Pipeline"
@@ -266,9 +265,7 @@ def _conditioning_frame_rate(frame_rate: float) -> float:
 
 def load_ltx2(path, device: torch.device, dtype: torch.dtype) -> LTX2Model:
     """Load LTX-2 from a local diffusers folder (every component in `dtype`)."""
-    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
-    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
-    return LTX2Model(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))
+    return load_family(LTX2Model, PIPELINE, COMPONENTS, path, device, dtype)
 
 
 def _load(path, device, dtype):

@@ -45,9 +45,8 @@ import torch
 
 from engine.cards import ModelCard, PromptEmbeds, register_card
 from engine.families import MMDIT_LORA_TARGETS
-from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, flow_time_to_batch, flux_shift_mu,
-                                    folder_ode_scheduler, image_latent_shape, load_pipeline, read_json,
-                                    scheduler_flow_times)
+from engine.families.common import (DiffusersFlowModel, flow_time_to_batch, flux_shift_mu, folder_ode_scheduler,
+                                    image_latent_shape, load_family, scheduler_flow_times)
 from engine.families.flux import pack_latents, unpack_latents
 
 CARD_ID = "qwen-image"
@@ -153,9 +152,7 @@ class QwenImageModel(DiffusersFlowModel):
 
 def load_qwen_image(path, device: torch.device, dtype: torch.dtype) -> QwenImageModel:
     """Load Qwen-Image from a local diffusers folder (every component in `dtype`)."""
-    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
-    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
-    return QwenImageModel(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))
+    return load_family(QwenImageModel, PIPELINE, COMPONENTS, path, device, dtype)
 
 
 # Registration stays cheap: the loader above imports diffusers only when it runs.

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, decode_image_latents,
-                                    flow_time_to_batch, flux_shift_mu, folder_ode_scheduler,
-                                    image_latent_shape, load_pipeline, read_json, scheduler_flow_times)
+from engine.families.common import (DiffusersFlowModel, decode_image_latents, flow_time_to_batch, flux_shift_mu,
+                                    folder_ode_scheduler, image_latent_shape, load_family, scheduler_flow_times)
 
 CARD_ID = "sd3"
 PIPELINE = "StableDiffusion3Pipeline"
@@ -78,6 +77,4 @@ class SD3Model(DiffusersFlowModel):
 
 def load_sd3(path, device: torch.device, dtype: torch.dtype) -> SD3Model:
     """Load SD3 / SD3.5 from a local diffusers folder (every component in `dtype`)."""
-    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
-    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
-    return SD3Model(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))
+    return load_family(SD3Model, PIPELINE, COMPONENTS, path, device, dtype)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.cards import PromptEmbeds
-from engine.families.common import (DiffusersFlowModel, check_diffusers_folder, flow_time_to_batch,
-                                    load_pipeline, read_json, scheduler_flow_times)
+from engine.families.common import (DiffusersFlowModel, flow_time_to_batch, load_family, scheduler_flow_times)
 
 CARD_ID = "wan2.1-t2v"
 PIPELINE = "WanPipeline"
@@ -79,6 +78,4 @@ class WanModel(DiffusersFlowModel):
 
 def load_wan(path, device: torch.device, dtype: torch.dtype) -> WanModel:
     """Load Wan2.1 T2V from a local diffusers folder (every component in `dtype`)."""
-    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
-    pipe = load_pipeline(PIPELINE, root, torch.device(device), dtype)
-    return WanModel(pipe, dtype, read_json(root / "scheduler" / "scheduler_config.json"))
+    return load_family(WanModel, PIPELINE, COMPONENTS, path, device, dtype)
