@@ -13,6 +13,12 @@ CPU the toy model's matmuls may round differently at different batch sizes,
 so the guarantee is <= 1e-5 (tested), not bitwise; the same request in the
 same batch shape is bitwise reproducible.
 
+Adaptive loop: a batch in which some request sets `cache_threshold` or
+`early_exit` runs `engine.adaptive.AdaptiveLoop` (rows reuse their cached
+velocity while it barely changes; rollouts only after their SDE window);
+every other batch runs the plain loops below, unchanged. `Trajectory.steps_computed`
+and `stats()` count the model calls.
+
 Samplers: rollouts (sampler "sde" or "cps") always take the engine's own
 steps, Euler outside the SDE window included, because the trained policy and
 its log-probs are defined by them. ODE requests (evaluation, serving) on a
@@ -32,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.adaptive import adaptive_loop_for, check_adaptive_path
 from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
 from engine.compiling import compile_for_rollouts
@@ -68,6 +75,9 @@ class Engine:
         # MixGRPO-Flash: the ODE steps after a rollout's SDE window run DPM-Solver++(2M) through this fraction
         # of them (`engine.sampling.compressed_tail`); None = Euler on every point. ODE requests never change.
         self.flash_compress: float | None = None
+        # Row-steps generated and those that called the model (fewer when the adaptive loop reused a velocity).
+        self._steps_total = 0
+        self._steps_computed = 0
 
     @classmethod
     def from_card(cls, card_id: str, path: str | None = None, device: str = "cpu",
@@ -111,6 +121,14 @@ class Engine:
             with self._state:
                 self._in_flight -= 1
                 self._state.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        """Since the engine started: row-steps generated, those that called the model, and the cache hit rate
+        (the fraction that reused a cached velocity in the adaptive loop, engine/adaptive.py)."""
+        with self._state:
+            total, computed = self._steps_total, self._steps_computed
+        return {"engine/steps": total, "engine/steps_computed": computed,
+                "engine/cache_hit_rate": 1.0 - computed / total if total else 0.0}
 
     def generate_many(self, requests: list[GenerationRequest]) -> list[Trajectory]:
         """Generate heterogeneous requests; one single-row Trajectory per request, in request order.
@@ -228,7 +246,18 @@ class Engine:
         if joint_audio:
             joint = self._joint_audio_levels(latent_shape, noise_levels, audio_levels, len(requests))
             loop_levels = [max(v, a) for v, a in zip(noise_levels, audio_levels)]  # stochastic where either is
-        if scheduler is None:
+        adaptive = adaptive_loop_for(requests)
+        calls = len(requests) * len(loop_levels)  # the plain loops call the model for every row at every step
+        steps_computed = torch.full((len(requests),), len(loop_levels), dtype=torch.long, device=self.device)
+        if adaptive is not None:  # some request asked to reuse cached velocities (engine/adaptive.py)
+            check_adaptive_path(self.card_id, first.sampler, scheduler is not None, multistep_from is not None,
+                                joint_audio)
+            result = adaptive(self.model, self.serving_transformer(), initial_noise, step_noise, timesteps,
+                              loop_levels, cond, uncond_cond, first.guidance_scale,
+                              keep_trajectory=first.keep_trajectory, sampler=first.sampler)
+            latents, log_probs = result.latents, result.log_probs
+            steps_computed, calls = result.steps_computed.to(self.device), int(result.computed.sum())
+        elif scheduler is None:
             latents, log_probs = denoise(self.model, self.serving_transformer(), initial_noise, step_noise,
                                          timesteps, loop_levels, cond, uncond_cond, first.guidance_scale,
                                          keep_trajectory=first.keep_trajectory, sampler=first.sampler,
@@ -237,6 +266,9 @@ class Engine:
             latents, log_probs = denoise_with_scheduler(self.model, self.serving_transformer(), initial_noise,
                                                         scheduler, cond, uncond_cond, first.guidance_scale,
                                                         keep_trajectory=first.keep_trajectory)
+        with self._state:
+            self._steps_total += len(requests) * len(loop_levels)
+            self._steps_computed += calls
         with torch.no_grad():
             images = self.model.decode(latents[:, -1])
             audio = self.model.decode_audio(latents[:, -1]) if first.audio else None
@@ -254,7 +286,7 @@ class Engine:
                                 else torch.tensor(audio_levels, dtype=torch.float32, device=self.device)),
             audio_elements=self.model.audio_elements(latent_shape) if joint_audio else 0,
             modality_log_probs=joint.get("parts_out"), audio=audio,
-            audio_sample_rate=self.model.audio_sample_rate if first.audio else None)
+            audio_sample_rate=self.model.audio_sample_rate if first.audio else None, steps_computed=steps_computed)
 
     def _joint_audio_levels(self, latent_shape: tuple[int, ...], video_levels: list[float],
                             audio_levels: list[float], batch: int) -> dict:

@@ -16,6 +16,7 @@ MAX_GUIDANCE = 100.0  # CFG scales in use are ~1-20
 MAX_NOISE_LEVEL = 10.0  # Flow-SDE `a` in use is ~0.3-1.5; sigma_t grows linearly in it
 MAX_SIZE = 16384  # pixels per side
 MAX_FRAMES = 4096
+MAX_CACHE_THRESHOLD = 1.0  # the adaptive loop's tolerances are relative changes: 1 already skips nearly everything
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -70,6 +71,13 @@ class GenerationRequest:
     # the caller gives (Engine.generate(init_latents=...)), noised to t_start with this request's seed; only
     # steps start_step..steps-1 run. 0 = from pure noise (text-to-image), every existing request.
     start_step: int = 0
+    # The content-adaptive loop (engine/adaptive.py) for evaluation and serving, per row (not in the batch key):
+    # skip the model while the row's estimated relative velocity change since its last call is below
+    # cache_threshold (0 = never skip), and stop calling it once its data prediction x - t·v changes by less
+    # than early_exit between two calls (None = never). Rollouts ("sde", "cps") skip only the ODE steps after
+    # their SDE window, so every trained step's log-prob is the plain loop's.
+    cache_threshold: float = 0.0
+    early_exit: float | None = None
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -100,6 +108,21 @@ class GenerationRequest:
             start, end = self.sde_window
             if not 0 <= start < end <= self.steps:
                 raise ValueError(f"sde_window={self.sde_window} must satisfy 0 <= start < end <= steps={self.steps}")
+        self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        _number("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)
+        if self.early_exit is not None:
+            _number("early_exit", self.early_exit, 0.0, MAX_CACHE_THRESHOLD)
+            if self.early_exit == 0:
+                raise ValueError("early_exit=0 can never be met; valid: 0 < early_exit <= 1, or None for no early exit")
+        window_end = self.sde_window[1] if self.sde_window is not None else self.steps
+        adaptive = self.cache_threshold > 0 or self.early_exit is not None
+        if adaptive and self.sampler != "ode" and window_end >= self.steps:
+            raise ValueError(f"cache_threshold / early_exit skip model calls only on the ODE steps after a rollout's "
+                             f"SDE window (a trained step's log-prob needs its own model call), and "
+                             f"sde_window={self.sde_window} with steps={self.steps} leaves none; valid: sampler='ode', "
+                             f"an sde_window ending before steps, or cache_threshold=0 and early_exit=None")
 
     def _check_audio(self) -> None:
         if not isinstance(self.audio, bool):
@@ -188,9 +211,19 @@ class Trajectory:
     modality_log_probs: dict[str, torch.Tensor] | None = None
     audio: torch.Tensor | None = None
     audio_sample_rate: int | None = None
+    # Model calls each row took [B] (int64): the step count, fewer where the adaptive loop reused a cached
+    # velocity (engine/adaptive.py); None when the producer did not count them.
+    steps_computed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @property
+    def cache_hit_rate(self) -> torch.Tensor | None:
+        """Per row [B], the fraction of steps that reused a cached velocity instead of calling the model."""
+        if self.steps_computed is None:
+            return None
+        return 1.0 - self.steps_computed.float() / self.num_steps
 
     @property
     def num_steps(self) -> int:
@@ -276,6 +309,9 @@ class Trajectory:
         for f in fields(first):
             value = getattr(first, f.name)
             if f.name == "timesteps" or f.name in LEVEL_FIELDS:
+                continue
+            if f.name == "steps_computed" and any(p.steps_computed is None for p in parts):
+                changes[f.name] = None  # counted by some producers only: unknown for the whole
                 continue
             if isinstance(value, torch.Tensor):
                 changes[f.name] = torch.cat([getattr(p, f.name) for p in parts])

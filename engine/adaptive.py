@@ -1,0 +1,286 @@
+"""The content-adaptive denoise loop: reuse a row's cached velocity while it barely changes, exit on convergence.
+
+`engine.loop.denoise` calls the transformer at every step. This loop calls it
+only for the rows that need it (the cache idea of TeaCache and cache-dit),
+for ODE requests (evaluation, serving) and for the deterministic tail of a
+rollout.
+
+When a row is skipped. Each row keeps the velocity of its last model call
+and how fast its velocity has been changing: after two calls at flow times
+t_j > t_k, `rate = d(v_j, v_k) / (t_j - t_k)`, with d the relative L1 change
+mean|v_k - v_j| / mean|v_k|. At a later step t_m the change since the last
+call is estimated as `rate · (t_k - t_m)`: it grows with every skipped step
+(the skipped change accumulates, so a long run of skips forces a call), and
+the row is skipped while it is below the row's `cache_threshold`. A call
+resets the estimate and measures the rate again over the interval it spans.
+So `cache_threshold` reads as "the relative velocity change a row may go
+without a model call"; 0 never skips. Why the velocity and not the input:
+along an ODE the input x moves by dt·v at every step whatever the model
+predicts, so its change says little; the velocity is what is reused.
+
+Early exit. After a call the row's data prediction x0 = x - t·v is compared
+with the one of its previous call; when the relative change is below the
+row's `early_exit` tolerance the row has converged and every later step takes
+its cached velocity without a call. Euler steps with a fixed v keep
+x - t·v fixed, so the row lands on that prediction at t = 0: the same point
+as jumping to t = 0 with the last velocity. The steps are still taken one
+by one (one vector op each, no model) so that every row keeps its T + 1
+states and a ragged batch keeps one shape.
+
+Rollouts (sampler "sde" / "cps"). Only the ODE steps after the last
+stochastic step may be skipped (`skip_from`): every step before it is
+computed exactly as the plain loop does, so the states and log-probs of the
+trained steps equal the plain loop's bit for bit. Skipping the ODE steps
+before the window would move the state the window starts from, so it is not
+done. A `skip_from` that leaves a stochastic step skippable is an error.
+
+Ragged batches. Rows decide alone. The rows that need the model at a step
+run as one sub-batch (the whole batch when all do, nothing when none does),
+and the others keep their cached velocity. A row's result therefore equals
+running it alone up to the model's batch-size rounding (<= 1e-5 on CPU, as
+the plain engine documents); a skip decision whose estimate sits within that
+rounding of its threshold could go either way.
+
+The host. Unlike the plain loop this one reads two numbers per computed row
+per step back to the host (the velocity and prediction changes) and
+branches on them: skipping a model call is a host decision (TeaCache and
+cache-dit make it the same way). With every threshold 0 and no early exit it
+reads nothing and takes the plain loop's steps, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.cards import FlowModel, PromptEmbeds
+from engine.loop import guided_velocity
+from engine.sampling import cps_step, ode_step, sde_step, sde_t_cap
+
+
+@dataclass
+class RowCache:
+    """What one row remembers between steps (host values; its cached velocity lives in the batch tensor)."""
+
+    last_t: float | None = None
+    """flow time of the row's last model call (None: never called)"""
+    rate: float | None = None
+    """relative velocity change per unit flow time between its last two calls (None: fewer than two)"""
+    exited: bool = False
+    """converged (early exit): every later skippable step reuses the cached velocity"""
+
+    def estimated_change(self, t: float) -> float | None:
+        """The relative velocity change accumulated since the last call, at flow time t (None: unknown)."""
+        if self.rate is None or self.last_t is None:
+            return None
+        return self.rate * (self.last_t - t)
+
+    def should_skip(self, t: float, threshold: float) -> bool:
+        """Whether a skippable step at flow time t may reuse the cached velocity."""
+        if self.exited:
+            return True
+        change = self.estimated_change(t)
+        return change is not None and change < threshold
+
+    def record_call(self, t: float, velocity_change: float | None, prediction_change: float | None,
+                    early_exit: float | None) -> None:
+        """Update after a model call at t; the changes are relative to the previous call (None on the first)."""
+        if velocity_change is not None and self.last_t is not None and self.last_t > t:
+            self.rate = velocity_change / (self.last_t - t)
+        if early_exit is not None and prediction_change is not None and prediction_change < early_exit:
+            self.exited = True
+        self.last_t = t
+
+
+@dataclass
+class AdaptiveResult:
+    """latents [B, T+1 or 1, *latent], log_probs [B, T] on the device; computed [B, T] bool on the host (True:
+    the step called the model for that row), where the skip decisions were made."""
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    computed: torch.Tensor
+
+    @property
+    def steps_computed(self) -> torch.Tensor:
+        """Model calls per row [B] (int64, host)."""
+        return self.computed.sum(dim=1)
+
+
+def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per-row relative L1 change mean|new - old| / mean|new| [B] (0 / 0 reads as 0)."""
+    size = new.abs().flatten(1).mean(dim=1)
+    diff = (new - old).abs().flatten(1).mean(dim=1)
+    return diff / size.clamp(min=torch.finfo(size.dtype).tiny)
+
+
+def select_embeds(embeds: PromptEmbeds, index: torch.Tensor) -> PromptEmbeds:
+    """The rows `index` of a conditioning (every batch-first tensor, extra included)."""
+    return PromptEmbeds(embeds.embeds.index_select(0, index), embeds.pooled.index_select(0, index),
+                        None if embeds.mask is None else embeds.mask.index_select(0, index),
+                        None if embeds.extra is None else {k: v.index_select(0, index) for k, v in embeds.extra.items()})
+
+
+def first_skippable_step(noise_levels: Sequence[float]) -> int:
+    """The first step after the last stochastic one (0 for an ODE run): where skipping may start."""
+    stochastic = [k for k, level in enumerate(noise_levels) if level != 0.0]
+    return stochastic[-1] + 1 if stochastic else 0
+
+
+class AdaptiveLoop:
+    """The adaptive denoise loop with per-row settings (see the module docstring).
+
+    cache_thresholds: per row, the relative velocity change it may go without a model call (0 = never skip);
+    early_exits: per row, the relative change of the data prediction between two calls below which it has
+    converged (None = never exits).
+    """
+
+    def __init__(self, cache_thresholds: Sequence[float], early_exits: Sequence[float | None]):
+        if len(cache_thresholds) != len(early_exits):
+            raise ValueError(f"one cache threshold and one early-exit setting per row: got {len(cache_thresholds)} "
+                             f"thresholds and {len(early_exits)} early-exit settings")
+        for i, threshold in enumerate(cache_thresholds):
+            if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+                raise ValueError(f"cache_thresholds[{i}]={threshold!r}: a cache threshold is a finite number >= 0 "
+                                 f"(0 = never skip)")
+        for i, tolerance in enumerate(early_exits):
+            if tolerance is not None and not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
+                                              and tolerance > 0):
+                raise ValueError(f"early_exits[{i}]={tolerance!r}: an early-exit tolerance is a finite number > 0, "
+                                 f"or None for no early exit")
+        self.cache_thresholds = [float(x) for x in cache_thresholds]
+        self.early_exits = [None if x is None else float(x) for x in early_exits]
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether any row may ever skip (otherwise the loop is the plain one, with no host reads)."""
+        return any(x > 0 for x in self.cache_thresholds) or any(x is not None for x in self.early_exits)
+
+    @torch.no_grad()
+    def __call__(self, model: FlowModel, transformer: nn.Module, initial_noise: torch.Tensor,
+                 step_noise: torch.Tensor | None, timesteps: torch.Tensor, noise_levels: list[float],
+                 cond: PromptEmbeds, uncond_cond: PromptEmbeds | None, guidance_scale: float,
+                 keep_trajectory: bool = True, sampler: str = "sde", skip_from: int | None = None) -> AdaptiveResult:
+        """Run from noise to data; the arguments are `engine.loop.denoise`'s.
+
+        skip_from: the first step that may be skipped; None = after the last stochastic step (the only
+        place a rollout may skip). A value that leaves a stochastic step skippable is refused.
+        """
+        batch, steps = initial_noise.shape[0], len(noise_levels)
+        if batch != len(self.cache_thresholds):
+            raise ValueError(f"the loop has settings for {len(self.cache_thresholds)} rows but the batch has {batch}")
+        earliest = first_skippable_step(noise_levels) if step_noise is not None else 0
+        if skip_from is None:
+            skip_from = earliest
+        if skip_from < earliest:
+            raise ValueError(f"skip_from={skip_from} would let stochastic step {earliest - 1} be skipped: a trained "
+                             f"step's log-prob must come from its own model call; valid: skip_from >= {earliest} "
+                             f"(after the last stochastic step)")
+        x = initial_noise.float()
+        latents = torch.empty((batch, steps + 1 if keep_trajectory else 1, *x.shape[1:]), dtype=torch.float32,
+                              device=x.device)
+        log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=x.device)
+        computed = torch.ones((batch, steps), dtype=torch.bool)  # host: decisions are made there
+        if keep_trajectory:
+            latents[:, 0] = x
+        adaptive = self.adaptive
+        times = timesteps.tolist() if adaptive else None  # one read before the loop
+        rows = [RowCache() for _ in range(batch)]
+        t_cap = sde_t_cap(timesteps)
+        v_cache = prediction_cache = None
+        for k in range(steps):
+            t, t_next = timesteps[k], timesteps[k + 1]
+            stochastic = step_noise is not None and noise_levels[k] != 0.0
+            if adaptive and k >= skip_from:
+                need = [i for i in range(batch) if not rows[i].should_skip(times[k], self.cache_thresholds[i])]
+            else:
+                need = list(range(batch))
+            v = self._velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale, need, v_cache)
+            if adaptive and need:
+                prediction_cache = self._record_calls(rows, need, x, v, v_cache, prediction_cache, t, times[k])
+            for i in set(range(batch)) - set(need):
+                computed[i, k] = False
+            v_cache = v
+            if stochastic and sampler == "cps":
+                x, log_probs[:, k] = cps_step(x, v, t, t_next, noise_levels[k], step_noise[:, k])
+            elif stochastic:
+                x, log_probs[:, k] = sde_step(x, v, t, t_next, noise_levels[k], step_noise[:, k], t_cap)
+            else:
+                x = ode_step(x, v, t, t_next)
+            if keep_trajectory:
+                latents[:, k + 1] = x
+        if not keep_trajectory:
+            latents[:, 0] = x
+        return AdaptiveResult(latents, log_probs, computed)
+
+    @staticmethod
+    def _velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds,
+                  uncond_cond: PromptEmbeds | None, guidance_scale: float, need: list[int],
+                  v_cache: torch.Tensor | None) -> torch.Tensor:
+        """The step's velocity: a model call for the rows in `need` (the whole batch in one call when all
+        need it, as the plain loop), the cached velocity for the others."""
+        batch = x.shape[0]
+        if len(need) == batch:
+            return guided_velocity(model, transformer, x, t, cond, uncond_cond, guidance_scale)
+        if not need:
+            return v_cache
+        index = torch.tensor(need, dtype=torch.long, device=x.device)
+        # The unconditional branch is stacked before the conditional one: row i sits at i and batch + i.
+        sub_uncond = None if uncond_cond is None else select_embeds(uncond_cond, torch.cat([index, index + batch]))
+        fresh = guided_velocity(model, transformer, x.index_select(0, index), t, select_embeds(cond, index),
+                                sub_uncond, guidance_scale)
+        return v_cache.index_copy(0, index, fresh.to(v_cache.dtype))
+
+    def _record_calls(self, rows: list[RowCache], need: list[int], x: torch.Tensor, v: torch.Tensor,
+                      v_cache: torch.Tensor | None, prediction_cache: torch.Tensor | None, t: torch.Tensor,
+                      t_host: float) -> torch.Tensor:
+        """Measure each called row's velocity and prediction change since its previous call (one host read),
+        update its RowCache, and return the prediction cache with the called rows' new data predictions."""
+        prediction = x - t * v
+        if v_cache is None:
+            changes = [(None, None)] * len(need)
+        else:
+            index = torch.tensor(need, dtype=torch.long, device=x.device)
+            measured = torch.stack([relative_change(v.index_select(0, index), v_cache.index_select(0, index)),
+                                    relative_change(prediction.index_select(0, index),
+                                                    prediction_cache.index_select(0, index))], dim=1)
+            changes = measured.tolist()
+        for i, (velocity_change, prediction_change) in zip(need, changes):
+            first_call = rows[i].last_t is None
+            rows[i].record_call(t_host, None if first_call else velocity_change,
+                                None if first_call else prediction_change, self.early_exits[i])
+        if prediction_cache is None:
+            return prediction
+        index = torch.tensor(need, dtype=torch.long, device=x.device)
+        return prediction_cache.index_copy(0, index, prediction.index_select(0, index))
+
+
+def adaptive_loop_for(requests: Sequence) -> AdaptiveLoop | None:
+    """The adaptive loop for a batch of GenerationRequests when any asks for it (None: the plain loop).
+
+    Rows that ask for nothing get threshold 0 and no early exit: they call the model at every step.
+    """
+    if all(r.cache_threshold == 0 and r.early_exit is None for r in requests):
+        return None
+    return AdaptiveLoop([r.cache_threshold for r in requests], [r.early_exit for r in requests])
+
+
+def check_adaptive_path(card_id: str, sampler: str, folder_scheduler: bool, multistep: bool,
+                        joint_audio: bool) -> None:
+    """Refuse, naming the reason, the engine paths the adaptive loop does not take (it reuses velocities in
+    the engine's own Euler, Flow-SDE and CPS steps only)."""
+    if folder_scheduler:
+        raise ValueError(f"cache_threshold / early_exit: card {card_id!r} steps ODE requests with its folder's own "
+                         f"scheduler (not plain Euler), whose multistep state a reused velocity would corrupt; "
+                         f"valid: cache_threshold=0 and early_exit=None on this card")
+    if multistep:
+        raise ValueError("cache_threshold / early_exit cannot combine with MixGRPO-Flash's compressed tail "
+                         "(Engine.flash_compress), which already thins the ODE steps after the window; use one")
+    if joint_audio and sampler != "ode":
+        raise ValueError(f"cache_threshold / early_exit: rollouts of card {card_id!r} step audio and video elements "
+                         f"at their own noise levels, which the adaptive loop does not take; valid there: "
+                         f"sampler='ode' (evaluation, serving)")
