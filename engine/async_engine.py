@@ -23,6 +23,14 @@ load_weights(...)` copies the new tensors in place and bumps the version;
 `await resume()` lets the waiting requests run on the new version. Nothing is
 dropped.
 
+Workflows (engine.workflows) are hosted beside the cards: `add_workflow(id)`
+checks that every card it requires is hosted as a generator (naming the
+missing ones), `models()` lists it with its kind and requires, and a request
+whose `card` is a workflow id runs the workflow on the hosted engines
+(`run_workflow`; `submit` returns its WorkflowOutput). A workflow call runs its
+stages one after the other in one pool slot (so pause/drain covers it); its
+rows batch together per stage, not with other callers' requests.
+
 Use it from a running event loop (`await engine.submit(...)`), or start it on
 a background loop with `start_background()` and call `run_sync(coro)` from
 ordinary threads (that is how `rewards.served.ServedRewardScorer` calls it).
@@ -43,6 +51,8 @@ import torch
 from engine.admission import AdmissionController, estimate_generation_bytes
 from engine.engine import PAUSE_MODES, Engine
 from engine.types import GenerationRequest, Trajectory
+from engine.workflows import (WorkflowOutput, WorkflowRegistry, WorkflowRunner, default_registry, stage_plan,
+                              stage_requests)
 
 DEFAULT_BUDGET_BYTES = 8 * 1024**3
 
@@ -90,7 +100,8 @@ class AsyncEngine:
     def __init__(self, models: Engine | dict[str, Any] | None = None, *, max_batch: int = 32,
                  max_wait_ms: float = 5.0, max_concurrency: int = 2,
                  admission: AdmissionController | None = None,
-                 estimate: Callable[[GenerationRequest, Engine], int] | None = None):
+                 estimate: Callable[[GenerationRequest, Engine], int] | None = None,
+                 workflows: list[str] | None = None, workflow_registry: WorkflowRegistry | None = None):
         if max_batch < 1 or max_concurrency < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch >= 1, max_concurrency >= 1, max_wait_ms >= 0; got "
                              f"{max_batch}, {max_concurrency}, {max_wait_ms}")
@@ -100,6 +111,8 @@ class AsyncEngine:
         self.admission = admission or AdmissionController(DEFAULT_BUDGET_BYTES)
         self._estimate = estimate or _default_estimate
         self._models: dict[str, _Hosted] = {}
+        self._workflow_registry = workflow_registry
+        self._workflows: list[str] = []
         self._lanes: dict[tuple, _Lane] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency,
                                                                thread_name_prefix="engine-pool")
@@ -116,6 +129,8 @@ class AsyncEngine:
         elif models:
             for card_id, model in models.items():
                 self.add_model(card_id, model)
+        for workflow_id in workflows or []:
+            self.add_workflow(workflow_id)
 
     # ---- hosted models ----------------------------------------------------------------
 
@@ -147,24 +162,53 @@ class AsyncEngine:
         del self._models[card_id]
 
     def hosted(self, card_id: str, kind: str | None = None) -> _Hosted:
-        """The hosted entry of `card_id`; UnknownCardError listing the known ones otherwise."""
+        """The hosted entry of `card_id`; UnknownCardError listing the known cards (and workflows) otherwise."""
         entry = self._models.get(card_id)
         if entry is None or (kind is not None and entry.kind != kind):
             known = sorted(k for k, v in self._models.items() if kind is None or v.kind == kind)
             what = f"{kind} card" if kind else "card"
-            raise UnknownCardError(f"unknown {what} {card_id!r}; known: {', '.join(known) or '(none)'}")
+            workflows = f"; workflows: {', '.join(self._workflows)}" if kind != "scorer" and self._workflows else ""
+            raise UnknownCardError(f"unknown {what} {card_id!r}; known: {', '.join(known) or '(none)'}{workflows}")
         return entry
 
+    @property
+    def workflow_registry(self) -> WorkflowRegistry:
+        if self._workflow_registry is None:
+            self._workflow_registry = default_registry()
+        return self._workflow_registry
+
+    def add_workflow(self, workflow_id: str) -> None:
+        """Serve a registered workflow; every card it requires must already be hosted as a generator."""
+        workflow = self.workflow_registry.get(workflow_id)
+        workflow.validate(k for k, v in self._models.items() if v.kind == "generator")
+        if workflow_id in self._models:
+            raise ValueError(f"{workflow_id!r} is hosted as a card: workflows and cards share one namespace")
+        if workflow_id not in self._workflows:
+            self._workflows.append(workflow_id)
+
+    def is_workflow(self, workflow_id: str) -> bool:
+        return workflow_id in self._workflows
+
+    def _describe_workflow(self, workflow_id: str) -> dict:
+        info = self.workflow_registry.get(workflow_id).describe()
+        info["weight_versions"] = {card: self._models[card].model.weight_version for card in info["requires"]
+                                   if card in self._models}
+        return info
+
     def models(self) -> list[dict]:
-        return [self._models[k].describe() for k in sorted(self._models)]
+        """The hosted cards, then the served workflows (kind "workflow", with what they require)."""
+        return ([self._models[k].describe() for k in sorted(self._models)]
+                + [self._describe_workflow(w) for w in sorted(self._workflows)])
 
     def engine(self, card_id: str) -> Engine:
         return self.hosted(card_id, "generator").model
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def submit(self, request: GenerationRequest) -> Trajectory:
-        """Generate one request; its single-row Trajectory."""
+    async def submit(self, request: GenerationRequest) -> Trajectory | WorkflowOutput:
+        """Generate one request; its single-row Trajectory (a WorkflowOutput when `card` names a workflow)."""
+        if request.card in self._workflows:
+            return await self.run_workflow(request.card, [request])
         engine = self.engine(request.card)
         nbytes = self._estimate(request, engine)
         async with self.admission.reserve(nbytes):
@@ -173,6 +217,27 @@ class AsyncEngine:
     async def generate(self, requests: list[GenerationRequest]) -> list[Trajectory]:
         """Submit many requests concurrently; results in request order."""
         return list(await asyncio.gather(*(self.submit(r) for r in requests)))
+
+    async def run_workflow(self, workflow_id: str, requests: list[GenerationRequest],
+                           intermediates: bool = False) -> WorkflowOutput:
+        """Run a served workflow on the hosted engines (engine.workflows.WorkflowRunner), its stages in one
+        pool slot; admitted for the largest stage's memory (stages run one after another)."""
+        if workflow_id not in self._workflows:
+            self.hosted(workflow_id, "generator")  # UnknownCardError listing cards and workflows
+        registry = self.workflow_registry
+        workflow = registry.get(workflow_id)
+        engines = {card: self.engine(card) for card in workflow.requires}
+        nbytes = max(sum(self._estimate(r, engines[stage.target]) for r in stage_requests(stage, requests))
+                     for stage in stage_plan(registry, workflow_id).values())
+        runner = WorkflowRunner(engines, registry=registry)
+        async with self.admission.reserve(nbytes):
+            self._bind_loop()
+            await self._start_slot()
+            try:
+                return await self._loop.run_in_executor(self._executor, runner.run, workflow_id, list(requests),
+                                                        intermediates)
+            finally:
+                self._finish_slot()
 
     async def score(self, card_id: str, images: torch.Tensor, prompts: list[str],
                     metadata: list[dict] | None = None) -> torch.Tensor:

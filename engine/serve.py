@@ -7,7 +7,10 @@ Routes
                         "return_log_probs": bool}
                         JSON out: {"card", "weight_version", "seeds", "images": [base64 PNG],
                         "tensors": base64 safetensors of latents / log_probs / timesteps (on request)}
-    GET  /v1/models     the hosted cards
+                        A "card" that names a served workflow (engine.workflows) runs it: JSON out
+                        {"workflow", "weight_versions": {card: version}, "seeds", "images" (the final
+                        output), "intermediates": {stage path: images} with "return_intermediates": true}
+    GET  /v1/models     the hosted cards, then the served workflows (kind "workflow", "requires")
     GET  /v1/weights    the weight version of each hosted generator
     POST /v1/weights    load a safetensors file into a hosted card (disk weight sync)
     GET  /health        liveness (no token needed)
@@ -75,6 +78,7 @@ _FIELDS = {
     "card": ((str,), "a card id string"),
     "return_latents": ((bool,), "true or false"),
     "return_log_probs": ((bool,), "true or false"),
+    "return_intermediates": ((bool,), "true or false (workflows: every stage's images)"),
     "metadata": ((dict,), "a JSON object"),
 }
 _NULLABLE = {"sde_window", "height", "width", "frames"}
@@ -122,7 +126,8 @@ def parse_generate(body: object, default_card: str, max_images: int) -> tuple[li
     if window is not None:
         if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window):
             raise BadRequest(f"field 'sde_window' must be a [start, end] pair of integers, got {window}")
-    kwargs = {k: v for k, v in body.items() if k not in ("n", "seed", "return_latents", "return_log_probs")}
+    kwargs = {k: v for k, v in body.items()
+              if k not in ("n", "seed", "return_latents", "return_log_probs", "return_intermediates")}
     if window is not None:
         kwargs["sde_window"] = tuple(window)
     kwargs.setdefault("card", default_card)
@@ -132,7 +137,8 @@ def parse_generate(body: object, default_card: str, max_images: int) -> tuple[li
     except (TypeError, ValueError) as exc:  # GenerationRequest names the field and the valid range
         raise BadRequest(str(exc)) from None
     options = {"latents": bool(body.get("return_latents", False)),
-               "log_probs": bool(body.get("return_log_probs", False))}
+               "log_probs": bool(body.get("return_log_probs", False)),
+               "intermediates": bool(body.get("return_intermediates", False))}
     return requests, options
 
 
@@ -173,6 +179,11 @@ async def generate(request: web.Request) -> web.Response:
     engine: AsyncEngine = request.app[ENGINE_KEY]
     body = await _read_json(request)
     requests, options = parse_generate(body, request.app[CARD_KEY], request.app[MAX_IMAGES_KEY])
+    if engine.is_workflow(requests[0].card):
+        return await _generate_workflow(engine, requests, options)
+    engine.engine(requests[0].card)  # an unknown id is a 404 listing the cards and workflows, whatever else is wrong
+    if options["intermediates"]:
+        raise BadRequest(f"field 'return_intermediates' is for workflows; {requests[0].card!r} is a card")
     trajectories = await engine.generate(requests)
     images = torch.cat([t.images for t in trajectories])
     out = {"card": requests[0].card, "weight_version": trajectories[0].weight_version,
@@ -189,11 +200,28 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
+async def _generate_workflow(engine: AsyncEngine, requests: list, options: dict) -> web.Response:
+    """A served workflow's final images, the weight version of every card that made them, and (on request)
+    every stage's images; latents and log-probs belong to one card's rollout, so they are not offered."""
+    if options["latents"] or options["log_probs"]:
+        raise BadRequest("return_latents / return_log_probs apply to a card's rollout, not to a workflow; "
+                         "use return_intermediates for every stage's images")
+    out = await engine.run_workflow(requests[0].card, requests, intermediates=options["intermediates"])
+    body = {"workflow": out.workflow, "weight_versions": out.weight_versions,
+            "seeds": [r.seed for r in requests], "images": _encode_images(out.images)}
+    if options["intermediates"]:
+        body["intermediates"] = {path: _encode_images(stage.images) for path, stage in out.stages.items()}
+    return web.json_response(body)
+
+
 async def models(request: web.Request) -> web.Response:
     from engine.cards import get_card
 
     entries = []
     for info in request.app[ENGINE_KEY].models():
+        if info["kind"] == "workflow":
+            entries.append(info)
+            continue
         try:
             info = {**get_card(info["id"]).describe(), **info}
         except KeyError:
@@ -204,7 +232,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def weights(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"weights": {m["id"]: m["weight_version"] for m in engine.models()}})
+    return web.json_response({"weights": {m["id"]: m["weight_version"] for m in engine.models()
+                                          if m["kind"] != "workflow"}})
 
 
 async def load_weights(request: web.Request) -> web.Response:
@@ -331,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a model card over HTTP.")
     parser.add_argument("--card", default="toy-digits", help="model card id (see engine.list_cards())")
     parser.add_argument("--path", default=None, help="local weights folder or file (default: shipped weights)")
+    parser.add_argument("--workflow", action="append", default=[],
+                        help="also serve this workflow id (repeatable); cards it requires besides --card load "
+                             "their shipped weights (the toy cards)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
@@ -348,9 +380,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.engine import Engine
 
-    engine = AsyncEngine(Engine.from_card(args.card, path=args.path, device=args.device),
-                         max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                         max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes))
+    from engine.workflows import default_registry
+
+    engines = {args.card: Engine.from_card(args.card, path=args.path, device=args.device)}
+    for workflow_id in args.workflow:
+        for card in default_registry().get(workflow_id).requires:
+            if card not in engines:
+                engines[card] = Engine.from_card(card, device=args.device)
+    engine = AsyncEngine(engines, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                         max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes),
+                         workflows=args.workflow)
     app = build_app(engine, default_card=args.card, token=args.token, **limits.as_kwargs())
     web.run_app(app, host=args.host, port=args.port)
 

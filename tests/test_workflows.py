@@ -1,11 +1,18 @@
 """Workflows as servables: ids in the cards' namespace, requires/validate, cycles, the runner, SDEdit refinement."""
 
+import asyncio
+import base64
+import io
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from aiohttp.test_utils import TestClient, TestServer
+from PIL import Image
 
-from engine import Engine, GenerationRequest, list_cards
+from engine import AsyncEngine, Engine, GenerationRequest, UnknownCardError
+from engine.serve import build_app
 from engine.workflows import (FromImage, FromText, MissingCardsError, Stage, Workflow, WorkflowCycleError, WorkflowError,
                               WorkflowRegistry, WorkflowRunner, default_registry)
 
@@ -179,3 +186,63 @@ def test_nested_workflow_returns_every_stage_by_dotted_path_and_stamps_each_engi
     assert out.stages["again"].trajectory.num_steps == 3  # strength 0.3 of 10 steps
     assert out.weight_versions == {"toy-digits": engine.weight_version, "toy-digits@again": 7}
     assert torch.equal(out.images, out.stages["again"].images)
+
+
+# ---- routing: AsyncEngine and HTTP -----------------------------------------------------------------------
+
+
+def test_async_engine_refuses_a_workflow_whose_cards_are_not_hosted_and_routes_one_that_is(engine):
+    with pytest.raises(MissingCardsError, match=r"sd3, wan2\.1-i2v"):
+        AsyncEngine(engine, workflows=["image_video.t2i_i2v"])
+    served = AsyncEngine(engine, workflows=["toy.refine_twice"])
+    listed = {m["id"]: m for m in served.models()}
+    assert listed["toy.refine_twice"]["kind"] == "workflow"
+    assert listed["toy.refine_twice"]["requires"] == ["toy-digits"]
+    assert listed["toy.refine_twice"]["weight_versions"] == {"toy-digits": engine.weight_version}
+
+    async def main():
+        try:
+            out = await served.submit(requests("toy.refine_twice", steps=10)[0])
+            with pytest.raises(UnknownCardError, match="unknown generator card 'toy.nope'; known: toy-digits; "
+                                                       "workflows: toy.refine_twice"):
+                await served.submit(requests("toy.nope")[0])
+            return out
+        finally:
+            await served.aclose()
+
+    out = asyncio.run(main())
+    direct = WorkflowRunner({"toy-digits": engine}).run("toy.refine_twice", requests("toy.refine_twice", steps=10)[:1])
+    assert torch.equal(out.images, direct.images)
+
+
+def test_http_lists_and_serves_a_workflow_with_intermediates_and_names_both_kinds_for_an_unknown_id(engine):
+    async def main():
+        served = AsyncEngine(engine, workflows=["toy.digits_then_refine"], max_wait_ms=1)
+        server = TestServer(build_app(served), host="127.0.0.1", port=0)
+        async with TestClient(server) as client:
+            listed = await (await client.get("/v1/models")).json()
+            weights = await (await client.get("/v1/weights")).json()
+            body = {"prompt": PROMPTS[0], "seed": 5, "n": 2, "card": "toy.digits_then_refine", "sampler": "ode",
+                    "return_intermediates": True}
+            ok = await client.post("/v1/generate", json=body)
+            unknown = await client.post("/v1/generate", json={**body, "card": "toy.nope"})
+            latents = await client.post("/v1/generate", json={**body, "return_latents": True})
+            return listed, weights, ok.status, await ok.json(), unknown.status, await unknown.json(), latents.status
+
+    listed, weights, status, out, unknown_status, unknown, latents_status = asyncio.run(main())
+    kinds = {m["id"]: m["kind"] for m in listed["models"]}
+    assert kinds == {"toy-digits": "generator", "toy.digits_then_refine": "workflow"}
+    workflow = next(m for m in listed["models"] if m["id"] == "toy.digits_then_refine")
+    assert workflow["requires"] == ["toy-digits"] and [s["name"] for s in workflow["stages"]] == ["draw", "refine"]
+    assert weights == {"weights": {"toy-digits": 0}}
+    assert status == 200 and out["workflow"] == "toy.digits_then_refine" and out["seeds"] == [5, 6]
+    assert out["weight_versions"] == {"toy-digits": 0} and set(out["intermediates"]) == {"draw", "refine"}
+    assert out["intermediates"]["refine"] == out["images"] != out["intermediates"]["draw"]
+    expected = WorkflowRunner({"toy-digits": engine}).run(
+        "toy.digits_then_refine", [GenerationRequest(PROMPTS[0], seed=s, sampler="ode") for s in (5, 6)]).images
+    decoded = torch.stack([torch.from_numpy(np.array(Image.open(io.BytesIO(base64.b64decode(png))))) for png in
+                           out["images"]]).float() / 255
+    assert torch.allclose(decoded, expected[:, 0], atol=0.5 / 255 + 1e-6)  # 8-bit PNG rounding
+    assert unknown_status == 404
+    assert unknown["error"] == "unknown generator card 'toy.nope'; known: toy-digits; workflows: toy.digits_then_refine"
+    assert latents_status == 400

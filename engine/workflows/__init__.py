@@ -4,10 +4,11 @@ from engine.workflows.definition import (CATALOG, FirstFrame, FromImage, FromTex
                                          Workflow, WorkflowCycleError, WorkflowError, WorkflowRegistry,
                                          default_registry)
 from engine.workflows.runner import (StageResult, WorkflowOutput, WorkflowRunner, WorkflowStageEngine, image_latents,
-                                     stage_paths)
+                                     stage_plan, stage_paths, stage_requests)
 
 __all__ = [
     "CATALOG", "FirstFrame", "FromImage", "FromText", "MissingCardsError", "Stage", "StageResult", "Workflow",
     "WorkflowCycleError", "WorkflowError", "WorkflowOutput", "WorkflowRegistry", "WorkflowRunner",
     "WorkflowStageEngine", "default_registry", "image_latents", "stage_paths",
+    "stage_plan", "stage_requests",
 ]

@@ -145,24 +145,21 @@ class WorkflowRunner:
     def _run_stage(self, stage: Stage, path: str, requests: list[GenerationRequest],
                    previous: StageResult | None, versions: dict) -> StageResult:
         engine = self.engine_for(stage, path)
-        fields = {"card": stage.target, **stage.overrides, **self.stage_overrides.get(path, {})}
-        stage_requests = [replace(r, **fields) for r in requests]
+        rows = stage_requests(stage, requests, self.stage_overrides.get(path))
         if not isinstance(stage.input, FromText) and previous is None:
             raise WorkflowError(f"stage {path!r} starts from the previous stage's images, but it runs first")
         if isinstance(stage.input, FromImage):
-            start = stage.input.start_step(stage_requests[0].steps)
-            stage_requests = [replace(r, start_step=start) for r in stage_requests]
             with torch.no_grad():
                 latents = image_latents(engine.model, previous.images.to(engine.device))
-            trajectory = engine.generate(stage_requests, init_latents=latents)
+            trajectory = engine.generate(rows, init_latents=latents)
         elif isinstance(stage.input, FirstFrame):
             # PNG files: the image-to-video card reads first frames by path as its users give them, through
             # the same loader and resize as the stock pipeline (8-bit, as any saved image would be).
             with tempfile.TemporaryDirectory(prefix="workflow-frames-") as folder:
                 paths = save_first_frames(previous.images, Path(folder))
-                trajectory = engine.generate([replace(r, image=p) for r, p in zip(stage_requests, paths)])
+                trajectory = engine.generate([replace(r, image=p) for r, p in zip(rows, paths)])
         else:
-            trajectory = engine.generate(stage_requests)
+            trajectory = engine.generate(rows)
         key = stage.target if engine is self.engines.get(stage.target) else f"{stage.target}@{path}"
         versions[key] = trajectory.weight_version
         return StageResult(path, stage.target, trajectory.images, trajectory, trajectory.weight_version)
@@ -214,15 +211,29 @@ class WorkflowStageEngine:
         return replace(trained, images=out.images)
 
 
-def stage_paths(registry: WorkflowRegistry, workflow_id: str, prefix: str = "",
-                chain: tuple[str, ...] = ()) -> dict[str, str]:
-    """Every card stage of a workflow, nested ones by dotted path, in the order they run: path -> card."""
+def stage_plan(registry: WorkflowRegistry, workflow_id: str, prefix: str = "",
+               chain: tuple[str, ...] = ()) -> dict[str, Stage]:
+    """Every card stage of a workflow, nested ones by dotted path, in the order they run: path -> Stage."""
     if workflow_id in chain:
         raise WorkflowCycleError(f"workflow {workflow_id!r} reaches itself: {' -> '.join(chain + (workflow_id,))}")
-    paths: dict[str, str] = {}
+    plan: dict[str, Stage] = {}
     for stage in registry.get(workflow_id).stages:
         if registry.is_workflow(stage.target):
-            paths.update(stage_paths(registry, stage.target, prefix + stage.name + ".", chain + (workflow_id,)))
+            plan.update(stage_plan(registry, stage.target, prefix + stage.name + ".", chain + (workflow_id,)))
         else:
-            paths[prefix + stage.name] = stage.target
-    return paths
+            plan[prefix + stage.name] = stage
+    return plan
+
+
+def stage_paths(registry: WorkflowRegistry, workflow_id: str) -> dict[str, str]:
+    """Every card stage's dotted path -> its card, in the order they run."""
+    return {path: stage.target for path, stage in stage_plan(registry, workflow_id).items()}
+
+
+def stage_requests(stage: Stage, requests: list[GenerationRequest], extra: dict | None = None) -> list[GenerationRequest]:
+    """A stage's requests: the workflow's with the stage's card, its overrides, then `extra`, and the start step
+    of an image-to-image stage."""
+    out = [replace(r, card=stage.target, **stage.overrides, **(extra or {})) for r in requests]
+    if isinstance(stage.input, FromImage):
+        out = [replace(r, start_step=stage.input.start_step(r.steps)) for r in out]
+    return out
