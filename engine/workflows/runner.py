@@ -181,9 +181,10 @@ class WorkflowStageEngine:
         if stage not in paths:
             raise WorkflowError(f"workflow {workflow_id!r} has no card stage {stage!r}; its stages, in the order "
                                 f"they run: {', '.join(paths)}")
-        if stage != paths[0]:
+        first = next(iter(paths))
+        if stage != first:
             raise WorkflowError(f"training stage {stage!r} of {workflow_id!r} is not supported: only the first stage "
-                                f"to run ({paths[0]!r}) can be trained (a later stage starts from another stage's "
+                                f"to run ({first!r}) can be trained (a later stage starts from another stage's "
                                 f"output, which the trainer does not regenerate)")
         card = paths[stage]
         self.engine = runner.engines[card]
@@ -233,7 +234,8 @@ def stage_paths(registry: WorkflowRegistry, workflow_id: str) -> dict[str, str]:
 def stage_requests(stage: Stage, requests: list[GenerationRequest], extra: dict | None = None) -> list[GenerationRequest]:
     """A stage's requests: the workflow's with the stage's card, its overrides, then `extra`, and the start step
     of an image-to-image stage."""
-    out = [replace(r, card=stage.target, **stage.overrides, **(extra or {})) for r in requests]
+    fields = {"card": stage.target, **stage.overrides, **(extra or {})}
+    out = [replace(r, **fields) for r in requests]
     if isinstance(stage.input, FromImage):
         out = [replace(r, start_step=stage.input.start_step(r.steps)) for r in out]
     return out

@@ -21,6 +21,7 @@ from flywheel.loop import Flywheel, RolloutBatch, evaluate
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.policy import Policy, lora_targets
 from flywheel.recipe.sections import rollout_request_kwargs
+from flywheel.recipe.workflow import workflow_stage_engine
 from flywheel.sync.async_rollouts import AsyncCollector
 from flywheel.sync.controller import CopyTransport, SharedMemoryTransport, WeightSyncController
 from flywheel.sync.engine_process import EngineProcess
@@ -41,6 +42,9 @@ class Rollouts:
             raise ValueError(f"serve={serve!r}: valid layouts are {', '.join(SERVE_MODES)}")
         self.policy = policy
         self.collector: AsyncCollector | None = None
+        if cfg.model.workflow and serve != "colocated":
+            raise ValueError(f"model.workflow is not supported by this recipe (its engine serves a policy other "
+                             f"than the trained one); unset model.workflow={cfg.model.workflow!r}")
         if cfg.async_rollouts:
             if serve != "colocated":
                 raise ValueError("async_rollouts=true is not supported by this recipe (its engine serves a "
@@ -60,11 +64,16 @@ class Rollouts:
                             remote_budget_s=cfg.reward_budget_s)
         if policy.card_defaults.get("video"):
             rewards = MiddleFrameRewards(rewards)  # image scorers see each video's middle frame
+        # The flywheel's engine: the trained card's, or the workflow run through it (trained stage's log-probs,
+        # final images). Weight sync stays on self.engine, so only the trained card's version moves.
+        rollout_engine = self.engine
+        if cfg.model.workflow:
+            rollout_engine = workflow_stage_engine(cfg, self.engine, accelerator.device)
         self.flywheel = Flywheel(
-            self.engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step, cfg.seed),
+            rollout_engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step, cfg.seed),
             cfg.data.group_size, request_kwargs=rollout_request_kwargs(cfg.sampling), seed=cfg.seed,
             adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std)
-        self.eval_engine = self.engine
+        self.eval_engine = rollout_engine
         if serve == "copy" or (cfg.async_rollouts and cfg.train.ema):
             # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine
             # process holds only synced weights, never train.ema's average): evaluate the trained module here.

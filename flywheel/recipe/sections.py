@@ -8,11 +8,12 @@ A recipe's config is `class Config(RunConfig)` (the run keys at the top level:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
+from flywheel.recipe.workflow import check_workflow_keys
 from flywheel.runs.checkpoint import resolve_resume
 from flywheel.runs.checks import ConfigChecks, config_value
 from flywheel.runs.config import ConfigError, apply_overrides, load_config, parse_config
@@ -36,6 +37,11 @@ class ModelConfig:
     """LoRA A init: peft's Kaiming-uniform, or gaussian N(0, 1/r) as Flow-GRPO (B = 0 either way)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """transformer weight dtype; latents and log-probs stay fp32"""
+    workflow: str | None = None
+    """train one stage of this workflow (engine.workflows, e.g. toy.digits_then_refine) with the reward on the
+    workflow's final output; train.stage names the stage, model.card must be its card"""
+    workflow_paths: dict[str, str] = field(default_factory=dict)
+    """local folders of the workflow's other cards, card id -> path (the trained card's is model.path)"""
     compile: bool = False
     """torch.compile the rollout forward (engine/compiling.py): the first rollout pays for compiling, training
     stays eager, and the on-policy ratio is 1 up to rounding (fp32 ~5e-7, bf16 ~1e-5) instead of exactly"""
@@ -121,6 +127,8 @@ class OptimConfig:
     """training steps during which the EMA is the trained weights; it averages from then on"""
     ema_update_every: int = 8
     """the EMA moves after every N-th training step from ema_start_step (Flow-GRPO: every 8 optimizer steps)"""
+    stage: str | None = None
+    """with model.workflow: the stage trained (its first card stage, e.g. draw); the others run the ODE frozen"""
 
 
 @dataclass
@@ -207,6 +215,7 @@ def check_shared_sections(cfg) -> ConfigChecks:
                    f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
                    allow_none=True)
     check_audio_keys(cfg, checks)
+    check_workflow_keys(cfg, checks)
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
     for key in ("reward_timeout_s", "reward_budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")

@@ -1,0 +1,107 @@
+"""RL through a workflow: GRPO trains the first stage of toy.digits_then_refine with the reward on the refined
+images; the refine stage runs the ODE on a frozen copy whose weights and version never move."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import flywheel.loop
+import flywheel.recipe.rollouts
+from engine import Engine, GenerationRequest, load_model
+from engine.workflows import WorkflowError, WorkflowRunner, WorkflowStageEngine
+from flywheel.runs.config import ConfigError, parse_config
+from flywheel.runs.rundir import read_metrics
+from trainers.grpo import Config, main, validate_config
+
+WORKFLOW = ["model.workflow=toy.digits_then_refine", "train.stage=draw"]
+QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
+         "sample_every=1000", "data.prompts_per_step=4", "data.group_size=8"]
+
+
+def run(tmp_path, name, *overrides):
+    result = main([f"run_dir={tmp_path / name}", *WORKFLOW, *QUICK, *overrides])
+    return result, read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def config_error(*overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(Config, list(overrides)))
+    return str(err.value)
+
+
+def test_workflow_keys_are_checked_naming_what_is_valid():
+    validate_config(parse_config(Config, WORKFLOW))
+    assert "train.stage=None: name the stage of 'toy.digits_then_refine' to train; its card stages, in the order " \
+           "they run: draw (toy-digits), refine (toy-digits)" in config_error("model.workflow=toy.digits_then_refine")
+    assert "only the first stage to run ('draw') can be trained" in config_error(
+        "model.workflow=toy.digits_then_refine", "train.stage=refine")
+    assert "set model.card=toy-digits" in config_error(*WORKFLOW, "model.card=toy-numbers",
+                                                      "data.prompts=toy-numbers", "data.eval_prompts=toy-numbers")
+    assert "unknown workflow 'toy.nope'" in config_error("model.workflow=toy.nope", "train.stage=draw")
+    assert "model.workflow is null" in config_error("train.stage=draw")
+    assert "async_rollouts=true with model.workflow" in config_error(*WORKFLOW, "async_rollouts=true")
+    assert "names card(s) sd3" in config_error(*WORKFLOW, "model.workflow_paths.sd3=/x")
+
+
+def test_the_stage_engine_returns_the_trained_stages_log_probs_with_the_final_images():
+    trained = Engine.from_card("toy-digits")
+    frozen = Engine(load_model("toy-digits"))
+    runner = WorkflowRunner({"toy-digits": trained}, stage_engines={"refine": frozen})
+    stage_engine = WorkflowStageEngine(runner, "toy.digits_then_refine", "draw")
+    requests = [GenerationRequest("a photo of the digit 4", seed=s, steps=10, sampler="sde", noise_level=0.7)
+                for s in range(3)]
+    traj = stage_engine.generate(requests)
+    out = runner.run("toy.digits_then_refine", requests, intermediates=True)
+    draw, refine = out.stages["draw"].trajectory, out.stages["refine"].trajectory
+    assert traj.card == "toy-digits" and traj.sampler == "sde" and traj.num_steps == 10
+    assert torch.equal(traj.log_probs, draw.log_probs) and bool((traj.log_probs != 0).all())
+    assert torch.equal(traj.latents, draw.latents)  # what the trainer recomputes log-probs from
+    assert torch.equal(traj.images, refine.images) and not torch.equal(traj.images, draw.images)
+    # The refine stage runs the ODE from the middle of the schedule: no log-probs recorded there.
+    assert refine.sampler == "ode" and refine.num_steps == 5 and bool((refine.log_probs == 0).all())
+    assert out.weight_versions == {"toy-digits": 0, "toy-digits@refine": 0}
+    with pytest.raises(WorkflowError, match=r"only the first stage to run \('draw'\) can be trained"):
+        WorkflowStageEngine(runner, "toy.digits_then_refine", "refine")
+
+
+@pytest.mark.slow  # ~11 s on one thread: two GRPO steps through the workflow
+def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_version(tmp_path, monkeypatch):
+    made = []
+    original = flywheel.recipe.rollouts.workflow_stage_engine
+
+    def recording(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(flywheel.recipe.rollouts, "workflow_stage_engine", recording)
+    _, rows = run(tmp_path, "two", "steps=2", "eval_every=2")
+    (stage_engine,) = made
+    base = load_model("toy-digits").transformer.state_dict()
+    refine = stage_engine.runner.stage_engines["refine"]
+    assert all(torch.equal(t, base[n]) for n, t in refine.model.transformer.state_dict().items())
+    assert refine.weight_version == 0 and refine.model is not stage_engine.engine.model
+    trained = stage_engine.engine.model.transformer.state_dict()
+    assert any(not torch.equal(t, base[n]) for n, t in trained.items())
+    assert stage_engine.weight_version == 2 and [r["weight_version"] for r in rows] == [0, 0, 1]
+    assert rows[1]["ratio/max_dev"] == 0.0  # the trained stage's recorded log-probs are the trainer's
+
+
+@pytest.mark.slow
+def test_training_the_first_stage_raises_the_reward_after_refinement_and_negated_advantages_lower_it(
+        tmp_path, monkeypatch):
+    """The reward is digit_alignment on the refined (final) images; the control flips the advantages' sign."""
+    steps = ["steps=12", "eval_every=12", "train.learning_rate=1e-3"]
+    real, _ = run(tmp_path, "real", *steps)
+    original = flywheel.loop.distributed_reward_advantages
+
+    def negated(*args, **kwargs):
+        adv, usable = original(*args, **kwargs)
+        return -adv, usable
+
+    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    control, _ = run(tmp_path, "negated", *steps)
+    base = real["base"]["eval/reward/mean"]
+    assert control["base"]["eval/reward/mean"] == base
+    assert real["final"]["eval/reward/mean"] > base + 0.15
+    assert control["final"]["eval/reward/mean"] < base - 0.05
