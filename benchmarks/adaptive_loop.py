@@ -23,9 +23,10 @@ alike. speedup = plain median time / adaptive median time at the same step count
 
 JSON (flat): per toy step count S and setting X (t<threshold> or ee<tolerance>)
 `toy_steps<S>_<X>_speedup`, `_reward`, `_reward_drop`, `_steps_computed` (mean
-model calls per image), `_cache_hit_rate`, `_max_pixel_diff`, `_mean_pixel_diff`,
+model calls per image), `_call_ratio` (steps / model calls: the speedup a machine with no other
+work and no per-step overhead would see), `_cache_hit_rate`, `_max_pixel_diff`, `_mean_pixel_diff`,
 and `toy_steps<S>_plain_reward`, `_plain_images_per_s`; per SD3 threshold
-`sd3_<X>_speedup`, `_steps_computed`, `_max_pixel_diff`, `_mean_pixel_diff`;
+`sd3_<X>_speedup`, `_steps_computed`, `_call_ratio`, `_max_pixel_diff`, `_mean_pixel_diff`;
 then `speedup_at_reward_drop_0_01` (the largest toy speedup at the recipes'
 eval steps, 10, among settings whose reward drop is <= 0.01; 1.0 if none; null
 when 10 was not measured), `speedup_at_reward_within_0_01` (the same with
@@ -106,6 +107,7 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None]], rounds: in
                      "reward": metrics["eval/reward/mean"],
                      "reward_drop": plain_metrics["eval/reward/mean"] - metrics["eval/reward/mean"],
                      "steps_computed": float(traj.steps_computed.float().mean()),
+                     "call_ratio": traj.num_steps / float(traj.steps_computed.float().mean()),
                      "cache_hit_rate": float(traj.cache_hit_rate.mean()),
                      "max_pixel_diff": max_diff, "mean_pixel_diff": mean_diff}
     return out
@@ -136,6 +138,7 @@ def sd3_curve(thresholds: list[float], rounds: int, batch: int) -> dict:
         max_diff, mean_diff = pixel_diff(traj.images, plain.images)
         out[name] = {"speedup": times["plain"] / times[name], "images_per_s": batch / times[name],
                      "steps_computed": float(traj.steps_computed.float().mean()),
+                     "call_ratio": traj.num_steps / float(traj.steps_computed.float().mean()),
                      "max_pixel_diff": max_diff, "mean_pixel_diff": mean_diff}
     return out
 
@@ -157,9 +160,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
     parser.add_argument("--toy-steps", default=None, help="toy eval step counts, comma-separated (default 10,20)")
     parser.add_argument("--thresholds", default=None,
-                        help="cache thresholds, comma-separated (default 0.05,0.08,0.1,0.15,0.2,0.3)")
+                        help="cache thresholds, comma-separated (default 0.05,0.07,0.1,0.15,0.2,0.3)")
     parser.add_argument("--early-exits", default=None,
-                        help="early-exit tolerances alone (threshold 0), comma-separated (default 0.03,0.05)")
+                        help="early-exit tolerances alone (threshold 0), comma-separated (default 0.02,0.05)")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per card (default 9, quick 3)")
     parser.add_argument("--sd3-batch", type=int, default=8, help="tiny SD3 images per batch")
     parser.add_argument("--no-sd3", action="store_true", help="skip the tiny SD3")
@@ -167,8 +170,8 @@ def main() -> None:
     args = parser.parse_args()
     quick = args.quick
     steps_list = [int(x) for x in (args.toy_steps or ("10" if quick else "10,20")).split(",")]
-    thresholds = parse_floats(args.thresholds or ("0.1,0.15,0.2" if quick else "0.05,0.08,0.1,0.15,0.2,0.3"))
-    early_exits = parse_floats(args.early_exits if args.early_exits is not None else ("" if quick else "0.03,0.05"))
+    thresholds = parse_floats(args.thresholds or ("0.1,0.15,0.2" if quick else "0.05,0.07,0.1,0.15,0.2,0.3"))
+    early_exits = parse_floats(args.early_exits if args.early_exits is not None else ("" if quick else "0.02,0.05"))
     rounds = args.rounds or (3 if quick else 9)
 
     import torch
@@ -205,11 +208,12 @@ def main() -> None:
                 result[f"sd3_{name}_{key}"] = value
             rows.append(("tiny sd3 10 steps", name, sd3[name]))
 
-    header = f"{'run':<18}{'setting':>9}{'speedup':>9}{'img/s':>9}{'calls':>7}{'reward':>9}{'drop':>9}{'max px':>9}{'mean px':>9}"
-    print(header)
+    print(f"{'run':<18}{'setting':>9}{'speedup':>9}{'img/s':>9}{'calls':>7}{'steps/call':>11}{'reward':>9}"
+          f"{'drop':>9}{'max px':>9}{'mean px':>9}")
     for run, name, row in rows:
         reward = f"{row['reward']:>9.4f}{row['reward_drop']:>9.4f}" if "reward" in row else f"{'-':>9}{'-':>9}"
         print(f"{run:<18}{name:>9}{row['speedup']:>9.2f}{row['images_per_s']:>9.1f}{row['steps_computed']:>7.2f}"
+              f"{row['call_ratio']:>11.2f}"
               f"{reward}{row['max_pixel_diff']:>9.4f}{row['mean_pixel_diff']:>9.5f}")
     for steps in steps_list:
         print(f"toy {steps} steps: plain reward {result[f'toy_steps{steps}_plain_reward']:.4f}, "

@@ -19,9 +19,13 @@ along an ODE the input x moves by dt·v at every step whatever the model
 predicts, so its change says little; the velocity is what is reused.
 
 Early exit. After a call the row's data prediction x0 = x - t·v is compared
-with the one of its previous call; when the relative change is below the
-row's `early_exit` tolerance the row has converged and every later step takes
-its cached velocity without a call. Euler steps with a fixed v keep
+with the one of its previous call: its relative change per unit flow time,
+times the flow time left (t → 0), is the change still to come if it went on
+at that pace. When that is below the row's `early_exit` tolerance the row
+has converged and every later step takes its cached velocity without a call.
+Measured per unit time, so a tolerance means the same at 10 steps as at 50
+(a change per step would shrink with the step size and exit ever earlier).
+Euler steps with a fixed v keep
 x - t·v fixed, so the row lands on that prediction at t = 0: the same point
 as jumping to t = 0 with the last velocity. The steps are still taken one
 by one (one vector op each, no model) so that every row keeps its T + 1
@@ -39,7 +43,10 @@ run as one sub-batch (the whole batch when all do, nothing when none does),
 and the others keep their cached velocity. A row's result therefore equals
 running it alone up to the model's batch-size rounding (<= 1e-5 on CPU, as
 the plain engine documents); a skip decision whose estimate sits within that
-rounding of its threshold could go either way.
+rounding of its threshold could go either way. A row that asks for nothing
+(threshold 0, no early exit) but shares a batch with rows that do runs here
+too: it calls the model at every step, in a sub-batch when others skip, so it
+equals the plain loop within that same rounding, not bit for bit.
 
 The host. Unlike the plain loop this one reads two numbers per computed row
 per step back to the host (the velocity and prediction changes) and
@@ -89,10 +96,12 @@ class RowCache:
     def record_call(self, t: float, velocity_change: float | None, prediction_change: float | None,
                     early_exit: float | None) -> None:
         """Update after a model call at t; the changes are relative to the previous call (None on the first)."""
-        if velocity_change is not None and self.last_t is not None and self.last_t > t:
-            self.rate = velocity_change / (self.last_t - t)
-        if early_exit is not None and prediction_change is not None and prediction_change < early_exit:
-            self.exited = True
+        if self.last_t is not None and self.last_t > t:
+            if velocity_change is not None:
+                self.rate = velocity_change / (self.last_t - t)
+            if early_exit is not None and prediction_change is not None:
+                still_to_come = prediction_change / (self.last_t - t) * t
+                self.exited = still_to_come < early_exit
         self.last_t = t
 
 
@@ -135,7 +144,7 @@ class AdaptiveLoop:
     """The adaptive denoise loop with per-row settings (see the module docstring).
 
     cache_thresholds: per row, the relative velocity change it may go without a model call (0 = never skip);
-    early_exits: per row, the relative change of the data prediction between two calls below which it has
+    early_exits: per row, the projected relative change of the data prediction until t = 0 below which it has
     converged (None = never exits).
     """
 

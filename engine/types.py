@@ -73,8 +73,9 @@ class GenerationRequest:
     start_step: int = 0
     # The content-adaptive loop (engine/adaptive.py) for evaluation and serving, per row (not in the batch key):
     # skip the model while the row's estimated relative velocity change since its last call is below
-    # cache_threshold (0 = never skip), and stop calling it once its data prediction x - t·v changes by less
-    # than early_exit between two calls (None = never). Rollouts ("sde", "cps") skip only the ODE steps after
+    # cache_threshold (0 = never skip), and stop calling it once its data prediction x - t·v, at the pace it
+    # changed since the last call, would change by less than early_exit until t = 0 (None = never exit).
+    # Rollouts ("sde", "cps") skip only the ODE steps after
     # their SDE window, so every trained step's log-prob is the plain loop's.
     cache_threshold: float = 0.0
     early_exit: float | None = None

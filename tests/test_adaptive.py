@@ -73,6 +73,13 @@ def test_rows_that_exit_at_different_steps_equal_each_row_run_alone(toy_engine):
         assert report["images"]["max_abs_diff"] <= BATCH_TOLERANCE
 
 
+def test_keep_trajectory_false_keeps_only_the_same_final_latent(toy_engine):
+    full = toy_engine.generate(requests(3, sampler="ode", cache_threshold=0.2))
+    last = toy_engine.generate(requests(3, sampler="ode", cache_threshold=0.2, keep_trajectory=False))
+    assert last.latents.shape[1] == 1 and torch.equal(last.latents[:, 0], full.latents[:, -1])
+    assert torch.equal(last.steps_computed, full.steps_computed)
+
+
 def test_requests_with_different_settings_share_a_batch():
     a, b = GenerationRequest("x", 1, cache_threshold=0.2, sampler="ode"), GenerationRequest("y", 2, sampler="ode",
                                                                                              early_exit=0.1)
@@ -161,12 +168,14 @@ def test_skip_decisions_and_metrics_match_a_hand_computation():
 
 
 def test_early_exit_matches_a_hand_computation():
-    # x starts at 0. Step 0: v = 1, prediction x - t·v = -1, x -> -0.25. Step 1: v = 1.1, prediction
-    # -0.25 - 0.825 = -1.075, change 0.075 / 1.075 = 0.0698. Step 2 (if called): x = -0.525, v = 1.2,
-    # prediction -1.125, change 0.05 / 1.125 = 0.0444.
-    # early_exit 0.08: exits after step 1 (2 calls) and lands on its prediction -1.075;
-    # 0.05: exits after step 2 (3 calls), lands on -1.125; 0.04: never exits (4 calls).
-    result, _ = _hand_run([0.0] * 3, [0.08, 0.05, 0.04])
+    # x starts at 0, dt = -0.25. Step 0: v = 1, prediction x - t·v = -1, x -> -0.25.
+    # Step 1 (t = .75): v = 1.1, prediction -0.25 - 0.825 = -1.075, change 0.075 / 1.075 = 0.06977,
+    #   per unit time / 0.25 = 0.2791, still to come x 0.75 = 0.2093.
+    # Step 2 (t = .5): x = -0.525, v = 1.2, prediction -1.125, change 0.05 / 1.125 = 0.04444, / 0.25 x 0.5 = 0.0889.
+    # Step 3 (t = .25): x = -0.825, v = 1.3, prediction -1.15 (no step left to skip).
+    # early_exit 0.25: exits after step 1 (2 calls) and lands on its prediction -1.075;
+    # 0.1: exits after step 2 (3 calls), lands on -1.125; 0.08: never exits (4 calls), -1.15.
+    result, _ = _hand_run([0.0] * 3, [0.25, 0.1, 0.08])
     assert result.steps_computed.tolist() == [2, 3, 4]
     torch.testing.assert_close(result.latents[:, -1, 0, 0], torch.tensor([-1.075, -1.125, -1.15]),
                                atol=1e-6, rtol=0)
