@@ -1,5 +1,7 @@
 """The content-adaptive denoise loop (engine/adaptive.py): parity, ragged batches, exact rollouts, metrics, errors."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -252,3 +254,23 @@ def test_bad_loop_settings_and_paths_are_clear_errors(toy_engine):
     toy_engine.flash_compress = 0.5
     with pytest.raises(ValueError, match="MixGRPO-Flash"):
         toy_engine.generate(requests(2, sampler="sde", sde_window=(0, 3), cache_threshold=0.1))
+
+
+# ---- a real family ------------------------------------------------------------------------------------------------
+
+def test_tiny_sd3_ragged_rows_equal_each_row_alone_with_cfg(tmp_path):
+    from engine.families.tiny import build_tiny_sd3
+
+    engine = Engine.from_card("sd3", path=str(build_tiny_sd3(tmp_path / "sd3")))
+    batch = [GenerationRequest(prompt=p, seed=i, card="sd3", sampler="ode", guidance_scale=3.0, height=32, width=32,
+                               steps=8, cache_threshold=th)
+             for i, (p, th) in enumerate([("a red cat", 0.0), ("a blue dog", 0.1), ("a red cat", 0.3)])]
+    together = engine.generate(batch)
+    computed = together.steps_computed.tolist()
+    assert computed[0] == 8 and computed[2] < computed[1] < 8, computed
+    plain = engine.generate([replace(r, cache_threshold=0.0) for r in batch])
+    assert not torch.equal(together.latents[1:, -1], plain.latents[1:, -1])  # the skips changed rows 1 and 2
+    for i, request in enumerate(batch):
+        alone = engine.generate([request])
+        assert alone.steps_computed.tolist() == [computed[i]]
+        assert compare_outputs(alone, together.select([i]))["latents"]["max_abs_diff"] <= BATCH_TOLERANCE
