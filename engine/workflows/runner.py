@@ -188,7 +188,10 @@ class WorkflowStageEngine:
                                 f"output, which the trainer does not regenerate)")
         card = paths[stage]
         self.engine = runner.engines[card]
-        runner.stage_overrides = {p: {"sampler": "ode", "sde_window": None} for p in paths if p != stage}
+        for path in paths:
+            if path != stage:  # no log-probs there: the deterministic ODE, whatever the rollout's sampler
+                runner.stage_overrides[path] = {**runner.stage_overrides.get(path, {}), "sampler": "ode",
+                                                "sde_window": None}
 
     @property
     def card_id(self) -> str:
