@@ -1,0 +1,121 @@
+"""`RolloutConfig` (the recipes' `rollout` section) and `build_rollout_engine`: a local engine or a Ray pool.
+
+The recipe keeps its engine and its `WeightSyncController`; with backend "ray"
+both come from here: a `RayEnginePool` (which serves as the engine) and a
+controller over `RayObjectStoreTransport`, after one verified sync that gives
+every replica the trainer's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("local", "ray")
+
+
+@dataclass
+class RolloutConfig:
+    """Where rollouts run."""
+
+    backend: str = "local"
+    """local: the engine in the trainer's process (the recipes' layouts); ray: a pool of replica actors"""
+    replicas: int = 1
+    """rollout replicas in all (split evenly over the trainer's ranks: each rank drives its share)"""
+    cpus_per_replica: float = 1.0
+    """CPUs Ray reserves for each replica"""
+    gpus_per_replica: float = 0.0
+    """GPUs Ray reserves for each replica (> 0: the replica's engine runs on CUDA)"""
+    address: str | None = None
+    """Ray to join: "auto" (a cluster started with `ray start`), "ray://host:10001", or None for a local Ray"""
+    max_failures: int = 3
+    """failed attempts of one chunk of requests (or of rows to score) before the step stops with an error"""
+    reward_actors: int = 0
+    """0: rewards are scored in the trainer's process; N > 0: on N Ray actors (RayRewardPool), any backend"""
+    cpus_per_reward_actor: float = 1.0
+    """CPUs Ray reserves for each reward actor"""
+    gpus_per_reward_actor: float = 0.0
+    """GPUs Ray reserves for each reward actor (a large scorer on a GPU of its own)"""
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"rollout.backend={self.backend!r}: valid backends are {', '.join(BACKENDS)}")
+        if self.replicas < 1:
+            raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
+        if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
+            raise ValueError(f"rollout.cpus_per_replica and rollout.gpus_per_replica must be >= 0, got "
+                             f"{self.cpus_per_replica} and {self.gpus_per_replica}")
+        if self.max_failures < 0 or self.reward_actors < 0:
+            raise ValueError(f"rollout.max_failures and rollout.reward_actors must be >= 0, got {self.max_failures} "
+                             f"and {self.reward_actors}")
+        if self.cpus_per_reward_actor < 0 or self.gpus_per_reward_actor < 0:
+            raise ValueError(f"rollout.cpus_per_reward_actor and rollout.gpus_per_reward_actor must be >= 0, got "
+                             f"{self.cpus_per_reward_actor} and {self.gpus_per_reward_actor}")
+
+
+def _ray(cfg: RolloutConfig):
+    """Ray, started (a local instance) or joined (cfg.address) if this process has not done so yet."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("rollout.backend=ray and rollout.reward_actors > 0 need Ray: pip install -e '.[ray]'") from exc
+    if not ray.is_initialized():
+        ray.init(address=cfg.address, include_dashboard=False)
+    return ray
+
+
+def build_rewards(cfg: RolloutConfig, spec, **reward_kwargs):
+    """The run's scorer: a RewardSet here, or a RayRewardPool of cfg.reward_actors actors (the same `score`)."""
+    if cfg.reward_actors == 0:
+        from rewards import RewardSet
+
+        return RewardSet(spec, **reward_kwargs)
+    _ray(cfg)
+    from flywheel.scale.ray_rewards import RayRewardPool
+
+    return RayRewardPool(spec, actors=cfg.reward_actors, cpus_per_actor=cfg.cpus_per_reward_actor,
+                         gpus_per_actor=cfg.gpus_per_reward_actor, max_failures=cfg.max_failures, **reward_kwargs)
+
+
+def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:
+    """How many replicas each trainer rank drives (rank r generates its own rows on its own replicas)."""
+    if cfg.replicas % world:
+        raise ValueError(f"rollout.replicas={cfg.replicas} must be divisible by the number of trainer processes "
+                         f"({world}): each rank drives replicas/world of them")
+    return cfg.replicas // world
+
+
+def build_rollout_engine(cfg: RolloutConfig, card: str, *, path: str | None = None,
+                         model_factory: Callable | None = None, weight_version: int = 0, lora: dict | None = None,
+                         initial_weights: dict[str, torch.Tensor] | None = None, world: int = 1, device: str = "cpu"):
+    """(engine, WeightSyncController) for `cfg`: a local Engine with a copy transport, or a RayEnginePool.
+
+    `initial_weights` (the trainer's weights, e.g. a LoRA init or a resumed checkpoint) are synced once,
+    verified on every replica, so the first version served is the trainer's (`weight_version` + 1).
+    """
+    from flywheel.sync.controller import CopyTransport, WeightSyncController
+
+    if cfg.backend == "local":
+        from engine import Engine
+        from engine.cards import load_model
+
+        model = model_factory() if model_factory is not None else load_model(card, path=path, device=device)
+        engine = Engine(model, device=device, weight_version=weight_version)
+        controller = WeightSyncController(engine, transport=CopyTransport())
+    else:
+        _ray(cfg)
+        from flywheel.scale.ray_pool import RayEnginePool
+        from flywheel.scale.ray_sync import RayObjectStoreTransport
+
+        engine = RayEnginePool(card, replicas=replicas_of_rank(cfg, world), path=path,
+                               cpus_per_replica=cfg.cpus_per_replica, gpus_per_replica=cfg.gpus_per_replica,
+                               weight_version=weight_version, lora=lora, model_factory=model_factory,
+                               max_failures=cfg.max_failures)
+        controller = WeightSyncController(engine, transport=RayObjectStoreTransport())
+    if initial_weights is not None:
+        controller.verify = True
+        controller.sync(initial_weights)
+        controller.verify = False
+    return engine, controller

@@ -1,0 +1,190 @@
+"""RayEnginePool and RayRewardPool on a local Ray: flywheel parity with the local engine, weight sync with
+100 requests in flight, a replica and a reward actor killed mid-step, and the bounded-failure error."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'); the Ray pool tests need it")
+
+from engine import Engine, GenerationRequest, load_model  # noqa: E402
+from engine.toy.prompts import train_prompts  # noqa: E402
+from flywheel.loop import Flywheel  # noqa: E402
+from flywheel.prompts import PromptItem, PromptSampler  # noqa: E402
+from flywheel.scale.ray_pool import RayEnginePool, balanced_chunks  # noqa: E402
+from flywheel.scale.ray_rewards import RayRewardPool  # noqa: E402
+from flywheel.scale.ray_sync import RayObjectStoreTransport  # noqa: E402
+from flywheel.sync.controller import CopyTransport, WeightSyncController  # noqa: E402
+from flywheel.sync.transport import tensor_checksums  # noqa: E402
+from rewards import RewardSet  # noqa: E402
+
+PROMPTS = [PromptItem(p, {"digit": d}) for p, d in train_prompts()[::8]]  # one prompt per digit
+ROLLOUT = dict(steps=4, sampler="sde", noise_level=0.7)
+REWARD = "digit_alignment:1.0"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    pool = RayEnginePool("toy-digits", replicas=2, cpus_per_replica=0.5, max_restarts=2, restart_timeout_s=60,
+                         call_timeout_s=60)
+    yield pool
+    pool.close()
+    ray.shutdown()
+
+
+def trainer_weights(seed: int) -> dict[str, torch.Tensor]:
+    """The toy transformer's weights moved by a seeded perturbation (what an optimizer step would give)."""
+    generator = torch.Generator().manual_seed(seed)
+    state = load_model("toy-digits").transformer.state_dict()
+    return {n: t + 0.02 * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t.clone()
+            for n, t in state.items()}
+
+
+def local_engine(weights: dict | None, version: int, max_batch: int = 256) -> Engine:
+    engine = Engine(load_model("toy-digits"), max_batch=max_batch, weight_version=max(version - 1, 0))
+    if weights is not None:
+        engine.load_weights(weights, version)
+    return engine
+
+
+def sync_pool(pool, weights) -> int:
+    controller = WeightSyncController(pool, transport=RayObjectStoreTransport(), verify=True)
+    return controller.sync(weights)["weight_version"]
+
+
+def test_balanced_chunks_cover_the_rows_in_order():
+    assert balanced_chunks(12, 2) == [(0, 6), (6, 12)]
+    assert balanced_chunks(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert balanced_chunks(1, 4) == [(0, 1)]
+    with pytest.raises(ValueError, match="n >= 1"):
+        balanced_chunks(0, 2)
+
+
+def test_flywheel_steps_on_the_pool_equal_the_local_engine(pool):
+    """3 steps of collect -> (update) -> sync: identical samples, rewards, advantages and versions.
+
+    The flywheel (overlap_scoring) generates 2 chunks of 6 rows; the pool splits each over 2 replicas, 3 rows
+    each, so the local engine runs batches of 3 too (max_batch=3) and the latents match bit for bit.
+    """
+    version = sync_pool(pool, trainer_weights(0))
+    local = local_engine(trainer_weights(0), version, max_batch=3)
+    local_controller = WeightSyncController(local, transport=CopyTransport())
+    pool_controller = WeightSyncController(pool, transport=RayObjectStoreTransport(), verify=True)
+    rewards = RayRewardPool(REWARD, actors=2, cpus_per_actor=0.25)
+
+    def wheel(engine, scorer):
+        return Flywheel(engine, scorer, PromptSampler(PROMPTS, prompts_per_step=3, seed=0), 4, request_kwargs=ROLLOUT,
+                        seed=5, overlap_scoring=True)
+
+    on_pool, on_host = wheel(pool, rewards), wheel(local, RewardSet(REWARD))
+    try:
+        for step in range(3):
+            a, b = on_pool.collect(step), on_host.collect(step)
+            assert torch.equal(a.trajectory.latents, b.trajectory.latents)
+            assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
+            assert a.trajectory.seeds == b.trajectory.seeds and a.trajectory.prompts == b.trajectory.prompts
+            # The reward actors score 3 rows at a time, the local scorer 6: the classifier may round apart.
+            torch.testing.assert_close(a.rewards.total, b.rewards.total, atol=1e-6, rtol=0)
+            torch.testing.assert_close(a.advantages, b.advantages, atol=1e-5, rtol=0)
+            assert a.metrics["weight_version"] == b.metrics["weight_version"] == version + step
+            assert a.metrics["reward/zero_std_groups"] == b.metrics["reward/zero_std_groups"]
+            assert a.metrics["reward/digit_alignment/mean"] == pytest.approx(b.metrics["reward/digit_alignment/mean"],
+                                                                             abs=1e-6)
+            update = trainer_weights(10 + step)
+            assert pool_controller.sync(update)["weight_version"] == local_controller.sync(update)["weight_version"]
+        metrics = pool.metrics()
+        assert metrics["rollout/replica0/version"] == metrics["rollout/replica1/version"] == version + 3
+        assert metrics["rollout/replica0/requests"] >= 18 and metrics["rollout/replica1/requests"] >= 18
+        assert rewards.metrics()["reward_pool/actor0/rows"] == 18.0  # 3 steps x 2 chunks x 3 rows
+    finally:
+        on_pool.close()
+        on_host.close()
+        rewards.close()
+
+
+def test_sync_with_100_requests_in_flight_loses_none_and_keeps_versions_apart(pool):
+    old_weights, new_weights = trainer_weights(20), trainer_weights(21)
+    old_version = sync_pool(pool, old_weights)
+    requests = [GenerationRequest(prompt=PROMPTS[i % len(PROMPTS)].prompt, seed=1000 + i, **ROLLOUT)
+                for i in range(100)]
+    started = threading.Event()
+    done = []
+
+    def one(request):
+        started.set()
+        traj = pool.generate([request])
+        done.append(1)
+        return traj
+
+    with ThreadPoolExecutor(max_workers=16) as executor:
+        futures = [executor.submit(one, r) for r in requests]  # all 100 submitted before the sync
+        assert started.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while len(done) < 10 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(done) >= 10, [f.exception() for f in futures if f.done()][:3]
+        controller = WeightSyncController(pool, transport=RayObjectStoreTransport(), verify=True)
+        assert controller.sync(new_weights)["weight_version"] == old_version + 1
+        results = [f.result(timeout=120) for f in futures]
+
+    versions = [t.weight_version for t in results]
+    assert len(results) == 100 and set(versions) == {old_version, old_version + 1}
+    assert versions.count(old_version) >= 10
+    unsynced, fresh = local_engine(old_weights, old_version), local_engine(new_weights, old_version + 1)
+    for request, traj in zip(requests, results):
+        reference = (unsynced if traj.weight_version == old_version else fresh).generate([request])
+        assert torch.equal(traj.latents, reference.latents) and torch.equal(traj.log_probs, reference.log_probs)
+
+
+def test_a_replica_killed_mid_step_is_restarted_resynced_and_the_step_is_unchanged(pool):
+    weights = trainer_weights(30)
+    version = sync_pool(pool, weights)
+    requests = [GenerationRequest(prompt=PROMPTS[i % len(PROMPTS)].prompt, seed=2000 + i, steps=40, sampler="sde",
+                                  noise_level=0.7) for i in range(48)]
+    expected = local_engine(weights, version, max_batch=24).generate(requests)
+    failures = pool.failures
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        step = executor.submit(pool.generate, requests)
+        time.sleep(0.3)  # both chunks are running
+        ray.kill(pool.replicas[1], no_restart=False)
+        traj = step.result(timeout=120)
+    assert torch.equal(traj.latents, expected.latents) and traj.weight_version == version
+    assert pool.failures > failures
+    state = ray.get(pool.replicas[1].state.remote())
+    assert state["restarted"] and state["version"] == version and state["unsynced"] is None
+    # The restarted replica holds the synced weights, not the card's it was rebuilt from.
+    assert ray.get(pool.replicas[1].checksums.remote(list(weights), "transformer")) == tensor_checksums(weights)
+    again = pool.generate(requests[:2])  # one row on each replica, replica 1 included: the current version
+    assert again.weight_version == version
+    assert torch.equal(again.latents, local_engine(weights, version, max_batch=1).generate(requests[:2]).latents)
+
+
+def test_a_reward_actor_killed_mid_step_is_retried(pool):
+    images = local_engine(None, 0).generate([GenerationRequest(prompt=p.prompt, seed=i, **ROLLOUT)
+                                             for i, p in enumerate(PROMPTS)]).images
+    prompts, metadata = [p.prompt for p in PROMPTS], [p.metadata for p in PROMPTS]
+    expected = RewardSet(REWARD).score(images, prompts, metadata, 3)
+    rewards = RayRewardPool(REWARD, actors=2, cpus_per_actor=0.25)
+    try:
+        ray.kill(rewards.actors[1], no_restart=False)  # dies as the step's scoring starts
+        scored = rewards.score(images, prompts, metadata, 3)
+        torch.testing.assert_close(scored.total, expected.total, atol=1e-6, rtol=0)
+        assert scored.weight_version == 3 and bool(scored.valid.all())
+        assert rewards.metrics()["reward_pool/actor1/restarted"] == 1.0
+    finally:
+        rewards.close()
+
+
+def test_a_replica_that_stays_dead_stops_the_step_with_a_clear_error(pool):
+    single = RayEnginePool("toy-digits", replicas=1, cpus_per_replica=0.25, max_restarts=0, restart_timeout_s=3,
+                           name="doomed")
+    try:
+        ray.kill(single.replicas[0])
+        with pytest.raises(RuntimeError, match="doomed replica 0 did not come back within 3s"):
+            single.generate([GenerationRequest(prompt="zero", seed=0, **ROLLOUT)])
+    finally:
+        single.close()
