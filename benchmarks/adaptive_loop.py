@@ -21,7 +21,11 @@ Timing: the variants of one card are timed side by side in this process, one
 rotating), and the medians compared, so a noisy machine slows every variant
 alike. speedup = plain median time / adaptive median time at the same step count.
 
-JSON (flat): per toy step count S and setting X (t<threshold> or ee<tolerance>)
+Settings: t<threshold> skips with cache order 1 (a skipped step extrapolates
+the velocity from the row's last two model calls), t<threshold>o0 with order 0
+(the last call's velocity as it is), ee<tolerance> an early exit alone.
+
+JSON (flat): per toy step count S and setting X
 `toy_steps<S>_<X>_speedup`, `_reward`, `_reward_drop`, `_steps_computed` (mean
 model calls per image), `_call_ratio` (steps / model calls: the speedup a machine with no other
 work and no per-step overhead would see), `_cache_hit_rate`, `_max_pixel_diff`, `_mean_pixel_diff`,
@@ -51,8 +55,11 @@ REWARD_TOLERANCE = 0.01
 SD3_PROMPTS = ("a red cat", "a blue dog", "a green tree", "a white house")
 
 
-def setting_name(threshold: float, early_exit: float | None) -> str:
-    return f"t{threshold:g}" if early_exit is None else f"ee{early_exit:g}"
+def setting_name(threshold: float, early_exit: float | None, order: int = 1) -> str:
+    """t<threshold> (cache order 1), t<threshold>o0 (order 0: plain reuse), ee<tolerance> (early exit alone)."""
+    if early_exit is not None:
+        return f"ee{early_exit:g}"
+    return f"t{threshold:g}" + ("" if order == 1 else f"o{order}")
 
 
 def time_side_by_side(engine, variants: dict[str, list], rounds: int) -> dict[str, float]:
@@ -74,7 +81,7 @@ def pixel_diff(images, reference) -> tuple[float, float]:
     return float(diff.max()), float(diff.mean())
 
 
-def toy_curve(steps: int, settings: list[tuple[float, float | None]], rounds: int) -> dict:
+def toy_curve(steps: int, settings: list[tuple[float, float | None, int]], rounds: int) -> dict:
     """Eval reward, images and timing of every setting against the plain loop at `steps` steps."""
     from engine import Engine, load_model
     from flywheel.loop import EVAL_SEED_OFFSET, evaluate, item_request
@@ -89,8 +96,9 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None]], rounds: in
     seeds = sampling.eval_seeds
     base_kwargs = eval_request_kwargs(sampling)
     kwargs = {"plain": base_kwargs}
-    kwargs.update({setting_name(th, ee): {**base_kwargs, "cache_threshold": th, "early_exit": ee}
-                   for th, ee in settings})
+    kwargs.update({setting_name(th, ee, order): {**base_kwargs, "cache_threshold": th, "early_exit": ee,
+                                                  "cache_order": order}
+                   for th, ee, order in settings})
     evaluated = {name: evaluate(engine, rewards, items, seeds, kw) for name, kw in kwargs.items()}
     variants = {name: [item_request(item, EVAL_SEED_OFFSET + s, engine.card_id, kw)
                        for item in items for s in range(seeds)] for name, kw in kwargs.items()}
@@ -113,7 +121,7 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None]], rounds: in
     return out
 
 
-def sd3_curve(thresholds: list[float], rounds: int, batch: int) -> dict:
+def sd3_curve(thresholds: list[float], orders: list[int], rounds: int, batch: int) -> dict:
     """Images/s and pixel differences of the tiny SD3 at each threshold against the plain loop."""
     from engine import Engine, GenerationRequest
     from engine.families.tiny import build_tiny_sd3
@@ -122,18 +130,20 @@ def sd3_curve(thresholds: list[float], rounds: int, batch: int) -> dict:
         folder = build_tiny_sd3(Path(tmp) / "sd3", num_layers=2, sample_size=32)
         engine = Engine.from_card("sd3", path=str(folder))
 
-    def requests(threshold: float) -> list:
+    def requests(threshold: float, order: int = 1) -> list:
         return [GenerationRequest(prompt=SD3_PROMPTS[i % len(SD3_PROMPTS)], seed=i, card="sd3", sampler="ode",
-                                  guidance_scale=3.0, height=64, width=64, steps=10, cache_threshold=threshold)
+                                  guidance_scale=3.0, height=64, width=64, steps=10, cache_threshold=threshold,
+                                  cache_order=order)
                 for i in range(batch)]
 
     variants = {"plain": requests(0.0)}
-    variants.update({setting_name(th, None): requests(th) for th in thresholds})
+    variants.update({setting_name(th, None, order): requests(th, order) for order in orders for th in thresholds})
     plain = engine.generate(variants["plain"])
     times = time_side_by_side(engine, variants, rounds)
     out = {"plain_images_per_s": batch / times["plain"]}
-    for th in thresholds:
-        name = setting_name(th, None)
+    for name in variants:
+        if name == "plain":
+            continue
         traj = engine.generate(variants[name])
         max_diff, mean_diff = pixel_diff(traj.images, plain.images)
         out[name] = {"speedup": times["plain"] / times[name], "images_per_s": batch / times[name],
@@ -161,6 +171,9 @@ def main() -> None:
     parser.add_argument("--toy-steps", default=None, help="toy eval step counts, comma-separated (default 10,20)")
     parser.add_argument("--thresholds", default=None,
                         help="cache thresholds, comma-separated (default 0.05,0.07,0.1,0.15,0.2,0.3)")
+    parser.add_argument("--cache-orders", default=None,
+                        help="cache orders of the thresholds: 1 extrapolates from the last two calls, 0 reuses the "
+                             "last call's velocity (default 1,0; quick 1)")
     parser.add_argument("--early-exits", default=None,
                         help="early-exit tolerances alone (threshold 0), comma-separated (default 0.02,0.05)")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per card (default 9, quick 3)")
@@ -173,11 +186,12 @@ def main() -> None:
     thresholds = parse_floats(args.thresholds or ("0.1,0.15,0.2" if quick else "0.05,0.07,0.1,0.15,0.2,0.3"))
     early_exits = parse_floats(args.early_exits if args.early_exits is not None else ("" if quick else "0.02,0.05"))
     rounds = args.rounds or (3 if quick else 9)
+    orders = [int(x) for x in (args.cache_orders or ("1" if quick else "1,0")).split(",")]
 
     import torch
 
     torch.set_num_threads(args.threads)
-    settings = [(th, None) for th in thresholds] + [(0.0, ee) for ee in early_exits]
+    settings = [(th, None, order) for order in orders for th in thresholds] + [(0.0, ee, 1) for ee in early_exits]
     result: dict = {"card": "toy-digits", "device": "cpu", "torch_threads": torch.get_num_threads(), "quick": quick,
                     "rounds": rounds, "toy_steps": ",".join(map(str, steps_list))}
     rows = []
@@ -187,8 +201,8 @@ def main() -> None:
         result[f"{prefix}_plain_reward"] = curve["plain_reward"]
         result[f"{prefix}_plain_images_per_s"] = curve["plain_images_per_s"]
         result[f"{prefix}_images"] = curve["images"]
-        for th, ee in settings:
-            name = setting_name(th, ee)
+        for th, ee, order in settings:
+            name = setting_name(th, ee, order)
             for key, value in curve[name].items():
                 result[f"{prefix}_{name}_{key}"] = value
             rows.append((f"toy {steps} steps", name, curve[name]))
@@ -200,10 +214,9 @@ def main() -> None:
     result["speedup_at_reward_within_0_01"] = (result[f"speedup_at_reward_within_0_01_steps{RECIPE_EVAL_STEPS}"]
                                                if recipe_steps else None)
     if not args.no_sd3:
-        sd3 = sd3_curve(thresholds, rounds, args.sd3_batch)
+        sd3 = sd3_curve(thresholds, orders, rounds, args.sd3_batch)
         result["sd3_plain_images_per_s"] = sd3["plain_images_per_s"]
-        for th in thresholds:
-            name = setting_name(th, None)
+        for name in [n for n in sd3 if n != "plain_images_per_s"]:
             for key, value in sd3[name].items():
                 result[f"sd3_{name}_{key}"] = value
             rows.append(("tiny sd3 10 steps", name, sd3[name]))

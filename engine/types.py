@@ -79,6 +79,8 @@ class GenerationRequest:
     # their SDE window, so every trained step's log-prob is the plain loop's.
     cache_threshold: float = 0.0
     early_exit: float | None = None
+    # What a skipped step uses: 1 = the line through the row's last two model calls, 0 = the last call's velocity.
+    cache_order: int = 1
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -113,6 +115,7 @@ class GenerationRequest:
 
     def _check_adaptive(self) -> None:
         _number("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)
+        _integer("cache_order", self.cache_order, 0, 1)
         if self.early_exit is not None:
             _number("early_exit", self.early_exit, 0.0, MAX_CACHE_THRESHOLD)
             if self.early_exit == 0:

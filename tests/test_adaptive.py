@@ -140,33 +140,56 @@ class LinearVelocityModel:
         return (1 + slopes * (1 - t)).view(-1, 1, 1) * torch.ones_like(x)
 
 
-def _hand_run(thresholds, exits, slopes=(0.4, 0.4, 0.4)):
+def _hand_run(thresholds, exits, slopes=(0.4, 0.4, 0.4), orders=None):
     model = LinearVelocityModel()
     batch = len(slopes)
     cond = PromptEmbeds(torch.tensor(slopes, dtype=torch.float32).view(batch, 1, 1), torch.zeros(batch, 1), None)
     timesteps = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
-    result = AdaptiveLoop(thresholds, exits)(model, nn.Identity(), torch.zeros(batch, 1, 2), None, timesteps,
-                                             [0.0] * 4, cond, None, 1.0, sampler="ode")
+    result = AdaptiveLoop(thresholds, exits, orders)(model, nn.Identity(), torch.zeros(batch, 1, 2), None, timesteps,
+                                                     [0.0] * 4, cond, None, 1.0, sampler="ode")
     return result, model.calls
 
 
-def test_skip_decisions_and_metrics_match_a_hand_computation():
+@pytest.mark.parametrize("order", [0, 1])
+def test_skip_decisions_and_metrics_match_a_hand_computation(order):
     # v(t) = 1 + 0.4(1 - t): 1, 1.1, 1.2, 1.3 at t = 1, .75, .5, .25.
     # Calls at steps 0, 1: d = |1.1 - 1| / 1.1 = 0.0909, rate = d / 0.25 = 0.3636.
     # Step 2: estimate 0.3636 · 0.25 = 0.0909; step 3 (if 2 was skipped): 0.3636 · 0.5 = 0.1818.
     # threshold 0.05: no skip; 0.1: skip step 2, call at 3; 0.2: skip steps 2 and 3.
-    result, calls = _hand_run([0.05, 0.1, 0.2], [None] * 3, slopes=(0.4, 0.41, 0.42))
+    result, calls = _hand_run([0.05, 0.1, 0.2], [None] * 3, slopes=(0.4, 0.41, 0.42), orders=[order] * 3)
     # The slopes differ slightly to tell rows apart in the call log; their rates differ by < 3%, which moves
     # no decision (the margins are > 9%).
     assert result.computed.tolist() == [[True] * 4, [True, True, False, True], [True, True, False, False]]
     assert result.steps_computed.tolist() == [4, 3, 2]
     assert [len(c) for c in calls] == [3, 3, 1, 2]  # whole batch, whole batch, row 0 alone, rows 0 and 1
     assert calls[2] == pytest.approx([0.4]) and calls[3] == pytest.approx([0.4, 0.41])
-    # Euler with the velocities each row used, dt = -0.25 every step:
-    # row 0: 1 + 1.1 + 1.2 + 1.3 (slope 0.4) = 4.6; row 1 (slope 0.41): 1 + 1.1025 + 1.1025 + 1.3075 = 4.5125;
-    # row 2 (slope 0.42): 1 + 1.105 · 3 = 4.315.
-    expected = torch.tensor([-0.25 * 4.6, -0.25 * 4.5125, -0.25 * 4.315])
-    torch.testing.assert_close(result.latents[:, -1, 0, 0], expected, atol=1e-6, rtol=0)
+    if order == 0:
+        # Euler with the last call's velocity on skipped steps, dt = -0.25 every step:
+        # row 0: 1 + 1.1 + 1.2 + 1.3 (slope 0.4) = 4.6; row 1 (slope 0.41): 1 + 1.1025 + 1.1025 + 1.3075 = 4.5125;
+        # row 2 (slope 0.42): 1 + 1.105 · 3 = 4.315.
+        sums = [4.6, 4.5125, 4.315]
+    else:
+        # The line through the last two calls is exact for a velocity linear in t: every row takes the velocities
+        # of a call at every step: 1 + (1 + s/4) + (1 + s/2) + (1 + 3s/4) = 4 + 1.5s.
+        sums = [4 + 1.5 * 0.4, 4 + 1.5 * 0.41, 4 + 1.5 * 0.42]
+    torch.testing.assert_close(result.latents[:, -1, 0, 0], -0.25 * torch.tensor(sums), atol=1e-6, rtol=0)
+
+
+def test_extrapolation_follows_each_rows_last_two_calls_across_sub_batches():
+    # 5 steps, t = 1, .8, .6, .4, .2, v = 1 + 0.5(1 - t) = 1, 1.1, 1.2, 1.3, 1.4 for both rows.
+    # Both call at steps 0 and 1: rate = (0.1 / 1.1) / 0.2 = 0.4545; step 2 estimate 0.0909, step 3 0.1818.
+    # Row 0 (threshold 0.1) skips step 2, calls alone at step 3 (rate (0.2 / 1.3) / 0.4 = 0.3846), then skips
+    # step 4 (estimate 0.0769) on the line through its calls at t = .8 and .4: 1.3 + 0.5·(1.3 - 1.1) = 1.4.
+    # Row 1 (threshold 0.5) skips steps 2-4 on the line through t = 1 and .8: exact too.
+    model = LinearVelocityModel()
+    cond = PromptEmbeds(torch.full((2, 1, 1), 0.5), torch.zeros(2, 1), None)
+    timesteps = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
+    result = AdaptiveLoop([0.1, 0.5], [None, None])(model, nn.Identity(), torch.zeros(2, 1, 2), None, timesteps,
+                                                    [0.0] * 5, cond, None, 1.0, sampler="ode")
+    assert result.computed.tolist() == [[True, True, False, True, False], [True, True, False, False, False]]
+    assert [len(c) for c in model.calls] == [2, 2, 1]
+    # Every step took the exact velocity: x = -0.2 · (1 + 1.1 + 1.2 + 1.3 + 1.4) = -1.2.
+    torch.testing.assert_close(result.latents[:, -1, 0, 0], torch.tensor([-1.2, -1.2]), atol=1e-6, rtol=0)
 
 
 def test_early_exit_matches_a_hand_computation():
@@ -192,6 +215,10 @@ def test_row_cache_accumulates_the_estimated_change_until_a_call():
     assert row.estimated_change(0.7) == pytest.approx(0.05) and row.should_skip(0.7, 0.06)
     assert row.estimated_change(0.6) == pytest.approx(0.10) and not row.should_skip(0.6, 0.06)
     assert not row.should_skip(0.7, 0.0)  # threshold 0 never skips
+    # Extrapolation weight at t = 0.7 from calls at 1.0 and 0.8: (0.8 - 0.7) / (1.0 - 0.8) = 0.5; 0 at order 0.
+    assert row.extrapolation(0.7, 1) == pytest.approx(0.5) and row.extrapolation(0.7, 0) == 0.0
+    row.exited = True
+    assert row.extrapolation(0.7, 1) == 0.0  # an exited row keeps its last velocity: it lands on its prediction
 
 
 def test_relative_change_and_select_embeds():
@@ -226,6 +253,7 @@ def test_engine_stats_count_the_model_calls(toy_model):
     (dict(cache_threshold=2.0), ValueError, r"valid: 0 <= cache_threshold <= 1"),
     (dict(cache_threshold=float("nan")), ValueError, r"cache_threshold"),
     (dict(cache_threshold="0.1"), TypeError, r"cache_threshold must be a number"),
+    (dict(cache_order=2), ValueError, r"cache_order=2 is out of range; valid: 0 <= cache_order <= 1"),
     (dict(early_exit=0.0), ValueError, r"early_exit=0 can never be met; valid: 0 < early_exit <= 1"),
     (dict(early_exit=5.0), ValueError, r"early_exit"),
     (dict(sampler="sde", cache_threshold=0.1), ValueError, r"sde_window=None with steps=10 leaves none"),
@@ -237,8 +265,10 @@ def test_bad_request_settings_are_clear_errors(kw, error, match):
 
 
 def test_bad_loop_settings_and_paths_are_clear_errors(toy_engine):
-    with pytest.raises(ValueError, match="one cache threshold and one early-exit setting per row"):
+    with pytest.raises(ValueError, match="one cache threshold, early-exit setting and cache order per row"):
         AdaptiveLoop([0.1, 0.1], [None])
+    with pytest.raises(ValueError, match=r"cache_orders\[0\]=2; valid: 0 .* or 1"):
+        AdaptiveLoop([0.1], [None], [2])
     with pytest.raises(ValueError, match=r"cache_thresholds\[1\]=-1.*>= 0"):
         AdaptiveLoop([0.1, -1], [None, None])
     with pytest.raises(ValueError, match=r"early_exits\[0\]=0.*> 0"):
