@@ -1,6 +1,7 @@
 """RayEnginePool and RayRewardPool on a local Ray: flywheel parity with the local engine, weight sync with
 100 requests in flight, a replica and a reward actor killed mid-step, and the bounded-failure error."""
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,12 +12,15 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'); the Ray pool tests need it")
 
 from engine import Engine, GenerationRequest, load_model  # noqa: E402
+from engine.cards import get_card  # noqa: E402
 from engine.toy.prompts import train_prompts  # noqa: E402
 from flywheel.loop import Flywheel  # noqa: E402
+from flywheel.lora import add_lora  # noqa: E402
 from flywheel.prompts import PromptItem, PromptSampler  # noqa: E402
+from flywheel.scale import RolloutConfig, build_rollout_engine  # noqa: E402
 from flywheel.scale.ray_pool import RayEnginePool, balanced_chunks  # noqa: E402
 from flywheel.scale.ray_rewards import RayRewardPool  # noqa: E402
-from flywheel.scale.ray_sync import RayObjectStoreTransport  # noqa: E402
+from flywheel.scale.ray_sync import CollectiveTransport, RayObjectStoreTransport  # noqa: E402
 from flywheel.sync.controller import CopyTransport, WeightSyncController  # noqa: E402
 from flywheel.sync.transport import tensor_checksums  # noqa: E402
 from rewards import RewardSet  # noqa: E402
@@ -120,7 +124,9 @@ def test_sync_with_100_requests_in_flight_loses_none_and_keeps_versions_apart(po
         done.append(1)
         return traj
 
-    with ThreadPoolExecutor(max_workers=16) as executor:
+    # 32 callers against replicas serving 8 calls each, so chunks may be queued at a replica when the sync
+    # starts (they must run before the replica's engine pauses; a race this test can meet, not force).
+    with ThreadPoolExecutor(max_workers=32) as executor:
         futures = [executor.submit(one, r) for r in requests]  # all 100 submitted before the sync
         assert started.wait(timeout=60)
         deadline = time.monotonic() + 60
@@ -188,3 +194,51 @@ def test_a_replica_that_stays_dead_stops_the_step_with_a_clear_error(pool):
             single.generate([GenerationRequest(prompt="zero", seed=0, **ROLLOUT)])
     finally:
         single.close()
+
+
+def test_build_rollout_engine_gives_replicas_the_trainers_lora_adapter_only(pool):
+    """rollout.backend=ray with a LoRA run: the replicas inject the trainer's adapter layout, the first sync
+    (verified on every replica) puts only the adapter tensors, and the samples equal a local LoRA engine's."""
+    targets = get_card("toy-digits").defaults["lora_targets"]
+    trainer = load_model("toy-digits")
+    names = add_lora(trainer.transformer, 2, 4.0, targets)
+    generator = torch.Generator().manual_seed(7)
+    state = trainer.transformer.state_dict()
+    adapter = {n: 0.05 * torch.randn(state[n].shape, generator=generator) for n in names}
+    cfg = RolloutConfig(backend="ray", replicas=2, cpus_per_replica=0.25)
+    served, controller = build_rollout_engine(cfg, "toy-digits", weight_version=0, initial_weights=adapter,
+                                              lora={"rank": 2, "alpha": 4.0, "targets": targets})
+    try:
+        assert served.weight_version == 1 and controller.mode == "ray"
+        with torch.no_grad():
+            for n, t in adapter.items():
+                state[n].copy_(t)
+        requests = [GenerationRequest(prompt=p.prompt, seed=i, **ROLLOUT) for i, p in enumerate(PROMPTS[:4])]
+        expected = Engine(trainer, max_batch=2).generate(requests)
+        traj = served.generate(requests)
+        assert traj.weight_version == 1 and torch.equal(traj.latents, expected.latents)
+        moved = controller.sync({n: t * 2 for n, t in adapter.items()})
+        assert moved["sync/bytes"] == sum(t.numel() * 4 for t in adapter.values()) and moved["weight_version"] == 2
+    finally:
+        served.close()
+
+
+def test_broadcast_sync_over_a_process_group_and_a_restart_after_it(pool):
+    """CollectiveTransport (gloo here, NCCL on GPUs): the replicas receive the buckets of a torch.distributed
+    broadcast, verified by checksum; a replica restarted afterwards is re-synced from the sync's host copy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    transport = CollectiveTransport(backend="gloo", port=port, bucket_bytes=64 * 1024, timeout_s=60)
+    transport.connect(pool)
+    weights = trainer_weights(40)
+    sync = WeightSyncController(pool, transport=transport, verify=True).sync(weights)
+    version = sync["weight_version"]
+    assert sync["sync/bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
+    requests = [GenerationRequest(prompt=p.prompt, seed=3000 + i, **ROLLOUT) for i, p in enumerate(PROMPTS[:4])]
+    expected = local_engine(weights, version, max_batch=2).generate(requests)
+    assert torch.equal(pool.generate(requests).latents, expected.latents)
+    ray.kill(pool.replicas[0], no_restart=False)
+    traj = pool.generate(requests)
+    assert traj.weight_version == version and torch.equal(traj.latents, expected.latents)
+    assert ray.get(pool.replicas[0].checksums.remote(list(weights), "transformer")) == tensor_checksums(weights)

@@ -15,7 +15,8 @@ otherwise.
 
 Weight sync follows the controller's contract on every replica at once:
 `pause` closes the pool's gate (calls that arrive wait here, before anything is
-sent) and pauses each engine; `drain` waits for the calls already sent;
+sent); `drain` waits for the calls already sent, then pauses and drains each
+engine (not before: a chunk queued at a replica must not wait for a resume);
 `write_weights` puts the tensors in the object store once (`ray.put`) and every
 replica copies them in, marking itself half-written until `commit_weights` sets
 the new version on all of them; `resume` opens the gate. A call is dispatched as
@@ -55,7 +56,8 @@ from engine import Engine, GenerationRequest, Trajectory
 from engine.cards import load_model
 from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.lora import add_lora
-from flywheel.sync.transport import tensor_checksums
+from flywheel.scale.ray_sync import broadcast_bucket, weight_group
+from flywheel.sync.transport import plan_buckets, tensor_checksums, unpack_bucket
 
 
 class ReplicaNotSynced(RuntimeError):
@@ -100,6 +102,24 @@ def wait_until_alive(actor, timeout_s: float, what: str) -> dict:
                 raise RuntimeError(f"{what} did not come back within {timeout_s:.0f}s (Ray restarts it at most "
                                    f"max_restarts times); last error: {type(exc).__name__}: {exc}") from exc
             time.sleep(0.1)
+
+
+def get_retrying(ref, resend: Callable, recover: Callable, what: str, timeout_s: float, max_failures: int):
+    """`ray.get(ref)`; when the actor died (or a restarted replica refused), `recover()` and `resend()`, at most
+    `max_failures` times before an error naming `what` and the last failure."""
+    attempts = 0
+    while True:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError as exc:
+            raise TimeoutError(f"{what} did not answer within {timeout_s:.0f}s") from exc
+        except (RayActorError, ReplicaNotSynced) as exc:
+            attempts += 1
+            if attempts > max_failures:
+                raise RuntimeError(f"{what} failed {attempts} time(s) (max_failures={max_failures}); last error: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            recover()
+            ref = resend()
 
 
 class EngineReplica:
@@ -149,6 +169,24 @@ class EngineReplica:
         """Copy the tensors in (the engine paused and drained); the replica refuses to serve until `commit`."""
         self.unsynced = f"its {component} weights were partly written by a sync that did not commit"
         return self.engine.write_weights(tensors, component)
+
+    def join_group(self, backend: str, host: str, port: int, rank: int, size: int, timeout_s: float) -> int:
+        """Join the trainer's weight-broadcast group (flywheel.scale.ray_sync.CollectiveTransport) as `rank`."""
+        self.group = weight_group(backend, host, port, rank, size, timeout_s)
+        return rank
+
+    def receive_broadcast(self, manifest: list, component: str, bucket_bytes: int) -> int:
+        """Receive the trainer's broadcast buckets (the `plan_buckets` layout of `manifest`) into `component`;
+        the replica refuses to serve until `commit`."""
+        self.unsynced = f"its {component} weights were partly written by a sync that did not commit"
+        like = {name: torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                for name, dtype, shape in manifest}
+        total = 0
+        for slots in plan_buckets(like, bucket_bytes):
+            buffer = torch.empty(sum(slot.nbytes for slot in slots), dtype=torch.uint8, device=self.engine.device)
+            broadcast_bucket(self.group, buffer)
+            total += self.engine.write_weights(unpack_bucket(buffer, slots, copy=False), component)  # on its device
+        return total
 
     def commit(self, version: int, component: str) -> int:
         self.engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
@@ -256,22 +294,13 @@ class RayEnginePool:
                 self._gate.notify_all()
 
     def _result(self, index: int, chunk: list[GenerationRequest], ref, version: int) -> Trajectory:
-        attempts = 0
-        while True:
-            try:
-                return ray.get(ref, timeout=self.call_timeout_s)
-            except GetTimeoutError as exc:
-                raise TimeoutError(f"{self.name} replica {index} did not return {len(chunk)} rollout(s) within "
-                                   f"{self.call_timeout_s:.0f}s") from exc
-            except (RayActorError, ReplicaNotSynced) as exc:
-                attempts += 1
-                self.failures += 1
-                if attempts > self.max_failures:
-                    raise RuntimeError(f"{self.name} replica {index} failed {attempts} time(s) on one chunk of "
-                                       f"{len(chunk)} request(s) (max_failures={self.max_failures}); last error: "
-                                       f"{type(exc).__name__}: {exc}") from exc
-                self._recover(index, version)
-                ref = self.replicas[index].generate.remote(chunk)
+        def recover() -> None:
+            self.failures += 1
+            self._recover(index, version)
+
+        return get_retrying(ref, lambda: self.replicas[index].generate.remote(chunk), recover,
+                            f"{self.name} replica {index} ({len(chunk)} request(s))", self.call_timeout_s,
+                            self.max_failures)
 
     def _recover(self, index: int, version: int) -> None:
         """Wait for Ray to restart replica `index`, then re-sync it to `version` and check its weights."""
@@ -294,12 +323,18 @@ class RayEnginePool:
     # ---- the engine side of weight sync (WeightSyncController's EngineHandle) -------------------
 
     def pause(self, mode: str = "drain") -> None:
+        """Stop sending calls: those that arrive wait here, before any chunk is sent, and run after `resume`."""
+        if mode != "drain":
+            raise ValueError(f"pause mode {mode!r} is not supported; valid modes: drain")
         with self._gate:
             self._paused = True
-        ray.get([r.pause.remote(mode) for r in self.replicas], timeout=self.call_timeout_s)
 
     def drain(self, timeout_s: float = 600.0) -> float:
-        """Wait for the calls already sent (every chunk, retries included); returns the seconds waited."""
+        """Wait for the calls already sent (every chunk, retries included), then pause and drain every replica's
+        engine; returns the seconds waited.
+
+        The engines are paused only now: a chunk sent before the pause but still queued at its replica must
+        run, or it would wait for a resume that waits for it."""
         start = time.perf_counter()
         with self._gate:
             if not self._paused:
@@ -308,6 +343,7 @@ class RayEnginePool:
                 raise TimeoutError(f"{self.name} pool did not drain within {timeout_s:.1f}s: "
                                    f"{self._in_flight} generate() call(s) still running")
         left = max(0.0, timeout_s - (time.perf_counter() - start))
+        ray.get([r.pause.remote("drain") for r in self.replicas], timeout=self.call_timeout_s)
         ray.get([r.drain.remote(left) for r in self.replicas], timeout=left + self.call_timeout_s)
         return time.perf_counter() - start
 
@@ -329,6 +365,23 @@ class RayEnginePool:
         self._written[component] = ref
         written = ray.get([r.write_weights.remote(ref, component) for r in self.replicas], timeout=self.call_timeout_s)
         return sum(written) // len(self.replicas)
+
+    def join_group(self, backend: str, host: str, port: int, timeout_s: float) -> list:
+        """Ask every replica to join the weight-broadcast group as ranks 1..N (the trainer is rank 0);
+        returns the refs to wait for once the trainer's side has joined too."""
+        size = 1 + len(self.replicas)
+        return [r.join_group.remote(backend, host, port, 1 + i, size, timeout_s) for i, r in enumerate(self.replicas)]
+
+    def receive_broadcast(self, manifest: list, component: str, bucket_bytes: int, restore_copy) -> Callable:
+        """Every replica posts the receives of a broadcast sync (paused, drained pool); returns the wait for them.
+        `restore_copy` (an ObjectRef of the same tensors on the host) is what a restarted replica is re-synced from."""
+        with self._gate:
+            if not self._paused or self._in_flight:
+                raise RuntimeError(f"a broadcast sync needs a paused, drained pool (paused={self._paused}, "
+                                   f"calls running={self._in_flight})")
+        refs = [r.receive_broadcast.remote(manifest, component, bucket_bytes) for r in self.replicas]
+        self._written[component] = restore_copy
+        return lambda: ray.get(refs, timeout=self.call_timeout_s)
 
     def commit_weights(self, version: int, component: str = "transformer") -> None:
         """Mark `version` on every replica; from now on a restarted replica is re-synced to these weights."""

@@ -24,9 +24,8 @@ import time
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
 
-from flywheel.scale.ray_pool import balanced_chunks, wait_until_alive
+from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_until_alive
 from rewards import RewardBatch, RewardSet
 
 
@@ -89,22 +88,13 @@ class RayRewardPool:
         return RewardBatch.concat([self._result(index, args, ref) for index, args, ref in jobs])
 
     def _result(self, index: int, args: tuple, ref) -> RewardBatch:
-        attempts = 0
-        while True:
-            try:
-                return ray.get(ref, timeout=self.call_timeout_s)
-            except GetTimeoutError as exc:
-                raise TimeoutError(f"{self.name} actor {index} did not score {len(args[1])} row(s) within "
-                                   f"{self.call_timeout_s:.0f}s") from exc
-            except RayActorError as exc:
-                attempts += 1
-                self.failures += 1
-                if attempts > self.max_failures:
-                    raise RuntimeError(f"{self.name} actor {index} failed {attempts} time(s) on one chunk of "
-                                       f"{len(args[1])} row(s) (max_failures={self.max_failures}); last error: "
-                                       f"{type(exc).__name__}: {exc}") from exc
-                wait_until_alive(self.actors[index], self.restart_timeout_s, f"{self.name} actor {index}")
-                ref = self.actors[index].score.remote(*args)
+        def recover() -> None:  # a scorer holds no state: once Ray has restarted the actor, send the chunk again
+            self.failures += 1
+            wait_until_alive(self.actors[index], self.restart_timeout_s, f"{self.name} actor {index}")
+
+        return get_retrying(ref, lambda: self.actors[index].score.remote(*args), recover,
+                            f"{self.name} actor {index} ({len(args[1])} row(s))", self.call_timeout_s,
+                            self.max_failures)
 
     def metrics(self) -> dict[str, float]:
         out = {f"{self.name}/failures": float(self.failures)}
