@@ -51,7 +51,7 @@ from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket,
 # Trajectory fields that travel as tensors (the optional ones only when present).
 TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "noise_levels", "prompt_embeds", "pooled_prompt_embeds",
                       "prompt_mask", "negative_prompt_embeds", "negative_pooled_prompt_embeds",
-                      "negative_prompt_mask", "images", "audio_noise_levels", "audio")
+                      "negative_prompt_mask", "images", "audio_noise_levels", "audio", "steps_computed")
 EXTRA_PREFIX = "condition_extra."  # Trajectory.condition_extra's tensors travel under this prefix
 MODALITY_PREFIX = "modality_log_probs."  # and Trajectory.modality_log_probs' under this one
 PARENT_POLL_S = 0.2  # how often the engine process checks that its trainer is alive
