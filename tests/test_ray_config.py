@@ -1,5 +1,7 @@
 """RolloutConfig checks and the local side of build_rollout_engine / build_rewards (no Ray needed)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -16,6 +18,7 @@ from rewards import RewardSet
     ("cpus_per_replica", -1.0, "cpus_per_replica and rollout.gpus_per_replica must be >= 0"),
     ("max_failures", -1, "max_failures and rollout.reward_actors must be >= 0"),
     ("gpus_per_reward_actor", -0.5, "gpus_per_reward_actor must be >= 0"),
+    ("sync_backend", "mpi", "valid are object_store, nccl, gloo"),
 ])
 def test_bad_rollout_settings_are_named(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -44,6 +47,23 @@ def test_local_backend_is_an_engine_synced_from_the_initial_weights():
     assert engine.generate([GenerationRequest(prompt="zero", seed=0, steps=2)]).weight_version == 1
 
 
+def test_several_trainer_processes_need_a_cluster_address():
+    with pytest.raises(ValueError, match="start it with `ray start --head` and set rollout.address=auto"):
+        build_rollout_engine(RolloutConfig(backend="ray", replicas=2), "toy-digits", world=2)
+
+
 def test_zero_reward_actors_score_in_this_process():
     rewards = build_rewards(RolloutConfig(), "digit_alignment:1.0")
     assert isinstance(rewards, RewardSet) and rewards.scorer_ids == ["digit_alignment"]
+
+
+def test_the_example_config_is_toy_grpo_with_a_valid_rollout_section():
+    """configs/toy_grpo_ray.yaml: the shipped toy run plus overlap_scoring and a `rollout` section that
+    RolloutConfig accepts (2 replicas, 1 reward actor)."""
+    root = Path(__file__).resolve().parents[1]
+    ray_cfg = OmegaConf.to_container(OmegaConf.load(root / "configs/toy_grpo_ray.yaml"))
+    base = OmegaConf.to_container(OmegaConf.load(root / "configs/toy_grpo.yaml"))
+    rollout = RolloutConfig(**ray_cfg.pop("rollout"))
+    assert rollout.backend == "ray" and rollout.replicas == 2 and rollout.reward_actors == 1
+    assert ray_cfg.pop("overlap_scoring") is True
+    assert {**ray_cfg, "run_dir": base["run_dir"]} == base

@@ -198,18 +198,22 @@ def test_a_replica_that_stays_dead_stops_the_step_with_a_clear_error(pool):
 
 def test_build_rollout_engine_gives_replicas_the_trainers_lora_adapter_only(pool):
     """rollout.backend=ray with a LoRA run: the replicas inject the trainer's adapter layout, the first sync
-    (verified on every replica) puts only the adapter tensors, and the samples equal a local LoRA engine's."""
+    (verified on every replica) broadcasts only the adapter tensors (sync_backend=gloo, the NCCL path's code
+    on CPUs), and the samples equal a local LoRA engine's."""
     targets = get_card("toy-digits").defaults["lora_targets"]
     trainer = load_model("toy-digits")
     names = add_lora(trainer.transformer, 2, 4.0, targets)
     generator = torch.Generator().manual_seed(7)
     state = trainer.transformer.state_dict()
     adapter = {n: 0.05 * torch.randn(state[n].shape, generator=generator) for n in names}
-    cfg = RolloutConfig(backend="ray", replicas=2, cpus_per_replica=0.25)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = RolloutConfig(backend="ray", replicas=2, cpus_per_replica=0.25, sync_backend="gloo", sync_port=port)
     served, controller = build_rollout_engine(cfg, "toy-digits", weight_version=0, initial_weights=adapter,
                                               lora={"rank": 2, "alpha": 4.0, "targets": targets})
     try:
-        assert served.weight_version == 1 and controller.mode == "ray"
+        assert served.weight_version == 1 and controller.mode == "collective"
         with torch.no_grad():
             for n, t in adapter.items():
                 state[n].copy_(t)

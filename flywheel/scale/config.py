@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 BACKENDS = ("local", "ray")
+SYNC_BACKENDS = ("object_store", "nccl", "gloo")
 
 
 @dataclass
@@ -30,6 +31,11 @@ class RolloutConfig:
     """GPUs Ray reserves for each replica (> 0: the replica's engine runs on CUDA)"""
     address: str | None = None
     """Ray to join: "auto" (a cluster started with `ray start`), "ray://host:10001", or None for a local Ray"""
+    sync_backend: str = "object_store"
+    """ray backend: object_store (one ray.put read by every replica), nccl (a broadcast group trainer -> replicas,
+    GPUs) or gloo (the same group on CPUs)"""
+    sync_port: int = 29555
+    """nccl/gloo: the group's TCP port on the trainer's host (rank r uses sync_port + r)"""
     max_failures: int = 3
     """failed attempts of one chunk of requests (or of rows to score) before the step stops with an error"""
     reward_actors: int = 0
@@ -42,6 +48,8 @@ class RolloutConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"rollout.backend={self.backend!r}: valid backends are {', '.join(BACKENDS)}")
+        if self.sync_backend not in SYNC_BACKENDS:
+            raise ValueError(f"rollout.sync_backend={self.sync_backend!r}: valid are {', '.join(SYNC_BACKENDS)}")
         if self.replicas < 1:
             raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
         if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
@@ -89,9 +97,12 @@ def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:
 
 def build_rollout_engine(cfg: RolloutConfig, card: str, *, path: str | None = None,
                          model_factory: Callable | None = None, weight_version: int = 0, lora: dict | None = None,
-                         initial_weights: dict[str, torch.Tensor] | None = None, world: int = 1, device: str = "cpu"):
+                         initial_weights: dict[str, torch.Tensor] | None = None, rank: int = 0, world: int = 1,
+                         device: str = "cpu"):
     """(engine, WeightSyncController) for `cfg`: a local Engine with a copy transport, or a RayEnginePool.
 
+    `rank`/`world`: the trainer's process and their number; each rank drives replicas/world replicas of its own.
+    `device`: the trainer's device (a collective sync packs its buckets there).
     `initial_weights` (the trainer's weights, e.g. a LoRA init or a resumed checkpoint) are synced once,
     verified on every replica, so the first version served is the trainer's (`weight_version` + 1).
     """
@@ -105,15 +116,26 @@ def build_rollout_engine(cfg: RolloutConfig, card: str, *, path: str | None = No
         engine = Engine(model, device=device, weight_version=weight_version)
         controller = WeightSyncController(engine, transport=CopyTransport())
     else:
+        if world > 1 and cfg.address is None:
+            raise ValueError(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
+                             "them: start it with `ray start --head` and set rollout.address=auto")
         _ray(cfg)
         from flywheel.scale.ray_pool import RayEnginePool
-        from flywheel.scale.ray_sync import RayObjectStoreTransport
+        from flywheel.scale.ray_sync import CollectiveTransport, RayObjectStoreTransport
 
         engine = RayEnginePool(card, replicas=replicas_of_rank(cfg, world), path=path,
                                cpus_per_replica=cfg.cpus_per_replica, gpus_per_replica=cfg.gpus_per_replica,
                                weight_version=weight_version, lora=lora, model_factory=model_factory,
                                max_failures=cfg.max_failures)
-        controller = WeightSyncController(engine, transport=RayObjectStoreTransport())
+        if cfg.sync_backend == "object_store":
+            transport = RayObjectStoreTransport()
+        else:
+            import ray
+
+            transport = CollectiveTransport(cfg.sync_backend, host=ray.util.get_node_ip_address(),
+                                            port=cfg.sync_port + rank, device=device)
+            transport.connect(engine)
+        controller = WeightSyncController(engine, transport=transport)
     if initial_weights is not None:
         controller.verify = True
         controller.sync(initial_weights)
