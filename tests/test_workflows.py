@@ -13,8 +13,8 @@ from PIL import Image
 
 from engine import AsyncEngine, Engine, GenerationRequest, UnknownCardError
 from engine.serve import build_app
-from engine.workflows import (FromImage, FromText, MissingCardsError, Stage, Workflow, WorkflowCycleError, WorkflowError,
-                              WorkflowRegistry, WorkflowRunner, default_registry)
+from engine.workflows import (FromImage, FromText, MissingCardsError, Stage, Workflow, WorkflowCycleError,
+                              WorkflowError, WorkflowRegistry, WorkflowRunner, default_registry)
 
 PROMPTS = ["a photo of the digit 3", "a photo of the digit 7"]
 

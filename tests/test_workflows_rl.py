@@ -1,8 +1,6 @@
 """RL through a workflow: GRPO trains the first stage of toy.digits_then_refine with the reward on the refined
 images; the refine stage runs the ODE on a frozen copy whose weights and version never move."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -13,6 +11,8 @@ from engine.workflows import WorkflowError, WorkflowRunner, WorkflowStageEngine
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
+
+from recipe_kill import kill_after_checkpoint, without_timings
 
 WORKFLOW = ["model.workflow=toy.digits_then_refine", "train.stage=draw"]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
@@ -86,6 +86,19 @@ def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_ve
     assert any(not torch.equal(t, base[n]) for n, t in trained.items())
     assert stage_engine.weight_version == 2 and [r["weight_version"] for r in rows] == [0, 0, 1]
     assert rows[1]["ratio/max_dev"] == 0.0  # the trained stage's recorded log-probs are the trainer's
+
+
+@pytest.mark.slow
+def test_a_workflow_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
+    """The refine stage's frozen copy is loaded from the card on resume too, so nothing of it is checkpointed."""
+    args = [*WORKFLOW, *SMALL, "steps=4", "save_every=2", "eval_every=2"]
+    _, straight = run(tmp_path, "straight", *args)
+    interrupted = tmp_path / "interrupted"
+    kill_after_checkpoint("grpo", interrupted, [*QUICK, *args])
+    assert not (interrupted / "checkpoints" / "step_000004").exists()
+    resumed = main([f"run_dir={tmp_path / 'ignored'}", f"resume={interrupted}"])
+    assert resumed["run_dir"] == str(interrupted)
+    assert without_timings(read_metrics(interrupted / "metrics.jsonl")) == without_timings(straight)
 
 
 @pytest.mark.slow

@@ -234,7 +234,8 @@ def stage_paths(registry: WorkflowRegistry, workflow_id: str) -> dict[str, str]:
     return {path: stage.target for path, stage in stage_plan(registry, workflow_id).items()}
 
 
-def stage_requests(stage: Stage, requests: list[GenerationRequest], extra: dict | None = None) -> list[GenerationRequest]:
+def stage_requests(stage: Stage, requests: list[GenerationRequest],
+                   extra: dict | None = None) -> list[GenerationRequest]:
     """A stage's requests: the workflow's with the stage's card, its overrides, then `extra`, and the start step
     of an image-to-image stage."""
     fields = {"card": stage.target, **stage.overrides, **(extra or {})}
