@@ -15,13 +15,17 @@ SIZE = dict(height=32, width=32, frames=5)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def folders(tmp_path_factory):
     from engine.families.tiny import build_tiny_sd3
     from engine.families.tiny_wan_i2v import build_tiny_wan_i2v
 
     root = tmp_path_factory.mktemp("t2i-i2v")
-    return {"sd3": Engine.from_card("sd3", path=str(build_tiny_sd3(root / "sd3"))),
-            "wan2.1-i2v": Engine.from_card("wan2.1-i2v", path=str(build_tiny_wan_i2v(root / "wan-i2v")))}
+    return {"sd3": str(build_tiny_sd3(root / "sd3")), "wan2.1-i2v": str(build_tiny_wan_i2v(root / "wan-i2v"))}
+
+
+@pytest.fixture(scope="module")
+def engines(folders):
+    return {card: Engine.from_card(card, path=folder) for card, folder in folders.items()}
 
 
 def requests():
@@ -54,3 +58,28 @@ def test_t2i_i2v_makes_videos_from_the_sd3_images_as_first_frames(engines, tmp_p
 def test_t2i_i2v_without_the_video_card_fails_before_generating(engines):
     with pytest.raises(MissingCardsError, match=r"wan2\.1-i2v"):
         WorkflowRunner({"sd3": engines["sd3"]}).run("image_video.t2i_i2v", requests())
+
+
+def test_rl_through_t2i_i2v_trains_the_image_stage_and_scores_the_videos(engines, folders):
+    """The recipe glue on the real cards: the SD3 stage samples Flow-SDE (log-probs), the video stage runs the
+    ODE on a Wan2.1-I2V model loaded from model.workflow_paths, and the Trajectory carries the videos."""
+    from flywheel.recipe.workflow import workflow_stage_engine
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    cfg = parse_config(Config, ["model.card=sd3", "model.workflow=image_video.t2i_i2v", "train.stage=image",
+                                f"model.workflow_paths.wan2.1-i2v={folders['wan2.1-i2v']}"])
+    stage_engine = workflow_stage_engine(cfg, engines["sd3"], torch.device("cpu"))
+    video_engine = stage_engine.runner.engines["wan2.1-i2v"]
+    assert video_engine is not engines["wan2.1-i2v"]
+    assert not any(p.requires_grad for p in video_engine.model.transformer.parameters())
+    rollout = [replace(r, card="sd3", sampler="sde", noise_level=0.7) for r in requests()]
+    traj = stage_engine.generate(rollout)
+    assert traj.card == "sd3" and traj.sampler == "sde" and traj.log_probs.shape == (2, 3)
+    assert bool((traj.log_probs != 0).all()) and traj.images.shape == (2, 3, 5, 32, 32)
+    out = stage_engine.runner.run("image_video.t2i_i2v", rollout, intermediates=True)
+    assert out.stages["video"].trajectory.sampler == "ode" and torch.equal(out.images, traj.images)
+    # The video stage's model is the folder's: the fixture's engine makes the same videos from the same images.
+    assert out.weight_versions == {"sd3": 0, "wan2.1-i2v": 0}
+    by_fixture = WorkflowRunner(engines, stage_overrides={"video": {"sampler": "ode", "sde_window": None}})
+    assert torch.equal(by_fixture.run("image_video.t2i_i2v", rollout).images, out.images)

@@ -62,8 +62,10 @@ class Rollouts:
             self.controller = WeightSyncController(self.engine, mode="colocated")
         rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
                             remote_budget_s=cfg.reward_budget_s)
-        if policy.card_defaults.get("video"):
-            rewards = MiddleFrameRewards(rewards)  # image scorers see each video's middle frame
+        if policy.card_defaults.get("video") or cfg.model.workflow:
+            # Image scorers see each video's middle frame (a workflow's output may be videos whatever card is
+            # trained: image_video.t2i_i2v); images pass through unchanged.
+            rewards = MiddleFrameRewards(rewards)
         # The flywheel's engine: the trained card's, or the workflow run through it (trained stage's log-probs,
         # final images). Weight sync stays on self.engine, so only the trained card's version moves.
         rollout_engine = self.engine
