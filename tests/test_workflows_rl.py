@@ -66,7 +66,6 @@ def test_the_stage_engine_returns_the_trained_stages_log_probs_with_the_final_im
         WorkflowStageEngine(runner, "toy.digits_then_refine", "refine")
 
 
-@pytest.mark.slow  # ~11 s on one thread: two GRPO steps through the workflow
 def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_version(tmp_path, monkeypatch):
     made = []
     original = flywheel.recipe.rollouts.workflow_stage_engine
