@@ -414,6 +414,12 @@ class AsyncEngine:
                "pool/mean_batch": self.rows / self.batches if self.batches else 0.0,
                "pool/queued": sum(len(lane.items) for lane in self._lanes.values())}
         out.update(self.admission.stats())
+        # Model calls over the hosted generators (the adaptive loop skips some): totals, and the hit rate of them.
+        engines = [h.model for h in self._models.values() if h.kind == "generator" and hasattr(h.model, "stats")]
+        steps = sum(e.stats()["engine/steps"] for e in engines)
+        computed = sum(e.stats()["engine/steps_computed"] for e in engines)
+        out.update({"engine/steps": steps, "engine/steps_computed": computed,
+                    "engine/cache_hit_rate": 1.0 - computed / steps if steps else 0.0})
         return out
 
     # ---- lifecycle ------------------------------------------------------------------------

@@ -80,8 +80,12 @@ _FIELDS = {
     "return_log_probs": ((bool,), "true or false"),
     "return_intermediates": ((bool,), "true or false (workflows: every stage's images)"),
     "metadata": ((dict,), "a JSON object"),
+    # The adaptive (cached) loop of ODE requests (engine/adaptive.py): 0 = the plain loop.
+    "cache_threshold": ((int, float), "a number >= 0"),
+    "early_exit": ((int, float), "a number > 0 or null"),
+    "cache_order": ((int,), "0 or 1"),
 }
-_NULLABLE = {"sde_window", "height", "width", "frames"}
+_NULLABLE = {"sde_window", "height", "width", "frames", "early_exit"}
 
 
 class BadRequest(ValueError):
@@ -187,7 +191,9 @@ async def generate(request: web.Request) -> web.Response:
     trajectories = await engine.generate(requests)
     images = torch.cat([t.images for t in trajectories])
     out = {"card": requests[0].card, "weight_version": trajectories[0].weight_version,
-           "seeds": [r.seed for r in requests], "images": _encode_images(images)}
+           "seeds": [r.seed for r in requests], "images": _encode_images(images),
+           # Model calls per image (fewer than the steps when the adaptive loop skipped some).
+           "steps_computed": [int(n) for t in trajectories for n in t.steps_computed.tolist()]}
     if options["latents"] or options["log_probs"]:
         from safetensors.torch import save
 

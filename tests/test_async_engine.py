@@ -64,6 +64,9 @@ def test_max_batch_and_batch_keys_split_batches(toy_model):
     assert max(spy.sizes) <= 4 and sum(spy.sizes) == 13 and len(spy.sizes) >= 4
     assert [r.sampler for r in results] == [m.sampler for m in mixed]
     assert stats["pool/rows"] == 13 and stats["admission/used_bytes"] == 0
+    # Every row-step called the model (no adaptive request): 13 rows x their steps, hit rate 0.
+    assert stats["engine/steps"] == stats["engine/steps_computed"] == sum(r.steps for r in mixed)
+    assert stats["engine/cache_hit_rate"] == 0.0
 
 
 def test_unknown_card_and_model_errors_reach_every_caller(toy_model):

@@ -68,6 +68,23 @@ def test_generate_returns_pngs_and_safetensors_matching_the_engine(toy_model):
     assert (tensors["log_probs"] - expected.log_probs).abs().max() <= 1e-4
 
 
+def test_adaptive_ode_requests_are_served_with_their_model_call_counts(toy_model):
+    body = {"prompt": "a handwritten seven", "seed": 5, "n": 2, "steps": 10, "sampler": "ode",
+            "cache_threshold": 0.2, "early_exit": None, "return_latents": True}
+
+    async def check(client):
+        resp = await client.post("/v1/generate", json=body)
+        return resp.status, await resp.json()
+
+    status, out = serve(toy_model, check)
+    expected = Engine(toy_model).generate([GenerationRequest(prompt="a handwritten seven", seed=s, steps=10,
+                                                             sampler="ode", cache_threshold=0.2) for s in (5, 6)])
+    assert status == 200 and out["steps_computed"] == expected.steps_computed.tolist()
+    assert all(n < 10 for n in out["steps_computed"])  # the cache skipped some of the 10 model calls
+    tensors = load_safetensors(base64.b64decode(out["tensors"]))
+    assert (tensors["latents"] - expected.latents).abs().max() <= 1e-5
+
+
 def test_models_weights_and_health(toy_model):
     async def check(client):
         return [(r.status, await r.json()) for r in
@@ -116,6 +133,10 @@ BAD_INPUTS = [
     ({"prompt": "x", "width": 0}, 400, "valid: 1 <= width <= 16384"),
     ({"prompt": "x", "frames": -3}, 400, "valid: 1 <= frames <= 4096"),
     ({"prompt": "x", "sde_window": [0, 10**30]}, 400, "sde_window"),
+    ({"prompt": "x", "sampler": "ode", "cache_threshold": -1}, 400, "cache_threshold=-1 is out of range"),
+    ({"prompt": "x", "sampler": "ode", "cache_order": 2}, 400, "cache_order=2 is out of range"),
+    ({"prompt": "x", "sampler": "ode", "early_exit": "soon"}, 400, "'early_exit' must be a number > 0 or null"),
+    ({"prompt": "x", "cache_threshold": 0.2}, 400, "skip model calls only on the ODE steps"),
 ]
 
 
