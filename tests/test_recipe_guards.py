@@ -48,6 +48,7 @@ def config_problems(*overrides) -> str:
     ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
     ("sampling.sde_window=[4,2]", "sampling.sde_window"),
     ("train.timestep_fraction=0", "train.timestep_fraction=0.0"),
+    ("sampling.eval_cache_threshold=-0.1", "sampling.eval_cache_threshold=-0.1"),
 ])
 def test_each_bad_field_is_named_with_its_valid_range(override, names):
     message = config_problems(override)
@@ -62,6 +63,17 @@ def test_audio_keys_are_checked_against_the_card_and_each_other():
     assert "sampling.audio=false" in config_problems("sampling.audio_noise_level=0.0")
     message = config_problems("model.card=ltx2", "sampling.audio=true", "sampling.audio_noise_level=-1")
     assert "sampling.audio_noise_level=-1" in message and "must be in [0, 10]" in message
+
+
+def test_evaluation_with_the_adaptive_loop_reports_its_model_calls(tmp_path):
+    main([f"run_dir={tmp_path / 'plain'}", *TINY, "steps=1"])
+    main([f"run_dir={tmp_path / 'cached'}", *TINY, "steps=1", "sampling.eval_cache_threshold=0.3"])
+    rows = read_metrics(tmp_path / "cached" / "metrics.jsonl")
+    assert all(0 < r["eval/model_calls"] < 4 for r in rows if "eval/reward/mean" in r)  # of 4 eval steps
+    assert "eval/model_calls" not in read_metrics(tmp_path / "plain" / "metrics.jsonl")[0]
+    plain_rows = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    assert rows[1]["reward/mean"] == plain_rows[1]["reward/mean"]  # the training rollouts never skip
+    assert rows[0]["eval/reward/mean"] != plain_rows[0]["eval/reward/mean"]  # the evaluation skipped some calls
 
 
 def test_all_problems_are_reported_at_once():

@@ -79,6 +79,9 @@ class SamplingConfig:
     """samples per evaluation prompt (fixed seeds)"""
     eval_steps: int | None = None
     """denoising steps of the ODE evaluation samples; None = `steps`"""
+    eval_cache_threshold: float = 0.0
+    """evaluate with the adaptive loop (engine/adaptive.py): skip the model while a sample's velocity is estimated
+    to change by less than this (relative); 0 = the plain loop. Metrics rows then carry eval/model_calls"""
     height: int | None = None
     """image / video height in pixels; None uses the card's native size"""
     width: int | None = None
@@ -210,6 +213,8 @@ def check_shared_sections(cfg) -> ConfigChecks:
         checks.require("sampling.noise_level", lambda v: 0 < v <= 10, "is Flow-SDE's a: in (0, 10] (0 is the ODE)")
     for key in ("sampling.guidance_scale", "sampling.eval_guidance_scale"):
         checks.require(key, lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
+    checks.require("sampling.eval_cache_threshold", lambda v: 0 <= v <= 1,
+                   "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
     checks.require("sampling.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
     checks.require("sampling.sde_window", lambda w: 0 <= w[0] < w[1] <= cfg.sampling.steps,
                    f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
@@ -305,4 +310,5 @@ def eval_request_kwargs(sampling: SamplingConfig) -> dict:
     """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time (no SDE
     window: the rollouts' window may not fit sampling.eval_steps, and an ODE has none)."""
     return {"sampler": "ode", "guidance_scale": sampling.eval_guidance_scale,
-            "steps": sampling.eval_steps or sampling.steps, "sde_window": None, "audio_noise_level": None}
+            "steps": sampling.eval_steps or sampling.steps, "sde_window": None, "audio_noise_level": None,
+            "cache_threshold": sampling.eval_cache_threshold}
