@@ -103,6 +103,10 @@ _CARDS: dict[str, ModelCard] = {}
 def register_card(card: ModelCard) -> ModelCard:
     if card.id in _CARDS:
         raise ValueError(f"a model card with id {card.id!r} is already registered")
+    from engine.workflows.definition import CATALOG  # cards and workflows share one namespace of ids
+
+    if card.id in CATALOG:
+        raise ValueError(f"{card.id!r} is a workflow id (engine.workflows.CATALOG); choose another card id")
     _CARDS[card.id] = card
     return card
 

@@ -77,6 +77,14 @@ def test_a_workflow_id_that_is_a_card_id_or_not_dotted_and_unknown_targets_are_r
         registry.register("t.ok", builder("t.ok", "toy-digits"))
 
 
+def test_registering_a_card_under_a_catalog_workflow_id_is_refused():
+    from engine.cards import ModelCard, list_cards, register_card
+
+    with pytest.raises(ValueError, match="'toy.digits_then_refine' is a workflow id"):
+        register_card(ModelCard(id="toy.digits_then_refine", description="a clash", load=lambda **_: None))
+    assert "toy.digits_then_refine" not in list_cards()
+
+
 def test_a_card_registered_later_under_a_workflow_id_is_caught_before_a_run():
     cards = ["toy-digits"]
     registry = WorkflowRegistry(cards=lambda: list(cards))

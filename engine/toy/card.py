@@ -102,6 +102,10 @@ class ToyModel:
         """Latents [B, 1, H, W] to images in [0, 1] (fp32); no VAE, just a rescale."""
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, 1, H, W] in [0, 1] to latents: the inverse of `decode` (an image-to-image stage's start)."""
+        return images.float() * 2.0 - 1.0
+
     def latent_shape(self, height: int | None, width: int | None, frames: int | None) -> tuple[int, ...]:
         """(1, H, W) of the card's canvas; any other requested size is an error."""
         h, w = self.spec.height, self.spec.width

@@ -62,15 +62,10 @@ class WorkflowOutput:
 def image_latents(model, images: torch.Tensor) -> torch.Tensor:
     """The clean latents of images [B, C, H, W] in [0, 1] for an image-to-image stage on `model`.
 
-    A model with `encode_image(images)` (a VAE card) uses it; the toy cards have no VAE (decode is
-    (latent + 1) / 2), so their latent is 2·image - 1.
+    Through the model's `encode_image(images)` (the toy cards: 2·image - 1, the inverse of their decode).
     """
     if hasattr(model, "encode_image"):
         return model.encode_image(images)
-    from engine.toy.card import ToyModel
-
-    if isinstance(model, ToyModel):
-        return images.float() * 2.0 - 1.0
     raise WorkflowError(f"card {model.card_id!r} cannot take an image-to-image stage: its model has no "
                         f"encode_image(images) -> latents (the toy cards and models with one can)")
 
