@@ -196,6 +196,14 @@ def test_a_replica_that_stays_dead_stops_the_step_with_a_clear_error(pool):
         single.close()
 
 
+def test_replicas_the_cluster_cannot_place_are_a_clear_error(pool):
+    with pytest.raises(TimeoutError, match=r"2 rollout replica\(s\) did not start within 2s: they ask for 200 CPU\(s\) "
+                                           r"and 0 GPU\(s\) in all; Ray has [0-9.]+ CPU\(s\) .* free of 2 and 0"):
+        RayEnginePool("toy-digits", replicas=2, cpus_per_replica=100, start_timeout_s=2)
+    with pytest.raises(TimeoutError, match=r"1 reward_pool actor\(s\) did not start within 2s"):
+        RayRewardPool(REWARD, actors=1, cpus_per_actor=100, start_timeout_s=2)
+
+
 def test_build_rollout_engine_gives_replicas_the_trainers_lora_adapter_only(pool):
     """rollout.backend=ray with a LoRA run: the replicas inject the trainer's adapter layout, the first sync
     (verified on every replica) broadcasts only the adapter tensors (sync_backend=gloo, the NCCL path's code

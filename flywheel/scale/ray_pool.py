@@ -104,6 +104,22 @@ def wait_until_alive(actor, timeout_s: float, what: str) -> dict:
             time.sleep(0.1)
 
 
+def wait_for_start(actors: list, timeout_s: float, what: str, cpus: float, gpus: float) -> None:
+    """Wait until every actor is built; past `timeout_s` (most often: the cluster cannot place them), kill them and
+    raise an error that gives what they asked for and what Ray has."""
+    try:
+        ray.get([a.state.remote() for a in actors], timeout=timeout_s)
+    except GetTimeoutError as exc:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        have = {k: ray.available_resources().get(k, 0.0) for k in ("CPU", "GPU")}
+        total = {k: ray.cluster_resources().get(k, 0.0) for k in ("CPU", "GPU")}
+        raise TimeoutError(f"{what} did not start within {timeout_s:.0f}s: they ask for {cpus:g} CPU(s) and {gpus:g} "
+                           f"GPU(s) in all; Ray has {have['CPU']:g} CPU(s) and {have['GPU']:g} GPU(s) free of "
+                           f"{total['CPU']:g} and {total['GPU']:g}. Ask for less per actor, or add nodes "
+                           "(ray start --address=<head>:6379)") from exc
+
+
 def get_retrying(ref, resend: Callable, recover: Callable, what: str, timeout_s: float, max_failures: int):
     """`ray.get(ref)`; when the actor died (or a restarted replica refused), `recover()` and `resend()`, at most
     `max_failures` times before an error naming `what` and the last failure."""
@@ -224,11 +240,13 @@ class RayEnginePool:
     def __init__(self, card: str, replicas: int = 2, path: str | None = None, cpus_per_replica: float = 1.0,
                  gpus_per_replica: float = 0.0, weight_version: int = 0, lora: dict | None = None,
                  model_factory: Callable | None = None, max_failures: int = 3, max_restarts: int = 3,
-                 call_timeout_s: float = 600.0, restart_timeout_s: float = 120.0, max_concurrency: int = 8,
+                 call_timeout_s: float = 600.0, restart_timeout_s: float = 120.0, start_timeout_s: float = 300.0,
+                 max_concurrency: int = 8,
                  threads: int = 1, name: str = "rollout"):
         """`model_factory`: a picklable function returning the FlowModel (instead of loading `card`);
         `max_failures`: attempts of one chunk that may fail before the call raises; `max_restarts`: how often
-        Ray restarts one replica; `max_concurrency`: calls a replica serves at once (sync calls among them)."""
+        Ray restarts one replica; `start_timeout_s`: the wait for every replica to be placed and loaded;
+        `max_concurrency`: calls a replica serves at once (sync calls among them)."""
         if not ray.is_initialized():
             raise RuntimeError("RayEnginePool needs a running Ray: call ray.init() (a local Ray) or "
                                "ray.init(address='auto') (a cluster started with `ray start --head`) first")
@@ -246,8 +264,9 @@ class RayEnginePool:
                                                   max_concurrency=max_concurrency)
         self.replicas = [actor.remote(i, card, path, device, weight_version, lora, model_factory, threads)
                          for i in range(replicas)]
-        self._card = ray.get(self.replicas[0].card_id.remote(), timeout=restart_timeout_s)
-        ray.get([r.state.remote() for r in self.replicas], timeout=restart_timeout_s)  # every replica loaded
+        wait_for_start(self.replicas, start_timeout_s, f"{replicas} {name} replica(s)", replicas * cpus_per_replica,
+                       replicas * gpus_per_replica)
+        self._card = ray.get(self.replicas[0].card_id.remote(), timeout=call_timeout_s)
         self._version = weight_version
         self._committed: dict[str, ray.ObjectRef] = {}  # component -> its last committed weights
         self._written: dict[str, ray.ObjectRef] = {}  # written, not yet committed

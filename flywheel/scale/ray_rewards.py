@@ -25,7 +25,7 @@ import time
 import ray
 import torch
 
-from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_until_alive
+from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_for_start, wait_until_alive
 from rewards import RewardBatch, RewardSet
 
 
@@ -58,7 +58,7 @@ class RayRewardPool:
 
     def __init__(self, spec, actors: int = 1, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
                  max_failures: int = 3, max_restarts: int = 3, call_timeout_s: float = 600.0,
-                 restart_timeout_s: float = 120.0, threads: int = 1,
+                 restart_timeout_s: float = 120.0, start_timeout_s: float = 300.0, threads: int = 1,
                  name: str = "reward_pool", **reward_kwargs):
         """`spec` and `reward_kwargs` as for `RewardSet` (mode, scorer_kwargs, ...), built on every actor."""
         if not ray.is_initialized():
@@ -73,7 +73,8 @@ class RayRewardPool:
         worker = ray.remote(RewardWorker).options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor,
                                                   max_restarts=max_restarts, max_task_retries=0)
         self.actors = [worker.remote(spec, reward_kwargs, threads) for _ in range(actors)]
-        ray.get([a.state.remote() for a in self.actors], timeout=call_timeout_s)  # every scorer built
+        wait_for_start(self.actors, start_timeout_s, f"{actors} {name} actor(s)", actors * cpus_per_actor,
+                       actors * gpus_per_actor)
         self.failures = 0
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
