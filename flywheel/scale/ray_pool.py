@@ -46,6 +46,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import ray
@@ -89,6 +90,13 @@ def host_trajectory(traj: Trajectory) -> Trajectory:
         elif isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
             changes[f.name] = {k: v.detach().cpu() for k, v in value.items()}
     return dataclasses.replace(traj, **changes)
+
+
+def was_restarted() -> bool:
+    """Whether Ray rebuilt this actor after it died (Ray 2.60 warns about its own actor_id inside the call)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def wait_until_alive(actor, timeout_s: float, what: str) -> dict:
@@ -151,7 +159,7 @@ class EngineReplica:
             add_lora(model.transformer, lora["rank"], lora["alpha"], list(lora["targets"]))
         self.engine = Engine(model, device=device, weight_version=weight_version)
         self.index = index
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restarted = was_restarted()
         # Set by a restart or an uncommitted write: the weights are not those of the version the pool serves.
         self.unsynced = "restarted" if self.restarted else None
         self.requests = 0

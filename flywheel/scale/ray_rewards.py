@@ -25,7 +25,7 @@ import time
 import ray
 import torch
 
-from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_for_start, wait_until_alive
+from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_for_start, wait_until_alive, was_restarted
 from rewards import RewardBatch, RewardSet
 
 
@@ -50,7 +50,7 @@ class RewardWorker:
     def state(self) -> dict:
         with self.lock:
             return {"rows": self.rows, "busy_s": self.busy_s, "pid": os.getpid(),
-                    "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
+                    "restarted": was_restarted()}
 
 
 class RayRewardPool:
