@@ -50,3 +50,16 @@ def dotted_keys(cls, prefix: str = "") -> list[str]:
         else:
             keys.append(prefix + f.name)
     return keys
+
+
+def negate_advantages(monkeypatch) -> None:
+    """The honest control of a learning test: every later rollout's advantages with their sign flipped."""
+    import flywheel.loop
+
+    original = flywheel.loop.distributed_reward_advantages
+
+    def negated(*args, **kwargs):
+        adv, usable = original(*args, **kwargs)
+        return -adv, usable
+
+    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import flywheel.loop
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.awm import ANCHOR_PREFIX, Config, ema_anchor, main, validate_config
 
-from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, without_timings
+from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, negate_advantages, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two flow times per sample instead of six: a quarter of the default's training forwards.
@@ -45,13 +44,7 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
     """An honest control: the same run with the advantage sign flipped must go the other way."""
     steps = ["steps=12", "eval_every=12", "train.learning_rate=1e-3"]
     real, _ = run(tmp_path, "real", *steps)
-    original = flywheel.loop.distributed_reward_advantages
-
-    def negated(*args, **kwargs):
-        adv, usable = original(*args, **kwargs)
-        return -adv, usable
-
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps)
     base, final, worse = real["base"], real["final"], control["final"]
     assert control["base"]["eval/reward/mean"] == base["eval/reward/mean"]  # same seed, same start

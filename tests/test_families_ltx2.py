@@ -20,6 +20,8 @@ from flywheel.recipe.update import trajectory_conditioning
 from flywheel.runs.checkpoint import latest_checkpoint
 from flywheel.runs.rundir import read_metrics
 
+from recipe_kill import negate_advantages
+
 SIZE = dict(height=32, width=64, frames=5)  # non-square: latents 4x8 per frame, 3 latent frames, 5 audio frames
 PROMPTS = ["a red cat", "a blue dog", "sun"]
 SEEDS = (3, 11, 4)
@@ -377,7 +379,6 @@ def test_grpo_raises_an_audio_reward_and_negated_advantages_lower_it(folder, pro
     """The tiny vocoder's output moves little with its input (RMS 0.156, about +-0.002 over the latents
     tried), so the margins are small in absolute terms; the evaluation is the ODE on fixed seeds, so they
     are the training's doing. Measured: 0.15633 -> 0.15682 (real), -> 0.15555 (negated), 6 steps."""
-    import flywheel.loop
     from rewards import registry
     from trainers.grpo import main
 
@@ -386,13 +387,7 @@ def test_grpo_raises_an_audio_reward_and_negated_advantages_lower_it(folder, pro
              "model.finetune=full", "train.learning_rate=1e-2", "data.group_size=4"]
     try:
         main(grpo_args(folder, prompts_file, tmp_path / "real", *steps))
-        original = flywheel.loop.distributed_reward_advantages
-
-        def negated(*args, **kwargs):
-            adv, usable = original(*args, **kwargs)
-            return -adv, usable
-
-        monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+        negate_advantages(monkeypatch)
         main(grpo_args(folder, prompts_file, tmp_path / "negated", *steps))
     finally:
         registry.unregister("test_waveform_rms")

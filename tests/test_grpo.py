@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import flywheel.loop
 from engine import list_cards
 from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
 
-from recipe_kill import kill_after_checkpoint, without_timings
+from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick, but big enough that the reward moves within a few dozen steps.
@@ -66,13 +65,7 @@ def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch)
     """An honest control: the same run with the advantage sign flipped must go the other way."""
     steps = ["steps=24", "eval_every=24"]
     real, _ = run(tmp_path, "real", *steps)
-    original = flywheel.loop.distributed_reward_advantages
-
-    def negated(*args, **kwargs):
-        adv, usable = original(*args, **kwargs)
-        return -adv, usable
-
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps)
     base = real["base"]["eval/reward/mean"]
     assert control["base"]["eval/reward/mean"] == base  # same seed, same start

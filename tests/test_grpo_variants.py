@@ -26,7 +26,7 @@ from flywheel.runs.rundir import read_metrics
 from trainers.grpo import (Config, chosen_steps, fast_window, grpo_update, main, mixgrpo_window, rollout_window,
                            validate_config, window_span)
 
-from recipe_kill import kill_after_checkpoint, without_timings
+from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
@@ -423,13 +423,7 @@ def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch,
     """The honest control of tests/test_grpo.py, for each option (Guard trains half the steps, as test_grpo does)."""
     steps = ["steps=24", "eval_every=24"]
     real, _ = run(tmp_path, "real", *steps, *option)
-    original = flywheel.loop.distributed_reward_advantages
-
-    def negated(*args, **kwargs):
-        adv, usable = original(*args, **kwargs)
-        return -adv, usable
-
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps, *option)
     base = real["base"]["eval/reward/mean"]
     assert control["base"]["eval/reward/mean"] == base

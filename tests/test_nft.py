@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import flywheel.loop
 from flywheel.recipe.session import RECIPE_TENSOR_PREFIX
 from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.nft import Config, main, validate_config
 
-from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, without_timings
+from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, negate_advantages, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
@@ -104,13 +103,7 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
     """An honest control: the same run with the flywheel's advantages negated (so r = 1 - r) goes the other way."""
     args = ["steps=14", "eval_every=14", "data.prompts_per_step=4", "train.learning_rate=1e-3"]
     real, _ = run(tmp_path, "real", *args)
-    original = flywheel.loop.distributed_reward_advantages
-
-    def negated(*a, **k):
-        adv, usable = original(*a, **k)
-        return -adv, usable
-
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *args)
     base = real["base"]["eval/reward/mean"]
     base_judge = real["base"]["eval/judge/digit_svc/mean"]

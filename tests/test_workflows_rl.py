@@ -12,7 +12,7 @@ from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
 
-from recipe_kill import kill_after_checkpoint, without_timings
+from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
 
 WORKFLOW = ["model.workflow=toy.digits_then_refine", "train.stage=draw"]
 QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
@@ -108,13 +108,7 @@ def test_training_the_first_stage_raises_the_reward_after_refinement_and_negated
     alone moves more: the frozen refine stage redraws part of every image)."""
     steps = ["steps=24", "eval_every=24"]
     real, _ = run(tmp_path, "real", *steps)
-    original = flywheel.loop.distributed_reward_advantages
-
-    def negated(*args, **kwargs):
-        adv, usable = original(*args, **kwargs)
-        return -adv, usable
-
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps)
     base = real["base"]["eval/reward/mean"]
     assert control["base"]["eval/reward/mean"] == base
