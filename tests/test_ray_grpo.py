@@ -1,9 +1,5 @@
-"""A GRPO run with rollout.backend=ray rollout.replicas=2 on toy-digits equals the local run step by step.
+"""A GRPO run with rollout.backend=ray rollout.replicas=2 on toy-digits equals the local run step by step."""
 
-Needs the `rollout` section in RunConfig and its hook in flywheel/recipe/rollouts.py (issue 16's patch);
-skipped, saying so, until both are in."""
-
-import dataclasses
 import math
 
 import pytest
@@ -12,11 +8,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.
 
 from flywheel.runs.rundir import read_metrics  # noqa: E402
 from recipe_kill import without_timings  # noqa: E402
-from trainers.grpo import Config, main  # noqa: E402
-
-if "rollout" not in {f.name for f in dataclasses.fields(Config)}:
-    pytest.skip("RunConfig has no `rollout` section yet (issue 16's patch to flywheel/recipe/sections.py and "
-                "rollouts.py)", allow_module_level=True)
+from trainers.grpo import main  # noqa: E402
 
 QUICK = ["tracker=none", "steps=3", "data.prompts_per_step=4", "data.group_size=8", "sampling.eval_seeds=1",
          "eval_every=1000", "save_every=1000", "sample_every=1000"]

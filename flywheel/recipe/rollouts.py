@@ -22,11 +22,11 @@ from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.policy import Policy, lora_targets
 from flywheel.recipe.sections import rollout_request_kwargs
 from flywheel.recipe.workflow import workflow_stage_engine
+from flywheel.scale.config import build_rewards, build_rollout_engine
 from flywheel.sync.async_rollouts import AsyncCollector
 from flywheel.sync.controller import CopyTransport, SharedMemoryTransport, WeightSyncController
 from flywheel.sync.engine_process import EngineProcess
 from flywheel.video import MiddleFrameRewards
-from rewards import RewardSet
 
 SERVE_MODES = ("colocated", "copy")
 
@@ -42,10 +42,23 @@ class Rollouts:
             raise ValueError(f"serve={serve!r}: valid layouts are {', '.join(SERVE_MODES)}")
         self.policy = policy
         self.collector: AsyncCollector | None = None
+        self.pools = []  # Ray actor pools (flywheel.scale): their per-replica metrics go into each row
         if cfg.model.workflow and serve != "colocated":
             raise ValueError(f"model.workflow is not supported by this recipe (its engine serves a policy other "
                              f"than the trained one); unset model.workflow={cfg.model.workflow!r}")
-        if cfg.async_rollouts:
+        if cfg.rollout.backend == "ray":
+            if serve != "colocated" or cfg.async_rollouts or cfg.model.workflow:
+                raise ValueError("rollout.backend=ray serves the trained card's policy, synchronously: set "
+                                 "rollout.backend=local for this recipe, async_rollouts=false, or no model.workflow")
+            lora = None
+            if cfg.model.finetune == "lora":
+                lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": lora_targets(cfg)}
+            self.engine, self.controller = build_rollout_engine(
+                cfg.rollout, cfg.model.card, path=cfg.model.path, weight_version=max(version - 1, 0), lora=lora,
+                initial_weights={n: p.detach() for n, p in policy.named_params}, rank=accelerator.process_index,
+                world=accelerator.num_processes, device=str(accelerator.device))
+            self.pools.append(self.engine)
+        elif cfg.async_rollouts:
             if serve != "colocated":
                 raise ValueError("async_rollouts=true is not supported by this recipe (its engine serves a "
                                  "policy other than the trained one); set async_rollouts=false")
@@ -60,8 +73,10 @@ class Rollouts:
             self.engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                  time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
             self.controller = WeightSyncController(self.engine, mode="colocated")
-        rewards = RewardSet(cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
-                            remote_budget_s=cfg.reward_budget_s)
+        rewards = build_rewards(cfg.rollout, cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
+                                remote_budget_s=cfg.reward_budget_s)
+        if cfg.rollout.reward_actors:
+            self.pools.append(rewards)
         if policy.card_defaults.get("video") or cfg.model.workflow:
             # Image scorers see each video's middle frame (a workflow's output may be videos whatever card is
             # trained: image_video.t2i_i2v); images pass through unchanged.
@@ -76,7 +91,7 @@ class Rollouts:
             cfg.data.group_size, request_kwargs=rollout_request_kwargs(cfg.sampling), seed=cfg.seed,
             adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std)
         self.eval_engine = rollout_engine
-        if serve == "copy" or (cfg.async_rollouts and cfg.train.ema):
+        if serve == "copy" or ((cfg.async_rollouts or cfg.rollout.backend == "ray") and cfg.train.ema):
             # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine
             # process holds only synced weights, never train.ema's average): evaluate the trained module here.
             self.eval_engine = Engine(policy.model, device=accelerator.device, weight_version=version,
@@ -115,7 +130,10 @@ class Rollouts:
                         judges)
 
     def metrics(self) -> dict:
-        return self.collector.metrics() if self.collector is not None else {}
+        out = self.collector.metrics() if self.collector is not None else {}
+        for pool in self.pools:
+            out.update(pool.metrics())
+        return out
 
     def state_dict(self) -> dict:
         return {"async_collector": self.collector.state_dict()} if self.collector is not None else {}
@@ -126,6 +144,8 @@ class Rollouts:
             self.collector.close()
             self.controller.close()
         self.flywheel.close()
+        for pool in self.pools:
+            pool.close()
 
 
 def cpu_core_sharing(collector: AsyncCollector | None, accelerator):

@@ -17,6 +17,7 @@ from flywheel.recipe.workflow import check_workflow_keys
 from flywheel.runs.checkpoint import resolve_resume
 from flywheel.runs.checks import ConfigChecks, config_value
 from flywheel.runs.config import ConfigError, apply_overrides, load_config, parse_config
+from flywheel.scale.config import RolloutConfig
 
 
 @dataclass
@@ -156,6 +157,8 @@ class RunConfig:
     """async rollouts: a batch may lag the trainer by this many weight versions; older ones are regenerated"""
     overlap_scoring: bool = False
     """score each rollout chunk on a background thread while the engine generates the next one"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """where rollouts and rewards run: this process (local) or Ray actors (backend=ray, reward_actors)"""
     eval_every: int = 20
     """evaluate every N steps (and at the start and end)"""
     sample_every: int = 20
