@@ -155,10 +155,13 @@ def test_a_replica_killed_mid_step_is_restarted_resynced_and_the_step_is_unchang
     failures = pool.failures
     with ThreadPoolExecutor(max_workers=1) as executor:
         step = executor.submit(pool.generate, requests)
-        time.sleep(0.3)  # both chunks are running
+        time.sleep(0.3)  # both chunks are running (on a loaded machine; an idle one may be done already)
         ray.kill(pool.replicas[1], no_restart=False)
         traj = step.result(timeout=120)
     assert torch.equal(traj.latents, expected.latents) and traj.weight_version == version
+    if pool.failures == failures:  # the step outran the kill: the dead replica fails the next step instead
+        traj = pool.generate(requests)
+        assert torch.equal(traj.latents, expected.latents) and traj.weight_version == version
     assert pool.failures > failures
     state = ray.get(pool.replicas[1].state.remote())
     assert state["restarted"] and state["version"] == version and state["unsynced"] is None
