@@ -42,3 +42,51 @@ def test_grpo_on_two_ray_replicas_equals_the_local_engine_step_by_step(tmp_path)
             [16.0, 16.0]
     for row in steps:  # the row's metrics are read after its sync: every replica serves the synced version
         assert row["rollout/replica0/version"] == row["rollout/replica1/version"] == row["weight_version_after"]
+
+
+@pytest.mark.slow
+def test_under_accelerate_launch_each_rank_drives_its_replicas_and_the_run_equals_the_local_one(tmp_path):
+    """Two trainer processes (DDP on the CPU) joined to a cluster started with `ray start --head`, one replica
+    each: every metric of the run equals the same 2-process run without Ray."""
+    import os
+    import socket
+    import subprocess
+    import shutil
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Ray 2.60 clusters authenticate with a token (generated at `ray start`, read by drivers in this mode).
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 characters
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                             "--disable-usage-stats", f"--temp-dir={temp}"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    accelerate = root / "configs" / "accelerate" / "ddp.yaml"
+    config = tmp_path / "ddp_cpu.yaml"
+    config.write_text(accelerate.read_text().replace("use_cpu: false", "use_cpu: true"))
+    args = [*QUICK, "steps=2", "data.prompts_per_step=4", "data.group_size=4"]
+
+    def launch(name, *extra):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", "0", str(root / "trainers" / "grpo.py"), f"run_dir={tmp_path / name}",
+               *args, *extra]
+        subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, cwd=root)
+        return read_metrics(tmp_path / name / "metrics.jsonl")
+
+    try:
+        time.sleep(3)  # the head's GCS comes up
+        pooled = launch("ray", "rollout.backend=ray", "rollout.replicas=2", "rollout.cpus_per_replica=0.5",
+                        f"rollout.address=127.0.0.1:{port}")
+    finally:
+        head.terminate()
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
+    local = launch("local")
+    assert len(pooled) == len(local) == 3 and comparable(pooled) == comparable(local)
