@@ -49,6 +49,7 @@ def test_under_accelerate_launch_each_rank_drives_its_replicas_and_the_run_equal
     """Two trainer processes (DDP on the CPU) joined to a cluster started with `ray start --head`, one replica
     each: every metric of the run equals the same 2-process run without Ray."""
     import os
+    import secrets
     import socket
     import subprocess
     import shutil
@@ -61,8 +62,9 @@ def test_under_accelerate_launch_each_rank_drives_its_replicas_and_the_run_equal
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # Ray 2.60 clusters authenticate with a token (generated at `ray start`, read by drivers in this mode).
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    # Ray 2.60 clusters authenticate with a token: this cluster's own, given to the head and the drivers.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(root)}
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 characters
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                              f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
