@@ -321,7 +321,7 @@ def adaptive_loop_for(requests: Sequence) -> AdaptiveLoop | None:
 
     Rows that ask for nothing get threshold 0 and no early exit: they call the model at every step.
     """
-    if all(r.cache_threshold == 0 and r.early_exit is None for r in requests):
+    if not any(r.adaptive for r in requests):
         return None
     return AdaptiveLoop([r.cache_threshold for r in requests], [r.early_exit for r in requests],
                         [r.cache_order for r in requests])

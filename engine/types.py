@@ -121,12 +121,16 @@ class GenerationRequest:
             if self.early_exit == 0:
                 raise ValueError("early_exit=0 can never be met; valid: 0 < early_exit <= 1, or None for no early exit")
         window_end = self.sde_window[1] if self.sde_window is not None else self.steps
-        adaptive = self.cache_threshold > 0 or self.early_exit is not None
-        if adaptive and self.sampler != "ode" and window_end >= self.steps:
+        if self.adaptive and self.sampler != "ode" and window_end >= self.steps:
             raise ValueError(f"cache_threshold / early_exit skip model calls only on the ODE steps after a rollout's "
                              f"SDE window (a trained step's log-prob needs its own model call), and "
                              f"sde_window={self.sde_window} with steps={self.steps} leaves none; valid: sampler='ode', "
                              f"an sde_window ending before steps, or cache_threshold=0 and early_exit=None")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the request asks the adaptive loop to skip model calls (engine/adaptive.py)."""
+        return self.cache_threshold > 0 or self.early_exit is not None
 
     def _check_audio(self) -> None:
         if not isinstance(self.audio, bool):

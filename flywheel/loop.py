@@ -237,8 +237,7 @@ def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_
     scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version,
                            **reward_inputs(trajectory))
     metrics = scored.metrics(prefix="eval/reward")
-    if trajectory.steps_computed is not None and any(r.cache_threshold > 0 or r.early_exit is not None
-                                                     for r in requests):
+    if trajectory.steps_computed is not None and any(r.adaptive for r in requests):
         # The adaptive loop's model calls per sample (of the requested steps), beside the reward it gave.
         metrics["eval/model_calls"] = float(trajectory.steps_computed.float().mean())
     if classes is not None:

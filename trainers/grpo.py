@@ -100,14 +100,14 @@ from typing import Literal
 
 import torch
 
-from engine import Trajectory, get_card
+from engine import Trajectory
 from engine.loop import guided_velocity
 from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_std
 from flywheel.cli import run_main
 from flywheel.loop import RolloutBatch
 from flywheel.recipe.policy import build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
+from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -499,7 +499,7 @@ def validate_config(cfg: Config) -> None:
         checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
                     "train.kl_form=exact")
     check_window_keys(cfg, checks)
-    if cfg.train.guard and card_generates_sound(cfg.model.card):
+    if cfg.train.guard and card_flag(cfg.model.card, "audio"):
         checks.fail(f"train.guard=true with model.card={cfg.model.card}: GRPO-Guard rescales each step by its one "
                     "transition std, and a joint audio+video card has one per modality (its video-only path "
                     "included); set train.guard=false")
@@ -509,13 +509,6 @@ def validate_config(cfg: Config) -> None:
                     "training forward would score a policy other than the one that sampled (every ratio far "
                     "from 1). Set train.cfg_in_train=true, or sampling.guidance_scale=1")
     checks.raise_if_any()
-
-
-def card_generates_sound(card: str) -> bool:
-    try:
-        return bool(get_card(card).defaults.get("audio", False))
-    except KeyError:
-        return False  # the unknown card is reported by the shared checks
 
 
 def check_window_keys(cfg: Config, checks) -> None:

@@ -250,13 +250,19 @@ def check_shared_sections(cfg) -> ConfigChecks:
     return checks
 
 
+def card_flag(card: str, name: str) -> bool:
+    """A card's boolean default (`audio`, `image_conditioned`, `video`); False for an unknown card, which the
+    card check reports."""
+    try:
+        return bool(get_card(card).defaults.get(name, False))
+    except KeyError:
+        return False
+
+
 def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
     """An image-conditioned card (image-to-video) needs an "image" in every row of its datasets, and no other
     card takes one: refused here, before a model of many GB is loaded for the first generate to fail."""
-    try:
-        conditioned = bool(get_card(cfg.model.card).defaults.get("image_conditioned", False))
-    except KeyError:
-        return  # the unknown card is reported by the card check
+    conditioned = card_flag(cfg.model.card, "image_conditioned")
     rows = [i + 1 for i, item in enumerate(items) if ("image" in item.metadata) != conditioned]
     if not rows:
         return
@@ -273,14 +279,9 @@ def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
 def check_audio_keys(cfg, checks: ConfigChecks) -> None:
     """sampling.audio only on a card that generates sound; its own guidance and noise level only with it."""
     sampling = cfg.sampling
-    if sampling.audio:
-        try:
-            generates_sound = bool(get_card(cfg.model.card).defaults.get("audio", False))
-        except KeyError:
-            return  # the unknown card is reported by the card check
-        if not generates_sound:
-            checks.fail(f"sampling.audio=true: card {cfg.model.card!r} generates no sound; joint audio+video cards: "
-                        f"{', '.join(c for c in list_cards() if get_card(c).defaults.get('audio'))}")
+    if sampling.audio and cfg.model.card in list_cards() and not card_flag(cfg.model.card, "audio"):
+        checks.fail(f"sampling.audio=true: card {cfg.model.card!r} generates no sound; joint audio+video cards: "
+                    f"{', '.join(c for c in list_cards() if card_flag(c, 'audio'))}")
     for key in ("sampling.audio_guidance_scale", "sampling.audio_noise_level"):
         if config_value(cfg, key) is not None and not sampling.audio:
             checks.fail(f"{key}={config_value(cfg, key)} is set but sampling.audio=false: it applies to the audio "
