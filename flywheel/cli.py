@@ -25,10 +25,22 @@ import torch
 from flywheel.runs.config import ConfigError
 from flywheel.runs.rundir import RunDirInUseError
 
+
+
+class NothingTrainedError(RuntimeError):
+    """A run that ended with everything saved but took no optimizer step: its weights are the ones it
+    started from. `summary` is what the recipe's main would have returned."""
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+
+
 # Errors that say the command line was wrong: shown as a message, not a traceback.
 USAGE_ERRORS = (ConfigError, RunDirInUseError)
 
 CONFIG_ERROR_EXIT = 2  # as argparse: the command line was wrong
+NOTHING_TRAINED_EXIT = 3  # the run went through, saved, and trained nothing
 _LAUNCHER_WAIT_S = 60.0
 
 
@@ -83,20 +95,26 @@ def sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _exit_with_message(message: str, code: int) -> None:
+    """Print `message` as the last line (rank 0; again after the launcher's traceback) and exit with `code`."""
+    if _is_rank_zero():
+        print(message, file=sys.stderr, flush=True)
+        if _under_accelerate_launch():
+            _repeat_after_launcher(message)
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Call a recipe's `main()`; exit 2 with the message alone on a usage error (a bad config, a used run
-    dir); leave gloo ranks cleanly."""
+    dir, a refused resume), 3 when the run trained nothing (everything saved); leave gloo ranks cleanly."""
     try:
         with sigterm_as_exit():  # `kill` unwinds like Ctrl-C: the recipe closes its engine process itself
             main()
     except USAGE_ERRORS as e:
-        message = f"error: {e}"
-        if _is_rank_zero():
-            print(message, file=sys.stderr, flush=True)
-            if _under_accelerate_launch():
-                _repeat_after_launcher(message)
-        sys.stdout.flush()
-        os._exit(CONFIG_ERROR_EXIT)
+        _exit_with_message(f"error: {e}", CONFIG_ERROR_EXIT)
+    except NothingTrainedError as e:
+        _exit_with_message(f"error: {e}", NOTHING_TRAINED_EXIT)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # gloo ranks sometimes abort at interpreter exit; leave cleanly once all is flushed.
         sys.stdout.flush()

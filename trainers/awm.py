@@ -458,7 +458,7 @@ def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="awm")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="awm")
     policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)

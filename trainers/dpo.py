@@ -341,7 +341,9 @@ def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
     pair_metrics = {"dpo/pairs": float(real), "dpo/groups_used": pairs.groups_used / max(pairs.groups, 1),
                     "dpo/reward_gap": float(pairs.reward_gap.mean()) if real else 0.0}
     if slots == 0:
-        return {**pair_metrics, "dpo/no_pair": 1.0, "weight_version_after": version}
+        return {**pair_metrics, "dpo/no_pair": 1.0, "weight_version_after": version, "train/optimizer_steps": 0.0,
+                "skip_reason": f"no preference pair (no group had a reward gap over train.pair_margin="
+                               f"{tc.pair_margin})"}
     winners, losers = (pairs.losers, pairs.winners) if tc.swap_pairs else (pairs.winners, pairs.losers)
     # Slots past this rank's pairs hold row 0 against itself with weight 0: forwards for DDP, no gradient.
     fill = torch.zeros(slots - real, dtype=torch.long)
@@ -406,7 +408,7 @@ def validate_config(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="dpo")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="dpo")
     policy = build_policy(cfg, run.device, reference=True)

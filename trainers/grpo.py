@@ -562,7 +562,7 @@ def check_window_keys(cfg: Config, checks) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="grpo")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="grpo")
     policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0 or cfg.train.log_kl)

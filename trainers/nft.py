@@ -506,7 +506,7 @@ def validate_config(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv)
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="nft")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="nft")
     policy = build_policy(cfg, run.device, reference=bool(cfg.train.kl_beta))  # only the KL penalty needs one

@@ -51,6 +51,9 @@ class WeightEMA:
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], what: str = "EMA"):
         self.what = what
         self.shadow = {name: p.detach().to(dtype=torch.float32, copy=True) for name, p in named_params}
+        # Whether the average differs from the weights it started from: an update that met weights unlike it
+        # (or a checkpoint's average, loaded). A run's end warns while it is False (an average that never moved).
+        self.moved = False
 
     @torch.no_grad()
     def update(self, named_params: Iterable[tuple[str, torch.Tensor]], decay: float) -> None:
@@ -58,6 +61,8 @@ class WeightEMA:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"{self.what}: decay {decay} is outside [0, 1]")
         for name, p in named_params:
+            if not self.moved and decay < 1.0:
+                self.moved = not torch.equal(self.shadow[name], p.detach().float())
             self.shadow[name].mul_(decay).add_(p.detach().float(), alpha=1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -75,6 +80,7 @@ class WeightEMA:
                                  f"{tuple(self.shadow[name].shape)} trained")
         for name, value in state.items():
             self.shadow[name].copy_(value)
+        self.moved = True  # a checkpoint's: whether it moved before is not recorded (the zero-adapter check still is)
 
 
 def train_ema_decay(steps_done: int, oc) -> float | None:
@@ -90,3 +96,12 @@ def train_ema_decay(steps_done: int, oc) -> float | None:
     if n % oc.ema_update_every:
         return None
     return min(oc.ema_decay, (1 + n) / (WARMUP_OFFSET + n))
+
+
+def first_ema_move(oc) -> int:
+    """The first training step after which train.ema's average moves (`train_ema_decay` is not None).
+
+    Step 1 when ema_start_step >= 1 (until then the average copies the weights), else ema_update_every:
+    a run of fewer steps exports an average that is still the weights it started from.
+    """
+    return 1 if oc.ema_start_step >= 1 else oc.ema_update_every

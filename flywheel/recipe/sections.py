@@ -14,9 +14,9 @@ from typing import Literal
 from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
 from flywheel.recipe.workflow import check_workflow_keys
-from flywheel.runs.checkpoint import resolve_resume
 from flywheel.runs.checks import ConfigChecks, config_value
-from flywheel.runs.config import ConfigError, apply_overrides, load_config, parse_config
+from flywheel.runs.config import ConfigError, parse_config
+from flywheel.runs.resume import resume_config
 from flywheel.scale.config import RolloutConfig
 
 
@@ -177,18 +177,16 @@ class RunConfig:
     """tracker project name"""
 
 
-def resolve_config(config_class: type, argv: list[str]):
-    """The CLI config; with resume=RUN, the run's saved config.yaml is the base and the CLI overrides it."""
+def resolve_config(config_class: type, argv: list[str], recipe: str | None = None):
+    """The CLI config; with resume=RUN, the run's saved config.yaml is the base, and the CLI's keys that differ
+    from it must be ones a resume may change (flywheel/runs/resume.py); `recipe` must be the run's."""
     cfg = parse_config(config_class, argv)
     if cfg.resume:
         if cfg.overwrite:
             raise ConfigError("resume= continues a run and overwrite=true deletes one: give only one of them")
         # The newest checkpoint that verifies (a corrupt newer one is skipped with a warning);
         # a run dir without its config.yaml is refused rather than resumed with defaults.
-        run_dir, ckpt = resolve_resume(cfg.resume)
-        overrides = [a for a in argv if "=" in a and not a.startswith("--")]
-        cfg = apply_overrides(load_config(config_class, run_dir / "config.yaml"), overrides)
-        cfg.run_dir, cfg.resume, cfg.overwrite = str(run_dir), str(ckpt), False
+        cfg = resume_config(config_class, argv, cfg.resume, recipe)
     return cfg
 
 

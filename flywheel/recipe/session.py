@@ -9,8 +9,13 @@ metrics, progress, and the loop that drives the algorithm's update.
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     result = run.train(rollouts, update)                        # update(batch, step) -> metrics
 
-With train.ema, the run keeps an EMA of the trained weights (flywheel/recipe/ema.py) that evaluation and
-the saved LoRA use; rollouts and weight sync keep the trained weights.
+With train.ema, the run keeps an EMA of the trained weights (flywheel/recipe/ema.py) that evaluation uses and
+that is exported beside the trained LoRA (lora_ema/ and lora/); rollouts and weight sync keep the trained weights.
+
+The main process holds the run directory's lock (`RunDirLock`) from `RecipeRun(...)` to the end of `train`.
+A step that takes no optimizer step says so on the progress bar; a run with such steps ends with the line
+"N of M steps took an optimizer step", and a run in which none did raises NothingTrainedError once
+everything is saved (exit 3 from the command line).
 
 Every recipe writes the same run directory (config.yaml, run.json, metrics.jsonl,
 samples/, checkpoints/) and the same metric keys, so runs of different
@@ -31,23 +36,24 @@ import torch
 
 from flywheel.distributed import all_reduce_mean
 from flywheel.grids import judged_sample_grid
+from flywheel.cli import NothingTrainedError
 from flywheel.guards import check_finite
 from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import save_lora_for_diffusers
 from flywheel.loop import RolloutBatch
 from flywheel.prompts import load_prompts
-from flywheel.recipe.ema import WeightEMA, train_ema_decay
+from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
 from flywheel.recipe.policy import Policy, fsdp_full_params
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import eval_request_kwargs
-from flywheel.runs.checkpoint import load_checkpoint, load_trainable, save_checkpoint
+from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trainable, save_checkpoint
 from flywheel.runs.config import config_to_dict, save_config
-from flywheel.runs.rundir import RunDir, atomic_write_text
+from flywheel.runs.resume import ResumeError, record_resume, resume_changes
+from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker
 from flywheel.video import is_video, middle_frame, write_mp4, write_wav
 from rewards.judges import judges_for_card
 
-RUN_INFO_FILENAME = "run.json"
 # Checkpointed tensors of a recipe's own (a sampling policy, an EMA) travel beside the trained weights
 # under this prefix, and are handed back to the recipe on resume.
 RECIPE_TENSOR_PREFIX = "recipe/"
@@ -55,6 +61,10 @@ RECIPE_TENSOR_PREFIX = "recipe/"
 EMA_TENSOR_PREFIX = "ema/"
 
 Update = Callable[[RolloutBatch, int], dict]
+
+# Why a step took no optimizer step, when no update was called (an update that takes none gives its own reason).
+FLAT_STEP = "every group's rewards were equal (flat groups: no advantage to learn from)"
+MASKED_STEP = "the rewards masked every sample"
 
 
 class RecipeRun:
@@ -68,9 +78,7 @@ class RecipeRun:
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                                        log_with=None if cfg.tracker == "none" else cfg.tracker,
                                        project_dir=cfg.run_dir)
-        # A run dir belongs to one run: a fresh run refuses a used one unless told to overwrite it.
-        self.dir = RunDir(cfg.run_dir, mode="resume" if cfg.resume else "overwrite" if cfg.overwrite else "new",
-                          tracker_dirs=(cfg.project,), is_main_process=self.is_main)
+        self.dir = self._open_run_dir()
         self.accelerator.wait_for_everyone()
         if self.accelerator.device.type == "cpu":
             # One thread per rank: ranks sharing the cores must not oversubscribe them.
@@ -84,6 +92,30 @@ class RecipeRun:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    def _open_run_dir(self) -> RunDir:
+        """The run directory, locked by the main process for the whole run.
+
+        A run dir belongs to one run: a fresh run refuses a used one unless told to overwrite it, and any run
+        refuses one another process runs in. Only the main process checks; its refusal is sent to every rank,
+        so that all of them stop with it instead of waiting for it at the next collective.
+        """
+        cfg = self.cfg
+        refusal, run_dir = None, None
+        try:
+            run_dir = RunDir(cfg.run_dir, mode="resume" if cfg.resume else "overwrite" if cfg.overwrite else "new",
+                             tracker_dirs=(cfg.project,), is_main_process=self.is_main, lock=True)
+        except RunDirInUseError as e:
+            refusal = e
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            message = broadcast_object_list([None if refusal is None else str(refusal)])[0]
+            if message is not None and refusal is None:
+                refusal = RunDirInUseError(message)
+        if refusal is not None:
+            raise refusal
+        return run_dir
 
     @property
     def device(self) -> torch.device:
@@ -105,16 +137,29 @@ class RecipeRun:
                                   json.dumps({"recipe": self.recipe, "card": cfg.model.card}) + "\n")
             self.ema = self._start_ema(policy, None)
             return
-        # resolve_resume verified its checksums a moment ago; load checks names, sizes and finiteness.
-        state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=policy.named_params,
-                                               checksums=False)
+        try:
+            # resolve_resume verified its checksums a moment ago; load checks names, sizes and finiteness.
+            state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=policy.named_params,
+                                                   checksums=False)
+            trained = {k: v for k, v in state.items() if not k.startswith((RECIPE_TENSOR_PREFIX, EMA_TENSOR_PREFIX))}
+            load_trainable(policy.named_params, trained, cfg.resume)  # strict: every trained tensor, nothing else
+        except CheckpointError as e:
+            raise ResumeError(" ".join(f"resume={cfg.resume}: {e}".split())) from None
         self.recipe_tensors = _with_prefix(state, RECIPE_TENSOR_PREFIX)
         ema_state = _with_prefix(state, EMA_TENSOR_PREFIX)
-        trained = {k: v for k, v in state.items() if not k.startswith((RECIPE_TENSOR_PREFIX, EMA_TENSOR_PREFIX))}
-        load_trainable(policy.named_params, trained, cfg.resume)  # strict: every trained tensor, nothing else
         self.ema = self._start_ema(policy, ema_state)
         self.start_step, self.version = trainer_state["step"], trainer_state["weight_version"]
         self.trainer_state = trainer_state
+        # The keys the command line changed (resume_config allowed each): they take effect, and are recorded.
+        changes = resume_changes(cfg)
+        if "train.learning_rate" in changes:  # the checkpoint's param_groups brought the run's learning rate back
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.train.learning_rate
+        if changes and self.is_main:
+            record_resume(cfg, self.start_step, changes)
+            listed = ", ".join(f"{key}={now!r} (was {was!r})" for key, (was, now) in changes.items())
+            print(f"resume at step {self.start_step}: {listed}; recorded in {self.dir.config_path} under "
+                  "resume_overrides", file=sys.stderr, flush=True)
         if self.is_main:
             self.dir.metrics.truncate_after(self.start_step)  # rows a killed run wrote after its last checkpoint
             # time/wall_s continues from the checkpoint's step, so curves against wall time join up.
@@ -130,8 +175,8 @@ class RecipeRun:
                       "train.ema=true to keep it)", file=sys.stderr, flush=True)
             return None
         if checkpointed is not None and not checkpointed:  # checked on every rank: they all stop together
-            raise ValueError(f"resume={self.cfg.resume}: the checkpoint holds no train.ema average (its run had "
-                             "train.ema=false); resume with train.ema=false, or start a fresh run")
+            raise ResumeError(f"resume={self.cfg.resume}: the checkpoint holds no train.ema average (its run had "
+                              "train.ema=false); resume with train.ema=false, or start a fresh run")
         if not self.is_main:
             return None
         ema = WeightEMA(policy.named_params, what="the train.ema average")
@@ -154,17 +199,28 @@ class RecipeRun:
         """Roll out, update, evaluate, log and checkpoint for steps start..cfg.steps; returns the run's summary.
 
         `update(batch, step)` runs the algorithm's optimizer steps and returns its
-        metrics, including "weight_version_after". A step with no usable sample
-        (all masked, or every group's rewards equal) takes no optimizer step.
+        metrics, including "weight_version_after" and "train/optimizer_steps" (how
+        many it took: `GradientSteps.metrics` gives both), and "skip_reason" (a
+        string) when it took none. A step with no usable sample (all masked, or
+        every group's rewards equal) takes no optimizer step and calls no update.
+        Each step without one is said on the progress bar and counted; a run in
+        which no step took one raises NothingTrainedError once everything is saved.
         `recipe_state()` gives the recipe's own tensors to checkpoint (see `resume`).
+        The run directory's lock is let go on the way out, however the run ends.
         """
+        try:
+            return self._train(rollouts, update, recipe_state)
+        finally:
+            self.dir.release()
+
+    def _train(self, rollouts: Rollouts, update: Update, recipe_state: Callable[[], dict] | None) -> dict:
         cfg, accelerator = self.cfg, self.accelerator
         if rollouts.flywheel.sampler.position(self.start_step) != self.trainer_state.get(
                 "data_position", rollouts.flywheel.sampler.position(self.start_step)):
-            raise ValueError(f"resume={cfg.resume}: the checkpoint was at data position "
-                             f"{self.trainer_state['data_position']} but step {self.start_step} of these prompts is "
-                             f"at {rollouts.flywheel.sampler.position(self.start_step)}: data.prompts or "
-                             "data.prompts_per_step changed since it was saved")
+            raise ResumeError(f"resume={cfg.resume}: the checkpoint was at data position "
+                              f"{self.trainer_state['data_position']} but step {self.start_step} of these prompts "
+                              f"is at {rollouts.flywheel.sampler.position(self.start_step)}: the prompts of data.prompts "
+                              "changed since it was saved")
         self.rollouts = rollouts
         self.judges = judges_for_card(cfg.model.card) if self.is_main else {}
         self.watch = HackingWatch()  # reward rising while the judge falls, overall or in one class
@@ -186,6 +242,7 @@ class RecipeRun:
         version = rollouts.version
         skipped = self.trainer_state.get("skipped_steps", 0)
         masked_run = self.trainer_state.get("masked_run", 0)
+        self.skip_reasons: dict[str, int] = {}  # why this session's steps took no optimizer step
         try:
             for step in range(self.start_step, cfg.steps):
                 step_start = time.perf_counter()
@@ -197,17 +254,26 @@ class RecipeRun:
                 if signal["usable"] > 0:
                     masked_run = 0
                     train_metrics = update(batch, step)
+                    if "train/optimizer_steps" not in train_metrics:
+                        raise RuntimeError(f"the {self.recipe} update returned no 'train/optimizer_steps': every "
+                                           "update says how many optimizer steps it took (GradientSteps.metrics)")
+                    skip_reason = train_metrics.pop("skip_reason", "the update took none")
                 else:
                     # No sample carries a signal (all masked, or every group's rewards equal): an optimizer
                     # step would still move the weights through AdamW's momentum and weight decay. Skip it.
-                    skipped += 1
                     masked_run = masked_run + 1 if signal["valid"] == 0 else 0
                     if masked_run >= cfg.train.max_masked_steps:
                         raise RuntimeError(
                             f"step {step + 1}: the rewards masked every sample of the last {masked_run} steps "
                             f"(train.max_masked_steps={cfg.train.max_masked_steps}); see the reward/*/invalid "
                             f"metrics in {self.dir.metrics_path} and the scorer's errors")
-                    train_metrics = {"weight_version_after": version}
+                    skip_reason = (MASKED_STEP if signal["valid"] == 0 else FLAT_STEP)
+                    train_metrics = {"weight_version_after": version, "train/optimizer_steps": 0.0}
+                if train_metrics["train/optimizer_steps"] == 0:
+                    skipped += 1
+                    self.skip_reasons[skip_reason] = self.skip_reasons.get(skip_reason, 0) + 1
+                    if self.is_main:
+                        _progress_write(f"warning: step {step + 1} took no optimizer step: {skip_reason}")
                 train_metrics["train/skipped_steps"] = skipped
                 train_metrics.update(self.move_ema(step + 1))
                 train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
@@ -233,11 +299,12 @@ class RecipeRun:
                 progress.update(1)
                 progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}",
                                      kl=f"{row.get('kl', 0.0):.2e}", v=version,
+                                     **({"skipped": skipped} if skipped else {}),
                                      **({"HACKING?": self.watch.last.short} if self.watch.last.short else {}))
         finally:
             progress.close()
             rollouts.close()
-        return self.finish(base_eval, row)
+        return self.finish(base_eval, row, skipped)
 
     # --- the blocks the loop uses -------------------------------------------------------------------
 
@@ -322,33 +389,92 @@ class RecipeRun:
                                 {"step": step, **trainer_state}, keep_last=self.cfg.keep_checkpoints)
         self.accelerator.wait_for_everyone()
 
-    def finish(self, base_eval: dict | None, row: dict) -> dict:
-        """Save the LoRA for diffusers (train.ema's average when on, as Flow-GRPO saves), print base -> final,
-        end the trackers; a NaN final eval fails the run."""
+    def finish(self, base_eval: dict | None, row: dict, skipped: int = 0) -> dict:
+        """Save the LoRA for diffusers (lora/: the trained adapter; lora_ema/: train.ema's average, when on),
+        print base -> final and which adapter is which, end the trackers. A NaN final eval fails the run, and so
+        does a run in which no step took an optimizer step (NothingTrainedError), both once everything is saved.
+        `skipped`: the run's steps (all sessions) that took no optimizer step."""
         cfg = self.cfg
+        exported: list[tuple[Path, str]] = []
+        zero_adapter = False
         if cfg.model.finetune == "lora" and self.policy.card_defaults.get("diffusers_pipeline"):
-            # The adapter in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
+            # The adapters in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
+            pipeline = self.policy.card_defaults["diffusers_pipeline"]
             with self.full_params():
                 if self.is_main:
-                    with self.ema_weights():
-                        save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora",
-                                                self.policy.card_defaults["diffusers_pipeline"])
+                    save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora", pipeline)
+                    zero_adapter = _all_lora_b_zero(dict(self.policy.named_params))  # whole weights here
+                    exported.append((self.dir.path / "lora", "the trained adapter"))
+                    if self.ema is not None:
+                        with self.ema_weights():
+                            save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora_ema", pipeline)
+                        exported.append((self.dir.path / "lora_ema", "the train.ema average of the trained adapter"
+                                         " (the one evaluation used)"))
             self.accelerator.wait_for_everyone()
         final_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
+        trained = cfg.steps - skipped
         if self.is_main:
+            for warning in self._unmoved_warnings(exported, zero_adapter):
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
             base = base_eval if base_eval is not None else self._first_eval()
+            measured = " (of the train.ema average)" if self.ema is not None else ""
             print(f"eval reward: base {base.get('eval/reward/mean', float('nan')):.3f} -> "
-                  f"final {final_eval.get('eval/reward/mean', float('nan')):.3f} (run dir {self.dir.path})", flush=True)
+                  f"final {final_eval.get('eval/reward/mean', float('nan')):.3f}{measured} (run dir {self.dir.path})",
+                  flush=True)
+            for path, what in exported:
+                print(f"{path}: {what}", flush=True)
+            if 0 < trained < cfg.steps:
+                print(f"warning: {self._trained_line(trained)}", file=sys.stderr, flush=True)
         self.accelerator.end_training()
         if self.is_main and "eval/reward/mean" in final_eval:
             # Everything is saved; a NaN final evaluation still makes the run fail rather than exit 0.
             check_finite(final_eval["eval/reward/mean"], "the final evaluation reward", cfg.steps,
                          "every evaluation sample was masked: see the eval/reward/*/invalid metrics")
-        return {"base": base_eval, "final": final_eval, "run_dir": str(self.dir.path)}
+        summary = {"base": base_eval, "final": final_eval, "run_dir": str(self.dir.path),
+                   "trained_steps": trained, "steps": cfg.steps}
+        if trained == 0 and cfg.steps > 0:
+            raise NothingTrainedError(f"{self._trained_line(trained)}: the weights are the ones the run started "
+                                      f"from (everything is saved in {self.dir.path})", summary)
+        return summary
+
+    def _trained_line(self, trained: int) -> str:
+        """"N of M steps took an optimizer step", with why this session's others took none."""
+        why = "; ".join(f"{n} skipped: {reason}" for reason, n in self.skip_reasons.items())
+        return f"{trained} of {self.cfg.steps} steps took an optimizer step" + (f" ({why})" if why else "")
+
+    def _unmoved_warnings(self, exported: list[tuple[Path, str]], zero_adapter: bool) -> list[str]:
+        """Why an exported adapter (or train.ema's average) is still the one the run started from, if it is."""
+        out = []
+        names = [p.name for p, _ in exported]
+        if zero_adapter:
+            out.append(f"{self.dir.path / 'lora'}: every lora_B of the trained adapter is zero, so it changes "
+                       "nothing (no optimizer step moved it)")
+        if self.ema is None:
+            return out
+        tc = self.cfg.train
+        where = f"{self.dir.path / 'lora_ema'} and the evaluation" if "lora_ema" in names else "the evaluation"
+        if self.cfg.steps < first_ema_move(tc):
+            out.append(f"the train.ema average never moved: it moves after every train.ema_update_every="
+                       f"{tc.ema_update_every}-th step from train.ema_start_step={tc.ema_start_step}, and this run "
+                       f"has steps={self.cfg.steps}; {where} use the weights the run started from (lower "
+                       "train.ema_update_every, or take lora/, the trained adapter)")
+        elif not self.ema.moved:
+            out.append(f"the train.ema average still equals the weights the run started from (no step moved "
+                       f"them before it was updated); {where} use those weights")
+        elif "lora_ema" in names and _all_lora_b_zero(self.ema.shadow):
+            out.append(f"{self.dir.path / 'lora_ema'}: every lora_B of the train.ema average is zero, so it "
+                       "changes nothing")
+        return out
 
     def _first_eval(self) -> dict:
         rows = [r for r in self.dir.metrics.read() if r.get("step") == 0]
         return rows[0] if rows else {}
+
+
+def _all_lora_b_zero(named: dict[str, torch.Tensor]) -> bool:
+    """Whether a LoRA's every lora_B weight is zero (peft starts them so): the adapter is then the identity."""
+    b = [t for name, t in named.items() if "lora_B" in name]
+    return bool(b) and all(not bool(t.detach().any()) for t in b)
 
 
 def _with_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

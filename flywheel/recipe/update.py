@@ -131,4 +131,5 @@ class GradientSteps:
             out["grad_norm"] = float(torch.stack(self._grad_norms).mean())
         out.update({k: v for k, v in self._sync_metrics.items() if k != "weight_version"})
         out["weight_version_after"] = self._sync_metrics["weight_version"]
+        out["train/optimizer_steps"] = float(len(self._grad_norms))  # RecipeRun counts the steps that took none
         return out

@@ -86,6 +86,11 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of a checkpoint dir (`step_000123` -> 123), from its name; None for any other path."""
+    return _step_of(Path(path))
+
+
 def _step_of(path: Path) -> int | None:
     m = _STEP_DIR.fullmatch(path.name) or _ORPHAN_OLD.fullmatch(path.name)
     return int(m.group(1)) if m else None
@@ -547,7 +552,12 @@ def resolve_resume(path: str | os.PathLike) -> tuple[Path, Path]:
         return run_dir, path
     candidates = _candidates(run_dir / "checkpoints")
     if not candidates:
-        raise FileNotFoundError(f"resume={str(path)!r}: no checkpoint in {run_dir / 'checkpoints'}")
+        # A run killed before its first checkpoint: say how to start it again.
+        raise FileNotFoundError(
+            f"resume={str(path)!r}: no checkpoint in {run_dir / 'checkpoints'} (the run stopped before its first "
+            "checkpoint, so there is nothing to resume from). Start it again with the same command without "
+            "resume= (a run directory with no checkpoint and no trained step counts as fresh), or with "
+            "overwrite=true if it trained steps")
     skipped: list[tuple[Path, CheckpointError]] = []
     for ckpt in reversed(candidates):
         try:

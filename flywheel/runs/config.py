@@ -60,9 +60,13 @@ from omegaconf.errors import OmegaConfBaseException
 from flywheel.runs.rundir import atomic_write_text
 
 __all__ = [
-    "ConfigError", "apply_overrides", "config_help", "config_to_dict", "field_docstrings", "load_config",
-    "parse_config", "save_config",
+    "ConfigError", "RESUME_HISTORY_KEY", "apply_config_files", "apply_overrides", "config_help", "config_to_dict",
+    "field_docstrings", "load_config", "parse_config", "save_config", "split_argv",
 ]
+
+# The top-level key of a run's config.yaml under which resumes record the keys they changed
+# (flywheel/runs/resume.py); reading a config skips it.
+RESUME_HISTORY_KEY = "resume_overrides"
 
 _NoneType = type(None)
 _NONE_WORDS = {"none", "null", "~"}
@@ -351,6 +355,8 @@ def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
     for k, v in (data or {}).items():  # `optim.lr: 1e-3` at the top of a file works like the nested form
+        if k == RESUME_HISTORY_KEY:  # a run's record of what its resumes changed, not a setting
+            continue
         _assign(root, cls, str(k).split("."), v, f"in {path}")
 
 
@@ -380,6 +386,18 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
     if "-h" in argv or "--help" in argv:
         print(config_help(cls, prog))
         sys.exit(0)
+    config_files, overrides = split_argv(argv)
+    root = _base(cls)
+    for path in config_files:
+        _apply_yaml(root, cls, path)
+    for item in overrides:
+        key, value = _split_override(item)
+        _assign(root, cls, key.split("."), value, _CLI)
+    return _finish(root)
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the `--config FILE` paths, the key=value overrides) of a command line, each in its order."""
     config_files, overrides = [], []
     args = iter(argv)
     for arg in args:
@@ -392,12 +410,14 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
             config_files.append(arg.removeprefix("--config="))
         else:
             overrides.append(arg)
-    root = _base(cls)
+    return config_files, overrides
+
+
+def apply_config_files(cfg: Any, config_files: list[str]) -> Any:
+    """A new config: `cfg` with the keys of each YAML file applied in order (as `parse_config` applies them)."""
+    root = _base(cfg)
     for path in config_files:
-        _apply_yaml(root, cls, path)
-    for item in overrides:
-        key, value = _split_override(item)
-        _assign(root, cls, key.split("."), value, _CLI)
+        _apply_yaml(root, type(cfg), path)
     return _finish(root)
 
 

@@ -6,10 +6,12 @@ Layout of a run directory:
     <run>/metrics.jsonl      one JSON object per line, one line a step
     <run>/samples/           PNG grids of samples
     <run>/checkpoints/       step_000123/ dirs (see `flywheel.runs.checkpoint`)
-    <run>/lora/, wandb/, ...  what the recipe and its trackers write
+    <run>/lora/, lora_ema/, wandb/, ...  what the recipe and its trackers write
+    <run>/.flywheel.lock     held (flock) by the process that runs in it
 
 A run directory belongs to one run: `RunDir` refuses to start a fresh run in
-a used one unless told to resume it or to overwrite it (see `RunDir`).
+a used one unless told to resume it or to overwrite it (see `RunDir`), and
+`RunDirLock` refuses a second process while one runs there.
 
 Everything that a crash could leave half-written (config, grids, the metrics
 file when it is rewritten) goes through `atomic_write_*`: a reader sees either
@@ -19,12 +21,14 @@ the old file or the new one, never a torn one.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import io
 import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -37,6 +41,8 @@ from PIL import Image
 
 METRICS_FILENAME = "metrics.jsonl"
 CONFIG_FILENAME = "config.yaml"
+RUN_INFO_FILENAME = "run.json"
+LOCK_FILENAME = ".flywheel.lock"
 
 
 # ---------------------------------------------------------------------------
@@ -286,23 +292,26 @@ def save_image_grid(images: torch.Tensor | np.ndarray, path: str | os.PathLike, 
 
 
 class RunDirInUseError(FileExistsError):
-    """A fresh run was pointed at a directory another run already used."""
+    """A fresh run was pointed at a directory another run already used, or another process runs in it."""
 
 
 # What a run writes into its directory, and so what overwrite=true may delete. Anything
 # else found there is not ours and is left alone. config.yaml is deleted last: an
 # overwrite killed half-way still leaves the directory recognisable as a run's.
-RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "wandb", "run.json", CONFIG_FILENAME)
+RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "lora_ema", "wandb", RUN_INFO_FILENAME,
+                 CONFIG_FILENAME)
 RUN_DIR_MODES = ("new", "resume", "overwrite")
 _CREATED_EMPTY = ("checkpoints", "samples")  # made by RunDir itself before a run writes anything
 
 
 def _used_entries(path: Path) -> list[str]:
-    """What is in `path`, leaving out the empty dirs RunDir creates (a run that stopped before writing)."""
+    """What is in `path`, leaving out the empty dirs RunDir creates (a run that stopped before writing) and the
+    lock file."""
     if not path.is_dir():
         return []
     return sorted(e.name for e in path.iterdir()
-                  if not (e.name in _CREATED_EMPTY and e.is_dir() and not e.is_symlink() and not any(e.iterdir())))
+                  if e.name != LOCK_FILENAME
+                  and not (e.name in _CREATED_EMPTY and e.is_dir() and not e.is_symlink() and not any(e.iterdir())))
 
 
 def _delete(entry: Path) -> None:
@@ -319,6 +328,95 @@ def _check_tracker_dirs(tracker_dirs: tuple[str, ...]) -> None:
             raise ValueError(f"tracker_dirs must be plain directory names inside the run directory, got {name!r}")
 
 
+def _steps_done(path: Path) -> int | None:
+    """The last step a run's metrics.jsonl records (0: only the evaluation before training, or no row);
+    None when the file cannot be read (then the run is not taken for an unstarted one)."""
+    try:
+        rows = read_metrics(path / METRICS_FILENAME)
+    except (OSError, ValueError):
+        return None
+    return max((int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))), default=0)
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether checkpoints/ holds anything (a step_N dir, or what a killed save left)."""
+    checkpoints = path / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
+# In-process holders of run-dir locks, by resolved path: flock excludes other processes, and a later run of
+# this process in the same directory (an earlier RecipeRun left to the garbage collector) takes the lock over.
+_HELD_LOCKS: dict[str, "RunDirLock"] = {}
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory (flock on `<run>/.flywheel.lock`), held until `release`.
+
+    Two processes never run in one directory at once: `acquire` refuses with
+    RunDirInUseError naming the holder's pid while another process holds it.
+    The kernel drops an flock when its process dies, so a run killed with
+    kill -9 leaves a lock file that no longer locks anything: a resume takes it
+    at once. The file itself stays (deleting a lock file races with a process
+    opening it). One process of a launch takes it (the main one).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILENAME
+        self._key = os.path.realpath(self.path)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None and _HELD_LOCKS.get(self._key) is self
+
+    def acquire(self) -> "RunDirLock":
+        earlier = _HELD_LOCKS.get(self._key)
+        if earlier is not None:  # this process already holds it (an earlier run of it): take it over
+            self._fd, earlier._fd = earlier._fd, None
+            _HELD_LOCKS[self._key] = self
+            self._write_pid()
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirInUseError(
+                f"run_dir {self.path.parent} is in use: another run (pid {holder}) is running in it; wait for it "
+                "to end, or choose another run_dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        _HELD_LOCKS[self._key] = self
+        self._write_pid()
+        return self
+
+    def _write_pid(self) -> None:
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Unlock (a no-op when not held, or when a later run of this process took it over)."""
+        if not self.held:
+            self._fd = None
+            return
+        del _HELD_LOCKS[self._key]
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the kernel drops the lock with the process anyway
+            pass
+
+
 class RunDir:
     """A run directory (created if missing) and the paths inside it; it belongs to one run.
 
@@ -327,20 +425,27 @@ class RunDir:
     - "new" (default): a fresh run. A directory that holds anything (besides
       the empty checkpoints/ and samples/ this class creates) is refused with
       RunDirInUseError: metrics, config and checkpoints of two runs would mix.
+      One exception: a run that stopped before its first training step (its
+      config.yaml and run.json there, no checkpoint, no step past 0 in
+      metrics.jsonl) is started again in place, its files replaced, with a note.
     - "resume": continue the run that wrote it; its config.yaml must be there.
     - "overwrite": a fresh run that first deletes the previous run's files:
-      `RUN_ARTIFACTS` (metrics.jsonl, checkpoints/, samples/, lora/, wandb/,
-      config.yaml) and `tracker_dirs` (e.g. the TensorBoard dir accelerate
-      names after the project). Anything else is kept, with a warning. A
+      `RUN_ARTIFACTS` (metrics.jsonl, checkpoints/, samples/, lora/, lora_ema/,
+      wandb/, run.json, config.yaml) and `tracker_dirs` (e.g. the TensorBoard dir
+      accelerate names after the project). Anything else is kept, with a warning. A
       non-empty directory without config.yaml is refused: it is not a run's.
+
+    With `lock=True` the main process first takes the directory's `RunDirLock`
+    (kept in `self.lock` until `release()`), so a second process running in it
+    is refused before anything is checked or deleted.
 
     `tracker_dirs`: names of further dirs the run's trackers write (TensorBoard:
     `<run>/<project>/`). With several processes pass `is_main_process`: only the
-    main one checks, deletes and creates; the others only get the paths.
+    main one locks, checks, deletes and creates; the others only get the paths.
     """
 
     def __init__(self, path: str | os.PathLike, mode: str = "new", tracker_dirs: tuple[str, ...] = (),
-                 is_main_process: bool = True):
+                 is_main_process: bool = True, lock: bool = False):
         if mode not in RUN_DIR_MODES:
             raise ValueError(f"RunDir mode must be one of {', '.join(RUN_DIR_MODES)}, got {mode!r}")
         tracker_dirs = tuple(tracker_dirs)
@@ -351,16 +456,34 @@ class RunDir:
         self.samples_dir = self.path / "samples"
         self.config_path = self.path / CONFIG_FILENAME
         self.metrics_path = self.path / METRICS_FILENAME
+        self.lock: RunDirLock | None = None
         if mode == "resume" and not self.config_path.is_file():
             raise FileNotFoundError(f"resume: {self.config_path} is missing; a run directory without its config "
                                     "cannot be resumed")
         if is_main_process:
-            if mode == "new":
-                self._refuse_used()
-            elif mode == "overwrite":
-                self._clear(tracker_dirs)
-            for d in (self.path, self.checkpoints_dir, self.samples_dir):
-                d.mkdir(parents=True, exist_ok=True)
+            if lock:
+                self.lock = RunDirLock(self.path).acquire()
+            try:
+                if mode == "new":
+                    if self._never_trained():
+                        print(f"note: run_dir {self.path} holds a run that stopped before its first training step "
+                              "(no checkpoint, no step past 0 in metrics.jsonl): starting it again there, its files "
+                              "replaced", file=sys.stderr, flush=True)
+                        self._clear(tracker_dirs)
+                    else:
+                        self._refuse_used()
+                elif mode == "overwrite":
+                    self._clear(tracker_dirs)
+                for d in (self.path, self.checkpoints_dir, self.samples_dir):
+                    d.mkdir(parents=True, exist_ok=True)
+            except BaseException:
+                self.release()
+                raise
+
+    def release(self) -> None:
+        """Let go of the directory's lock (a no-op without one); the process's end does it too."""
+        if self.lock is not None:
+            self.lock.release()
 
     @functools.cached_property
     def metrics(self) -> MetricsLog:
@@ -368,14 +491,26 @@ class RunDir:
         a torn last line, which other processes must not race)."""
         return MetricsLog(self.metrics_path)
 
+    def _never_trained(self) -> bool:
+        """A recipe run that stopped before its first training step: nothing in it is worth resuming."""
+        return (self.config_path.is_file() and (self.path / RUN_INFO_FILENAME).is_file()
+                and not _holds_checkpoint(self.path) and _steps_done(self.path) == 0)
+
     def _refuse_used(self) -> None:
         used = _used_entries(self.path)
-        if used:
+        if not used:
+            return
+        done = _steps_done(self.path)
+        if self.config_path.is_file() and not _holds_checkpoint(self.path) and done:
             raise RunDirInUseError(
-                f"run_dir {self.path} is already used (it holds {', '.join(used)}); a fresh run there would mix "
-                f"with the previous one. Pass resume={self.path} to continue that run, or overwrite=true to "
-                f"delete its run files ({', '.join(RUN_ARTIFACTS)} and tracker logs) and start over, or choose "
-                "another run_dir.")
+                f"run_dir {self.path} holds a run that stopped after step {done}, before its first checkpoint, so "
+                "there is nothing to resume from. Pass overwrite=true to start it over there (deleting its run "
+                f"files: {', '.join(RUN_ARTIFACTS)} and tracker logs), or choose another run_dir.")
+        raise RunDirInUseError(
+            f"run_dir {self.path} is already used (it holds {', '.join(used)}); a fresh run there would mix "
+            f"with the previous one. Pass resume={self.path} to continue that run, or overwrite=true to "
+            f"delete its run files ({', '.join(RUN_ARTIFACTS)} and tracker logs) and start over, or choose "
+            "another run_dir.")
 
     def _clear(self, tracker_dirs: tuple[str, ...]) -> None:
         used = _used_entries(self.path)
