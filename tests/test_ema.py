@@ -274,8 +274,9 @@ def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe)
 
 
 @pytest.mark.slow
-def test_the_lora_saved_for_diffusers_is_the_average(tmp_path):
-    """As Flow-GRPO saves its EMA: run_dir/lora (a stock pipeline's load_lora_weights) holds the average."""
+def test_the_trained_lora_and_the_average_are_exported_side_by_side(tmp_path, capfd):
+    """run_dir/lora (a stock pipeline's load_lora_weights) is the trained adapter, run_dir/lora_ema the average
+    (what Flow-GRPO saves), and the final lines say which is which."""
     import engine.families.tiny as tiny
 
     prompts = tmp_path / "prompts.txt"
@@ -288,11 +289,16 @@ def test_the_lora_saved_for_diffusers_is_the_average(tmp_path):
                "eval_every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
                "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "train.ema=true",
                "train.ema_update_every=1", "train.ema_decay=0.5"])
-    exported = load_file(str(run_dir / "lora" / "pytorch_lora_weights.safetensors"))
     trained, average = split(checkpoint(run_dir, 2))
     # peft's "<module>.lora_A.default.weight" is diffusers' "transformer.<module>.lora_A.weight".
     as_exported = {"transformer." + k.replace(".default", ""): k for k in average}
-    assert as_exported.keys() == exported.keys()
-    for name, ours in as_exported.items():
-        assert torch.equal(exported[name], average[ours].to(exported[name].dtype)), name
+    for folder, expected in (("lora", trained), ("lora_ema", average)):
+        exported = load_file(str(run_dir / folder / "pytorch_lora_weights.safetensors"))
+        assert as_exported.keys() == exported.keys()
+        for name, ours in as_exported.items():
+            assert torch.equal(exported[name], expected[ours].to(exported[name].dtype)), (folder, name)
     assert any(not torch.equal(average[k], trained[k]) for k in trained if "lora_B" in k)
+    out = capfd.readouterr().out
+    assert f"{run_dir / 'lora'}: the trained adapter\n" in out
+    assert f"{run_dir / 'lora_ema'}: the train.ema average of the trained adapter (the one evaluation used)" in out
+    assert "(of the train.ema average)" in out

@@ -26,6 +26,9 @@ average. Where this module differs, on purpose:
 - train.ema_start_step (not in Flow-GRPO, which starts at 0): until then the
   average is the trained weights (decay 0), and n counts from it, so the ramp
   starts over there.
+- A LoRA run exports both adapters: lora/ the trained one, lora_ema/ the average
+  (Flow-GRPO saves only the average), and the run warns at its end when the
+  average has not moved yet (a run shorter than its first move).
 - The average is kept in float32 whatever the weights' dtype (Flow-GRPO keeps
   the weights' dtype; a bf16 average would round away (1 - d)·(w - EMA) steps).
 """

@@ -122,8 +122,8 @@ class OptimConfig:
     gradient_checkpointing: bool = False
     """recompute the transformer's activations in backward (less memory, ~30% slower; diffusers models)"""
     ema: bool = False
-    """keep an EMA of the trained weights (Flow-GRPO's train.ema): evaluation and the saved LoRA use it,
-    rollouts keep the trained weights, checkpoints hold both (flywheel/recipe/ema.py)"""
+    """keep an EMA of the trained weights (Flow-GRPO's train.ema): evaluation uses it and a LoRA run exports it as
+    lora_ema/ beside the trained lora/, rollouts keep the trained weights, checkpoints hold both (flywheel/recipe/ema.py)"""
     ema_decay: float = 0.9
     """EMA <- decay·EMA + (1 - decay)·weights, the decay ramping as min(ema_decay, (1 + n)/(10 + n)) over the
     n training steps since ema_start_step (Flow-GRPO: 0.9)"""

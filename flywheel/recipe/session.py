@@ -111,8 +111,14 @@ class RecipeRun:
             from accelerate.utils import broadcast_object_list
 
             message = broadcast_object_list([None if refusal is None else str(refusal)])[0]
-            if message is not None and refusal is None:
-                refusal = RunDirInUseError(message)
+            if message is not None:
+                refusal = refusal or RunDirInUseError(message)
+                # The main rank leaves this barrier only once every rank has the message (its exit could
+                # otherwise cut the broadcast short); a rank that meets the main one gone stops all the same.
+                try:
+                    self.accelerator.wait_for_everyone()
+                except Exception:
+                    pass
         if refusal is not None:
             raise refusal
         return run_dir

@@ -1,0 +1,142 @@
+"""Issue 22, item 5 and item 4's resume parts: a key given with resume= takes effect and is recorded in
+config.yaml, or is refused naming it; another recipe's run is refused naming both; a resume refusal is one
+`error:` line with exit 2; a run stopped before its first checkpoint starts again in its own directory."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flywheel.runs.config import load_config
+from flywheel.runs.resume import RESUMABLE_KEYS, ResumeError, config_changes
+from flywheel.runs.rundir import read_metrics
+
+from recipe_kill import kill_after_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
+        "sample_every=1000", "eval_every=1000"]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """A 3-step grpo run killed -9 once its step-1 checkpoint is on disk (its lock file left behind)."""
+    root = tmp_path_factory.mktemp("killed")
+    prompts = root / "eval_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"the number {d}", "digit": d}) + "\n" for d in (3, 7)))
+    run_dir = root / "run"
+    kill_after_checkpoint("grpo", run_dir, [*TINY, f"data.eval_prompts={prompts}", "steps=3", "save_every=1"], step=1)
+    return run_dir
+
+
+@pytest.fixture
+def run(killed_run, tmp_path):
+    """A copy of the killed run for one test."""
+    return Path(shutil.copytree(killed_run, tmp_path / "run"))
+
+
+def tree_hashes(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def grpo(argv):
+    from trainers.grpo import main
+
+    return main(argv)
+
+
+def test_a_key_that_may_not_change_is_refused_by_name_before_anything_is_written(run, tmp_path):
+    before = tree_hashes(run)
+    with pytest.raises(ResumeError, match=r"train\.clip_range \(the run has 0\.0001, given 0\.2\): this key cannot "
+                                          r"change on resume\. The keys that may: steps, eval_every"):
+        grpo([f"resume={run}", "train.clip_range=0.2"])
+    # A --config file given with resume= is read too: a key it changes is refused the same way.
+    changed = tmp_path / "changed.yaml"
+    changed.write_text("sampling:\n  steps: 6\ndata:\n  group_size: 4\n")  # group_size as the run has it
+    with pytest.raises(ResumeError, match=r"resume=.*: sampling\.steps \(the run has 4, given 6\): this key"):
+        grpo([f"resume={run}", "--config", str(changed)])
+    assert tree_hashes(run) == before
+
+
+def test_another_recipes_run_is_refused_naming_both_recipes(run):
+    from trainers.nft import main as nft
+
+    with pytest.raises(ResumeError, match=r"that run was trained by the grpo recipe \(its run\.json\) and this is "
+                                          r"the nft recipe; resume it with trainers/grpo\.py"):
+        nft([f"resume={run}"])
+
+
+def test_steps_before_the_checkpoint_are_refused(run):
+    with pytest.raises(ResumeError, match=r"steps=0 is before the checkpoint's step 1 .*give steps >= 1"):
+        grpo([f"resume={run}", "steps=0"])
+
+
+def test_config_changes_name_each_dotted_key_with_both_values():
+    before = {"steps": 3, "run_dir": "a", "train": {"learning_rate": 3e-4, "betas": [0.9, 0.99]}, "x": {}}
+    after = {"steps": 5, "run_dir": "b", "train": {"learning_rate": 3e-4, "betas": [0.9, 0.9]}, "x": {}}
+    assert config_changes(before, after) == {"steps": (3, 5), "train.betas": ([0.9, 0.99], [0.9, 0.9])}
+    assert {"steps", "train.learning_rate", "eval_every"} <= RESUMABLE_KEYS.keys()
+    assert not {"seed", "rewards", "data.prompts_per_step", "train.clip_range"} & RESUMABLE_KEYS.keys()
+
+
+@pytest.mark.slow
+def test_allowed_keys_take_effect_and_are_recorded_and_a_killed_runs_lock_does_not_block(run, capfd):
+    from trainers.grpo import Config
+
+    assert (run / ".flywheel.lock").is_file()  # left by the killed run; the kernel let go of its flock
+    # The original command's values (unchanged keys) ride along without counting as changes.
+    result = grpo([f"resume={run}", *TINY, "steps=2", "train.learning_rate=0.1"])
+    assert result["run_dir"] == str(run) and result["trained_steps"] == 2
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["steps"] == 2 and saved["train"]["learning_rate"] == 0.1 and saved["resume"] is None
+    assert saved["resume_overrides"] == [{"at_step": 1, "set": {"steps": 2, "train.learning_rate": 0.1},
+                                          "was": {"steps": 3, "train.learning_rate": 0.0003}}]
+    assert load_config(Config, run / "config.yaml").train.learning_rate == 0.1  # the record is skipped on read
+    assert ("resume at step 1: steps=2 (was 3), train.learning_rate=0.1 (was 0.0003); recorded in "
+            f"{run / 'config.yaml'} under resume_overrides") in capfd.readouterr().err
+    # The optimizer stepped at the new rate: AdamW's param group in the step-2 checkpoint (step 1's kept 3e-4).
+    groups = lambda step: json.loads((run / "checkpoints" / f"step_{step:06d}" / "optimizer.json").read_text())
+    assert [g["lr"] for g in groups(2)["param_groups"]] == [0.1]
+    assert [g["lr"] for g in groups(1)["param_groups"]] == [0.0003]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_refused_resume_is_one_error_line_with_exit_2(run):
+    out = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), f"resume={run}", "seed=5"],
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: resume={run}: seed (the run has 0, given 5): this key cannot change")
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_its_own_dir(tmp_path, monkeypatch, capfd):
+    import trainers.grpo
+
+    prompts = tmp_path / "eval_prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the number 3", "digit": 3}) + "\n")
+    command = [f"run_dir={tmp_path / 'r'}", *TINY, f"data.eval_prompts={prompts}", "steps=1"]
+    original = trainers.grpo.grpo_update
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt  # a Ctrl-C in the first update: config, run.json, step 0's row are written
+
+    monkeypatch.setattr(trainers.grpo, "grpo_update", dies)
+    with pytest.raises(KeyboardInterrupt):
+        grpo(command)
+    assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0]
+    with pytest.raises(ResumeError, match=r"no checkpoint in .*Start it again with the same command without resume="):
+        grpo([f"resume={tmp_path / 'r'}"])
+    monkeypatch.setattr(trainers.grpo, "grpo_update", original)
+    grpo(command)  # no overwrite=true needed
+    assert "holds a run that stopped before its first training step" in capfd.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0, 1]  # not [0, 0, 1]

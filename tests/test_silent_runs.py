@@ -1,0 +1,160 @@
+"""Issue 22, items 2 and 3: a run that trains nothing says so and exits non-zero after saving; steps without an
+optimizer step are said and counted in every recipe; lora/ is the trained adapter and lora_ema/ the average, and
+an average that never moved is warned about."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flywheel.cli import NOTHING_TRAINED_EXIT, NothingTrainedError
+from flywheel.recipe.ema import first_ema_move, train_ema_decay
+from flywheel.recipe.sections import OptimConfig
+from flywheel.recipe.session import _all_lora_b_zero
+from flywheel.runs.rundir import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
+        "sample_every=1000", "eval_every=1000"]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """TINY with two evaluation prompts (the built-in held-out set has 40): evaluations are cheap."""
+    path = tmp_path / "eval_prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"the number {d}", "digit": d}) + "\n" for d in (3, 7)))
+    return [*TINY, f"data.eval_prompts={path}"]
+
+
+@pytest.mark.slow
+def test_a_scorer_that_gives_every_image_half_ends_with_0_of_3_steps_and_exit_3_after_saving(tmp_path, tiny):
+    """The acceptance case of issue 22 from the command line: a constant scorer, every group flat."""
+    run_dir = tmp_path / "flat"
+    script = textwrap.dedent("""
+        import runpy, sys, torch
+        from rewards import registry
+        registry.register("half", lambda **_: (lambda images, prompts, metadata: torch.full((len(prompts),), 0.5)))
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "trainers" / "grpo.py"), f"run_dir={run_dir}",
+                          *tiny, "steps=3", "rewards=half:1.0"],
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == NOTHING_TRAINED_EXIT == 3, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 0 of 3 steps took an optimizer step (3 skipped: every group's rewards were equal")
+    assert "Traceback" not in out.stderr
+    for step in (1, 2, 3):  # each skipped step said on the progress bar, with why
+        assert f"warning: step {step} took no optimizer step: every group's rewards were equal" in out.stderr
+    # Everything written as usual before the exit: every row, the final checkpoint, the final evaluation.
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["train/skipped_steps"] for r in rows[1:]] == [1, 2, 3]
+    assert [r["train/optimizer_steps"] for r in rows[1:]] == [0, 0, 0]
+    assert rows[-1]["weight_version"] == 0 and "eval/reward/mean" in rows[-1]
+    assert (run_dir / "checkpoints" / "step_000003" / "manifest.json").is_file()
+    assert "eval reward: base 0.500 -> final 0.500" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_run_with_some_skipped_steps_ends_with_n_of_m_and_returns(tmp_path, tiny, monkeypatch, capfd):
+    """The first step's groups made flat (no usable sample), the second trains: 1 of 2, a warning, no error."""
+    import flywheel.loop
+
+    original, calls = flywheel.loop.distributed_reward_advantages, []
+
+    def first_flat(*args, **kwargs):
+        adv, usable = original(*args, **kwargs)
+        calls.append(1)
+        return (torch.zeros_like(adv), torch.zeros_like(usable)) if len(calls) == 1 else (adv, usable)
+
+    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", first_flat)
+    from trainers.grpo import main
+
+    result = main([f"run_dir={tmp_path / 'partial'}", *tiny, "steps=2"])
+    assert result["trained_steps"] == 1 and result["steps"] == 2
+    err = capfd.readouterr().err
+    assert "warning: step 1 took no optimizer step: every group's rewards were equal" in err
+    assert "warning: step 2 took no optimizer step" not in err
+    assert ("warning: 1 of 2 steps took an optimizer step (1 skipped: every group's rewards were equal (flat "
+            "groups: no advantage to learn from))") in err
+    rows = read_metrics(tmp_path / "partial" / "metrics.jsonl")
+    assert [r["train/optimizer_steps"] for r in rows[1:]] == [0, 1]
+    assert [r["weight_version_after"] for r in rows[1:]] == [0, 1]
+
+
+def test_dpo_reports_a_step_without_a_pair_as_skipped(tmp_path, tiny):
+    """DPO's update can take no optimizer step with usable groups (no pair over the margin): it says so too."""
+    from trainers.dpo import main
+
+    with pytest.raises(NothingTrainedError, match=r"^0 of 1 steps took an optimizer step \(1 skipped: no preference "
+                                                  r"pair \(no group had a reward gap over train.pair_margin=5.0\)\)"):
+        main([f"run_dir={tmp_path / 'dpo'}", *tiny, "steps=1", "train.pair_margin=5.0"])
+    rows = read_metrics(tmp_path / "dpo" / "metrics.jsonl")
+    assert rows[-1]["dpo/no_pair"] == 1.0 and rows[-1]["train/optimizer_steps"] == 0
+    assert (tmp_path / "dpo" / "checkpoints" / "step_000001").is_dir()
+
+
+def test_gradient_steps_count_the_optimizer_steps_they_take():
+    """What grpo, nft, awm and dpo report as train/optimizer_steps: one per completed accumulation group."""
+    from accelerate import Accelerator
+
+    from flywheel.recipe.update import GradientSteps
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    versions = iter(range(1, 10))
+    for accumulation, expected in ((1, 4), (2, 2), (4, 1)):
+        oc = OptimConfig(minibatch_size=2, gradient_accumulation_steps=accumulation)
+        grads = GradientSteps(Accelerator(cpu=True), model, optimizer, list(model.named_parameters()),
+                              lambda: {"weight_version": next(versions)}, oc, step=0)
+        for m, rows in enumerate(grads.minibatches(8)):
+            grads.backward(model(torch.ones(len(rows), 2)).sum(), m, last_of_minibatch=True)
+            grads.maybe_step(m)
+        assert grads.metrics()["train/optimizer_steps"] == expected
+
+
+def test_first_ema_move_is_the_schedules_first_step():
+    for start, every in ((0, 8), (0, 1), (3, 8), (1, 2), (0, 5)):
+        oc = OptimConfig(ema=True, ema_start_step=start, ema_update_every=every)
+        assert first_ema_move(oc) == next(s for s in range(1, 100) if train_ema_decay(s, oc) is not None)
+
+
+def test_an_adapter_whose_every_lora_b_is_zero_is_found():
+    zero = {"a.lora_A.default.weight": torch.ones(2, 2), "a.lora_B.default.weight": torch.zeros(2, 2),
+            "b.lora_B.default.weight": torch.zeros(3, 2)}
+    assert _all_lora_b_zero(zero)
+    assert not _all_lora_b_zero({**zero, "b.lora_B.default.weight": torch.tensor([[0.0, 1e-9]] * 3)})
+    assert not _all_lora_b_zero({"w": torch.zeros(2)})  # no LoRA at all: nothing to say
+
+
+def test_an_ema_that_never_moved_is_warned_about(tmp_path, tiny, capfd):
+    """train.ema moving every 8 steps in a 1-step run: the evaluated average is the starting weights, said."""
+    from trainers.grpo import main
+
+    main([f"run_dir={tmp_path / 'ema'}", *tiny, "steps=1", "train.ema=true"])
+    captured = capfd.readouterr()
+    assert ("warning: the train.ema average never moved: it moves after every train.ema_update_every=8-th step "
+            "from train.ema_start_step=0, and this run has steps=1; the evaluation use") in captured.err
+    assert "(of the train.ema average)" in captured.out
+
+
+def test_the_average_knows_whether_it_moved():
+    from flywheel.recipe.ema import WeightEMA
+
+    weights = [("w", torch.ones(3))]
+    ema = WeightEMA(weights)
+    ema.update(weights, 0.5)  # the weights it started from: nothing moved
+    ema.update([("w", torch.full((3,), 2.0))], 1.0)  # decay 1 keeps the average
+    assert not ema.moved
+    ema.update([("w", torch.full((3,), 2.0))], 0.5)
+    assert ema.moved and torch.equal(ema.shadow["w"], torch.full((3,), 1.5))
+    loaded = WeightEMA(weights)
+    loaded.load_state_dict({"w": torch.ones(3)})
+    assert loaded.moved  # a checkpoint's average: its history is not known, so no warning is made up
