@@ -111,3 +111,34 @@ def test_under_two_ranks_a_held_run_dir_stops_both_without_a_hang(tmp_path):
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: run_dir {tmp_path / 'run'} is in use")
     assert "exitcode  : 2" in out.stderr  # the ranks' own exit, under the launcher's table
+
+
+def stopped_run(path: Path, last_step: int) -> Path:
+    """What a recipe run leaves when stopped before its first checkpoint, after `last_step` steps."""
+    run = RunDir(path)
+    run.write_config({"seed": 1})
+    (run.path / "run.json").write_text('{"recipe": "grpo", "card": "toy-digits"}\n')
+    for step in range(last_step + 1):
+        run.metrics.append({"step": step, "eval/reward/mean": 0.5})
+    (run.samples_dir / "samples_000000.png").write_bytes(b"png")
+    (run.path / "flywheel").mkdir()  # a tracker's folder
+    return run.path
+
+
+def test_a_run_stopped_before_its_first_step_counts_as_fresh_and_one_after_says_to_overwrite(tmp_path, capfd):
+    fresh = RunDir(stopped_run(tmp_path / "unstarted", 0), tracker_dirs=("flywheel",))
+    assert sorted(p.name for p in fresh.path.iterdir()) == ["checkpoints", "samples"]  # its files replaced
+    assert "holds a run that stopped before its first training step" in capfd.readouterr().err
+    with pytest.raises(RunDirInUseError, match=r"stopped after step 2, before its first checkpoint, so there is "
+                                               r"nothing to resume from\. Pass overwrite=true"):
+        RunDir(stopped_run(tmp_path / "started", 2))
+    # A checkpoint (even one a killed save left half-written) makes it a run to resume, not to redo.
+    path = stopped_run(tmp_path / "saving", 0)
+    (path / "checkpoints" / ".step_000001.tmp").mkdir()
+    with pytest.raises(RunDirInUseError, match=f"Pass resume={path} to continue"):
+        RunDir(path)
+    # Without run.json (not a recipe's run) nothing is deleted.
+    path = stopped_run(tmp_path / "bare", 0)
+    (path / "run.json").unlink()
+    with pytest.raises(RunDirInUseError, match="is already used"):
+        RunDir(path)

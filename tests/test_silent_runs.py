@@ -158,3 +158,32 @@ def test_the_average_knows_whether_it_moved():
     loaded = WeightEMA(weights)
     loaded.load_state_dict({"w": torch.ones(3)})
     assert loaded.moved  # a checkpoint's average: its history is not known, so no warning is made up
+
+
+@pytest.mark.slow
+def test_the_issues_sd3_lora_with_an_ema_every_8_steps_exports_the_trained_adapter_and_warns(tmp_path, capfd):
+    """configs/sd3_pickscore.yaml's EMA (every 8 steps) after 2 steps, on a tiny SD3: lora/ is the trained
+    adapter (it moved), lora_ema/ the untouched average (every lora_B zero), and the run says so."""
+    from safetensors.torch import load_file
+
+    import engine.families.tiny as tiny
+    from trainers.grpo import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\na blue dog\n")
+    run_dir = tmp_path / "run"
+    main([f"run_dir={run_dir}", "model.card=sd3", f"model.path={tiny.build_tiny_sd3(tmp_path / 'sd3')}",
+          "tracker=none", "steps=2", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
+          "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
+          "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "rewards=jpeg_compressibility:1.0",
+          "eval_every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
+          "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "train.ema=true"])
+    lora_b = lambda folder: [t for k, t in load_file(str(run_dir / folder / "pytorch_lora_weights.safetensors"))
+                             .items() if "lora_B" in k]
+    assert any(t.any() for t in lora_b("lora"))
+    assert lora_b("lora_ema") and not any(t.any() for t in lora_b("lora_ema"))
+    captured = capfd.readouterr()
+    assert (f"warning: the train.ema average never moved: it moves after every train.ema_update_every=8-th step "
+            f"from train.ema_start_step=0, and this run has steps=2; {run_dir / 'lora_ema'} and the evaluation use "
+            "the weights the run started from") in captured.err
+    assert f"{run_dir / 'lora'}: the trained adapter\n" in captured.out

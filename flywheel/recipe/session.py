@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from flywheel.cli import NothingTrainedError
 from flywheel.distributed import all_reduce_mean
 from flywheel.grids import judged_sample_grid
-from flywheel.cli import NothingTrainedError
 from flywheel.guards import check_finite
 from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import save_lora_for_diffusers
