@@ -117,3 +117,43 @@ def test_the_printed_smoke_command_trains_one_step_on_the_tiny_sd3_folder(tmp_pa
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[1]["weight_version"] == 0 and rows[-1]["train/skipped_steps"] == 0  # the step trained
     assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def shipped_ltx2_config(tmp_path):
+    """The argv of configs/ltx2_av_sync.yaml with its prompt files (yours to provide) given."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a drummer hitting a snare drum\na door slamming shut\n")
+    return ["--config", str(ROOT / "configs" / "ltx2_av_sync.yaml"), f"data.prompts={prompts}",
+            f"data.eval_prompts={prompts}"]
+
+
+def test_the_shipped_ltx2_config_validates(tmp_path):
+    """configs/ltx2_av_sync.yaml: every key valid as shipped (sizes within the card's rules, audio on a card
+    that makes it, the rewards known)."""
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config, validate_config
+
+    cfg = parse_config(Config, shipped_ltx2_config(tmp_path))
+    validate_config(cfg)  # raises ConfigError naming every bad key
+    assert (cfg.model.card, cfg.sampling.audio, cfg.sampling.frames) == ("ltx2", True, 121)
+    assert cfg.rewards == "av_onset_sync:1.0,audio_loudness:0.5" and cfg.rewards_mode == "sum_of_advantages"
+
+
+@pytest.mark.slow  # a GRPO step with audio, a reference forward and two evaluations with MP4s: ~20 s of CPU
+def test_the_shipped_ltx2_config_trains_a_step_on_the_tiny_folder(tmp_path):
+    """One GRPO step of configs/ltx2_av_sync.yaml on the tiny LTX-2 folder at its tiny size: both rewards
+    scored, the KL measured, MP4s and WAVs written."""
+    from trainers.grpo import main as grpo_main
+
+    shipped = shipped_ltx2_config(tmp_path)
+    folder = write_tiny_folder("ltx2", tmp_path / "tiny-ltx2")
+    size = [f"sampling.{k}={v}" for k, v in TINY_SIZES["ltx2"].items()]
+    run_dir = tmp_path / "run"
+    grpo_main([*shipped, f"model.path={folder}", f"run_dir={run_dir}", *size, "model.dtype=float32", "steps=1",
+               "tracker=none", "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2",
+               "sampling.eval_steps=1", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=false"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in ("reward/av_onset_sync/mean", "reward/audio_loudness/mean", "kl"):
+        assert key in rows[1], key
+    assert sorted(p.suffix for p in (run_dir / "samples").glob("step-000001-*")) == [".mp4", ".mp4", ".wav", ".wav"]
