@@ -91,3 +91,52 @@ def test_wandb_offline_says_so_once_with_the_sync_command(no_wandb_account, tmp_
     prepare_tracker("wandb", run_dir)
     prepare_tracker("none", run_dir)
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow  # a one-step toy run with two evaluations: ~5 s of CPU, longer on a busy machine
+def test_tensorboard_writes_into_the_project_folder_of_the_run_dir(tmp_path, monkeypatch):
+    """README: tracker=tensorboard writes into <run_dir>/<project>/ (accelerate's tracker, named by `project`).
+
+    Without the tensorboard package a stand-in tensorboardX SummaryWriter records where it was opened and
+    what was logged; with it, the real event files are looked for.
+    """
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    from trainers.grpo import main as grpo_main
+
+    writers = []
+
+    class RecordingWriter:
+        def __init__(self, logdir, **kwargs):
+            self.logdir, self.scalars = logdir, {}
+            writers.append(self)
+
+        def add_scalar(self, key, value, global_step=None, **kwargs):
+            self.scalars.setdefault(key, []).append((global_step, value))
+
+        def __getattr__(self, name):  # add_hparams, add_image, flush, close, ...: accepted, not recorded
+            return lambda *args, **kwargs: None
+
+    real = importlib.util.find_spec("tensorboard") is not None
+    if not real:
+        import accelerate.tracking as tracking
+        from accelerate.utils import LoggerType
+
+        fake = types.ModuleType("tensorboardX")
+        fake.SummaryWriter = RecordingWriter
+        fake.__spec__ = importlib.machinery.ModuleSpec("tensorboardX", None)
+        monkeypatch.setitem(sys.modules, "tensorboardX", fake)
+        monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.TENSORBOARD])
+    run_dir = tmp_path / "run"
+    grpo_main([f"run_dir={run_dir}", "tracker=tensorboard", "project=myproj", "steps=1", "data.prompts_per_step=2",
+               "data.group_size=2", "sampling.eval_seeds=1", "sampling.steps=2"])
+    folder = run_dir / "myproj"
+    assert list(folder.glob("*/hparams.yml"))  # accelerate's copy of the config, beside the event files
+    if real:
+        assert list(folder.glob("events.out.tfevents.*"))
+    else:
+        assert [w.logdir for w in writers] == [str(folder)]
+        assert [s for s, _ in writers[0].scalars["eval/reward/mean"]] == [0, 1]
