@@ -85,6 +85,17 @@ def test_an_unknown_card_lists_the_valid_ones_before_writing_anything(tmp_path, 
     assert "ships its weights" in capsys.readouterr().err
 
 
+def test_without_diffusers_the_error_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # makes `import diffusers` raise ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["--card", "flux", "--out", str(tmp_path / "flux")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the tiny flux folder") and 'pip install -e ".[diffusers]"' in err
+    assert not list(tmp_path.iterdir())  # the staging folder is removed too
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda p: (p.mkdir(), (p / "keep.txt").write_text("mine")), "not empty"),
     (lambda p: p.write_text("a file"), "is a file"),

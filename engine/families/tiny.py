@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_tiny_request(args.card, args.out)
         folder = write_tiny_folder(args.card, args.out, seed=args.seed)
+    except ModuleNotFoundError as e:  # before OSError's branch: not a path problem
+        print(f"error: the tiny {args.card} folder is built with diffusers and transformers ({e.name} is not "
+              "installed): pip install -e \".[diffusers]\"", file=sys.stderr)
+        return 2
     except (TinyFolderError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
