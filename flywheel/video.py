@@ -30,6 +30,33 @@ AAC_SAMPLE_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 1600
 PCM_FULL_SCALE = 32767  # int16 value of +1.0: -1.0 and +1.0 both fit, and a round trip is within half a step
 
 
+# Longest prompt slug in a sample file's name: long enough to tell prompts apart, short enough for any file system.
+SLUG_MAX_CHARS = 48
+
+
+def prompt_slug(prompt: str, max_chars: int = SLUG_MAX_CHARS) -> str:
+    """A file-name-safe slug of a prompt: ASCII letters and digits joined by "-", at most `max_chars`.
+
+    Accents are dropped to their letters (é -> e), everything else (slashes, dots, quotes, spaces) becomes
+    one "-", a cut falls on a word boundary when there is one; "prompt" when nothing is left.
+    """
+    import unicodedata
+
+    ascii_text = unicodedata.normalize("NFKD", prompt).encode("ascii", "ignore").decode().lower()
+    slug = re.sub(r"[^a-z0-9]+", "-", ascii_text).strip("-")
+    if len(slug) > max_chars:
+        cut = slug[:max_chars + 1]
+        slug = cut.rsplit("-", 1)[0] if "-" in cut[1:] else slug[:max_chars]
+        slug = slug[:max_chars].strip("-")
+    return slug or "prompt"
+
+
+def sample_file_name(step: int, index: int, prompt: str, suffix: str) -> str:
+    """The name of an evaluation sample's file: `step-000020-03-a-red-cat.mp4` (step, the prompt's index, its
+    slug), so files sort by step and then by prompt, and say which prompt they show."""
+    return f"step-{step:06d}-{index:02d}-{prompt_slug(prompt)}{suffix}"
+
+
 def is_video(x: torch.Tensor) -> bool:
     """True for a batch of videos [B, C, F, H, W]."""
     return x.dim() == 5

@@ -25,10 +25,13 @@ PNG_SIZE = (1600, 700)  # FIGURE_INCHES (16 x 7) at FIGURE_DPI 100
 
 
 def write_run(path: Path, rows: list[dict] | None, steps: int | None = None, card: str = "toy-digits",
-              info: dict | None = None) -> Path:
+              info: dict | None = None, train: dict | None = None) -> Path:
     """A run directory as a recipe leaves it: config.yaml, metrics.jsonl, and run.json when `info` is given."""
     path.mkdir(parents=True)
-    (path / "config.yaml").write_text(yaml.safe_dump({"run_dir": str(path), "steps": steps, "model": {"card": card}}))
+    config = {"run_dir": str(path), "steps": steps, "model": {"card": card}}
+    if train is not None:
+        config["train"] = train
+    (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     if rows is not None:
         (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if info is not None:
@@ -255,6 +258,7 @@ def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_pa
         evals = [(r["step"], r["eval/reward/mean"]) for r in rows if "eval/reward/mean" in r]
         assert [s for s, _ in evals] == [0, 1, 2]  # eval_every=1, and the base model at step 0
         best_step, best = max(evals, key=lambda e: (e[1], -e[0]))
+        assert not any("kl" in r for r in rows)  # train.log_kl=false, kl_beta 0: no reference, so no "kl" logged
         info = run / "run.json"
         assert summary == {
             "name": run.name, "path": str(run),
@@ -264,9 +268,193 @@ def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_pa
             "judge": "digit_svc", "judge_final": rows[-1]["eval/judge/digit_svc/mean"],
             "judge_at_best_reward": rows[best_step]["eval/judge/digit_svc/mean"],
             "diversity_key": "eval/diversity" if "eval/diversity" in rows[-1] else "diversity",
-            "diversity_final": rows[-1].get("eval/diversity", rows[-1]["diversity"]), "kl_final": rows[-1]["kl"],
+            "diversity_final": rows[-1].get("eval/diversity", rows[-1]["diversity"]), "kl_final": None,
             "wall_s": rows[-1]["time/wall_s"] if "time/wall_s" in rows[-1]
             else sum(r.get("time/step_s", 0.0) for r in rows),
         }
         assert table_line(proc.stdout, run.name)[3:5] == ["2/2", f"{evals[-1][1]:.3f} @2"]
     assert f"wrote {out.name}" in proc.stdout
+
+
+# ---- metrics a run did not measure ------------------------------------------------------------
+
+# Three KL-less rows: `kl` absent (a recipe that logs only what it measures), or 0.0 as the older NFT wrote it.
+def kl_rows(kl_values):
+    rows = [{"step": 0, "eval/reward/mean": 0.4}]
+    for step, kl in enumerate(kl_values, start=1):
+        rows.append({"step": step, "reward/mean": 0.5, **({} if kl is None else {"kl": kl}),
+                     "eval/reward/mean": 0.4 + step / 10})
+    return rows
+
+
+@pytest.fixture
+def kl_runs(tmp_path):
+    """Runs whose `kl` is measured (grpo, dpo) or not (nft: absent, older nft: a placeholder 0.0)."""
+    root = tmp_path / "runs"
+    return {
+        "nft": write_run(root / "nft", kl_rows([None, None]), 2, info={"recipe": "nft"}, train={"kl_beta": 0.0}),
+        "nft-old": write_run(root / "nft-old", kl_rows([0.0, 0.0]), 2, info={"recipe": "nft"},
+                             train={"kl_beta": 0.0}),
+        "nft-kl": write_run(root / "nft-kl", kl_rows([0.0, 0.25]), 2, info={"recipe": "nft"},
+                            train={"kl_beta": 0.01}),
+        # kl_beta 0 but log_kl on: measured, and exactly 0 while the policy has not moved from its reference.
+        "grpo": write_run(root / "grpo", kl_rows([0.0, 0.0]), 2, info={"recipe": "grpo"},
+                          train={"kl_beta": 0.0, "log_kl": True}),
+        # No kl_beta in its config (DPO always measures the distance to its reference).
+        "dpo": write_run(root / "dpo", kl_rows([0.0, 0.0]), 2, info={"recipe": "dpo"}, train={"beta": 2.0}),
+        # A placeholder needs every value to be exactly 0: one non-zero value means it was measured.
+        "awm": write_run(root / "awm", kl_rows([0.0, 0.5]), 2, info={"recipe": "awm"}, train={"kl_beta": 0.0}),
+    }
+
+
+def test_a_kl_the_run_did_not_measure_is_left_out_and_a_measured_zero_is_kept(kl_runs):
+    runs = {name: cmp.Run.load(path) for name, path in kl_runs.items()}
+    kl_final = {name: cmp.summarize(run).kl_final for name, run in runs.items()}
+    assert kl_final == {"nft": None, "nft-old": None, "nft-kl": 0.25, "grpo": 0.0, "dpo": 0.0, "awm": 0.5}
+    assert runs["nft-old"].series("kl") == [] and runs["nft-old"].last("kl") is None
+    assert [p[2] for p in runs["grpo"].series("kl")] == [0.0, 0.0]
+    assert [cmp.kl_placeholder(r) for r in runs.values()] == [True, True, False, False, False, False]
+    # Other keys of the same runs are untouched.
+    assert [p[2] for p in runs["nft-old"].series("eval/reward/mean")] == pytest.approx([0.4, 0.5, 0.6])
+
+
+def test_the_plot_draws_no_kl_line_for_a_run_that_did_not_measure_it(kl_runs, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    drawn = []  # (axes, label) of every line plotted
+    real_plot = Axes.plot
+
+    def recording_plot(self, *args, **kwargs):
+        drawn.append((self, kwargs.get("label")))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    runs = cmp.load_runs([kl_runs[n] for n in ("nft", "nft-old", "grpo", "nft-kl")])
+    out = cmp.plot_runs(runs, cmp.compare(runs), tmp_path / "kl.png")
+    assert_png(out)
+    kl_axes = {ax for ax, _ in drawn if ax.get_title() == "KL to reference"}
+    assert len(kl_axes) == 2  # against step and against wall time
+    for ax in kl_axes:
+        assert sorted(label for a, label in drawn if a is ax) == ["grpo (grpo)", "nft-kl (nft)"]
+        assert [t.get_text() for t in ax.texts] == ["not logged: nft, nft-old"]
+    reward_axes = {ax for ax, _ in drawn if ax.get_title() == "eval reward"}
+    for ax in reward_axes:  # every run measured the reward: four lines, no note
+        assert len([1 for a, _ in drawn if a is ax]) == 4 and not ax.texts
+
+
+def test_nft_and_awm_losses_log_no_kl_without_a_reference():
+    import torch
+
+    from trainers.awm import awm_loss
+    from trainers.nft import nft_loss
+
+    torch.manual_seed(0)
+    v, v_old, x0, noise = (torch.randn(2, 3) for _ in range(4))
+    t, r = torch.tensor([0.3, 0.7]), torch.tensor([0.2, 0.9])
+    _, stats = nft_loss(v, v_old, x0, noise, t, r, beta=1.0)
+    assert "kl" not in stats and "loss" in stats
+    _, stats = nft_loss(v, v_old, x0, noise, t, r, beta=1.0, v_ref=v_old, kl_beta=0.0)  # measured, not penalised
+    assert float(stats["kl"]) == pytest.approx(float(((v - v_old) ** 2).mean()), rel=1e-6)
+    _, stats = awm_loss(v, x0, noise, t, torch.tensor([1.0, -1.0]))
+    assert "kl" not in stats and "anchor_kl" not in stats and "loss" in stats
+    _, stats = awm_loss(v, x0, noise, t, torch.tensor([1.0, -1.0]), v_ref=v_old, kl_beta=0.0)
+    assert float(stats["kl"]) == pytest.approx(float(((v - v_old) ** 2).mean()), rel=1e-6)
+
+
+# ---- compare --config-diff --------------------------------------------------------------------
+
+
+def test_config_diff_shows_the_keys_on_which_the_runs_differ(tmp_path, capsys):
+    a = write_run(tmp_path / "a", NEW_ROWS, 10, train={"learning_rate": 0.0003, "clip_range": 0.0001,
+                                                         "targets": ["to_q", "to_k"], "ema": False})
+    b = write_run(tmp_path / "b", NEW_ROWS, 20, train={"learning_rate": 0.001, "clip_range": 0.0001,
+                                                         "targets": ["to_q"], "ema": False, "guard": True})
+    c = write_run(tmp_path / "c", NEW_ROWS, 10, card="sd3", train={"learning_rate": 0.0003, "clip_range": 0.0001,
+                                                                     "targets": ["to_q", "to_k"], "ema": True})
+    assert main(["compare", str(a), str(b), str(c), "--config-diff", "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    diff = printed[printed.index("config keys that differ"):].splitlines()
+    assert diff[0] == "config keys that differ (6; run_dir left out):"
+    assert diff[1].split() == ["key", "a", "b", "c"]
+    assert [table_line("\n".join(diff), key) for key in ("steps", "model.card", "train.learning_rate",
+                                                           "train.targets", "train.ema", "train.guard")] == [
+        ["steps", "10", "20", "10"],
+        ["model.card", "toy-digits", "toy-digits", "sd3"],
+        ["train.learning_rate", "0.0003", "0.001", "0.0003"],
+        ["train.targets", '["to_q", "to_k"]', '["to_q"]', '["to_q", "to_k"]'],
+        ["train.ema", "false", "false", "true"],
+        ["train.guard", "(absent)", "true", "(absent)"],
+    ]
+    assert len(diff) == 2 + 1 + 6  # header, rule, six keys: clip_range and run_dir are not there
+    assert "clip_range" not in printed and "run_dir" not in diff[2]
+
+
+def test_config_diff_of_identical_configs_says_so_and_of_one_run_is_an_error(tmp_path, capsys):
+    a = write_run(tmp_path / "x" / "run", NEW_ROWS, 10, train={"learning_rate": 0.001})
+    b = write_run(tmp_path / "y" / "run", OLD_ROWS, 10, train={"learning_rate": 0.001})
+    assert main(["compare", str(a), str(b), "--config-diff", "--no-plot"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "the runs' configs are the same (apart from run_dir)"
+    assert main(["compare", str(a), "--config-diff", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config-diff") and "two runs or more" in err
+
+
+def test_flatten_config_gives_dotted_keys_with_lists_and_empty_sections_as_leaves():
+    assert cmp.flatten_config({"a": 1, "b": {"c": [1, 2], "d": {"e": None}, "f": {}}}) == \
+        {"a": 1, "b.c": [1, 2], "b.d.e": None, "b.f": {}}
+
+
+# ---- list: nested folders ---------------------------------------------------------------------
+
+
+def test_list_finds_runs_in_nested_folders_and_not_inside_runs(tmp_path, capsys):
+    root = tmp_path / "runs"
+    write_run(root / "plain", NEW_ROWS, 10)
+    write_run(root / "sweep" / "lr-1e-3" / "seed-0", NEW_ROWS, 10, info={"recipe": "grpo"})
+    write_run(root / "sweep" / "lr-1e-3" / "seed-1", OLD_ROWS, 3)
+    write_run(root / "a" / "b" / "c" / "d", OLD_ROWS, 3)  # 4 levels below root: found
+    write_run(root / "e" / "f" / "g" / "h" / "i", OLD_ROWS, 3)  # 5 levels: past the limit
+    started = root / "started"  # config.yaml only: not a run directory
+    started.mkdir()
+    (started / "config.yaml").write_text("steps: 2\n")
+    (root / "scratch" / "notes").mkdir(parents=True)
+    # Inside a run: its checkpoints, wandb and any other folder are not searched (a copy of a run's files in
+    # checkpoints/ must not show as a run).
+    write_run(root / "plain" / "checkpoints" / "step_2", NEW_ROWS, 10)
+    write_run(root / "plain" / "extra", NEW_ROWS, 10)
+    write_run(root / "wandb" / "offline-run-1", NEW_ROWS, 10)  # a wandb folder anywhere is passed over
+    write_run(root / ".hidden" / "run", NEW_ROWS, 10)
+
+    assert main(["list", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = sorted(line.split()[0] for line in lines[2:] if not line.startswith(("skipped", "did not")))
+    assert names == ["a/b/c/d", "plain", "sweep/lr-1e-3/seed-0", "sweep/lr-1e-3/seed-1"]
+    assert table_line("\n".join(lines), "sweep/lr-1e-3/seed-0")[:3] == ["sweep/lr-1e-3/seed-0", "grpo", "toy-digits"]
+    notes = [line for line in lines if line.startswith(("skipped", "did not"))]
+    assert notes == [
+        "skipped e: not a run directory, and no run directory in it",
+        "skipped scratch: not a run directory, and no run directory in it",
+        "skipped started: it holds config.yaml but neither metrics.jsonl nor run.json, so it is not a run "
+        "directory",
+        f"did not look deeper than 4 levels below {root} (folders not searched under: e/f/g/h); run list on a "
+        "deeper folder to see runs there",
+    ]
+    # A deeper limit finds the fifth level; a limit of 1 only the folders directly in root.
+    runs, _ = cmp.list_runs(root, max_depth=5)
+    assert "e/f/g/h/i" in [r.name for r in runs]
+    runs, _ = cmp.list_runs(root, max_depth=1)
+    assert [r.name for r in runs] == ["plain"]
+    # The run directory itself, given as the root, is listed.
+    runs, notes = cmp.list_runs(root / "plain")
+    assert [r.name for r in runs] == ["plain"] and notes == []
+    assert main(["list", str(root), "--max-depth", "0"]) == 2
+    assert "--max-depth 0" in capsys.readouterr().err
+
+
+def test_list_follows_a_symlinked_folder_once(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root / "sweep" / "a", NEW_ROWS, 10)
+    (root / "sweep" / "loop").symlink_to(root, target_is_directory=True)  # a cycle: runs/sweep/loop -> runs
+    runs, _ = cmp.list_runs(root)
+    assert [r.name for r in runs] == ["sweep/a"]

@@ -274,13 +274,16 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: to
     stats = {
         "loss": loss.detach(),
         "policy_loss": policy.detach(),
-        "kl": kl.detach(),
-        "anchor_kl": anchor.detach(),
         "matching_error": (detached * row_weight).sum(),
         # AWM lowers the error of better-than-average samples and raises the others': the gap is the signal.
         "matching_error/positive": (detached * positive).sum() / positive.sum().clamp(min=1.0),
         "matching_error/negative": (detached * negative).sum() / negative.sum().clamp(min=1.0),
     }
+    # Only what was measured: without a reference (or an anchor) there is no distance to log, not a 0.
+    if v_ref is not None:
+        stats["kl"] = kl.detach()
+    if v_anchor is not None:
+        stats["anchor_kl"] = anchor.detach()
     return loss, stats
 
 

@@ -281,7 +281,6 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     deviation = (ratio.detach() - 1).abs()
     stats = {
         "loss": loss.detach(),
-        "kl": kl.detach(),
         "ratio/mean": (ratio.detach() * average).sum(),
         "clipfrac": ((deviation > cfg.clip_range).float() * average).sum(),
         # Exactly 0 on the first minibatch of a step: the rollout's (or proximal) weights, recomputed.
@@ -290,6 +289,8 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         "logprob_gap/max": ((log_prob.detach() - behaviour).abs() * usable).max(),
         "is_weight/mean": (is_weight * average).sum(),
     }
+    if ref_velocity is not None:  # measured (train.kl_beta > 0 or train.log_kl); otherwise no "kl" key, not a 0
+        stats["kl"] = kl.detach()
     if cfg.guard:
         stats["guard/shift"] = (guard_shift.detach() * average).sum()
     return loss, stats

@@ -263,12 +263,13 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise
         raise ValueError(f"kl_beta={kl_beta} needs v_ref, the reference model's velocity")
     stats = {
         "loss": loss.detach(),
-        "kl": kl.detach(),
         "nft/positive_loss": (w * positive).sum().detach(),
         "nft/negative_loss": (w * negative).sum().detach(),
         # How far the trained policy has moved from the sampling one on these inputs (0 before the first step).
         "nft/old_deviation": (w * _per_sample_mean((v_theta.detach() - v_old) ** 2)).sum(),
     }
+    if v_ref is not None:  # without a reference nothing was measured: no "kl" key rather than a 0 that reads as one
+        stats["kl"] = kl.detach()
     return loss, stats
 
 

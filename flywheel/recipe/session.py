@@ -51,7 +51,7 @@ from flywheel.runs.config import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker
-from flywheel.video import is_video, middle_frame, write_mp4, write_wav
+from flywheel.video import is_video, middle_frame, sample_file_name, write_mp4, write_wav
 from rewards.judges import judges_for_card
 
 # Checkpointed tensors of a recipe's own (a sampling policy, an EMA) travel beside the trained weights
@@ -362,12 +362,14 @@ class RecipeRun:
                 # With the sound of a joint audio+video card muxed in, at the card's frame rate.
                 audio = traj.audio[first].detach().cpu() if getattr(traj, "audio", None) is not None else None
                 fps = self.policy.card_defaults.get("fps", 16)
-                paths = [write_mp4(v, self.dir.samples_dir / f"step-{step:06d}-{i:02d}.mp4", fps=fps,
+                names = [str(p) for p in traj.prompts[first]]
+                paths = [write_mp4(v, self.dir.samples_dir / sample_file_name(step, i, names[i], ".mp4"), fps=fps,
                                    audio=None if audio is None else audio[i],
                                    sample_rate=None if audio is None else traj.audio_sample_rate)
                          for i, v in enumerate(shown[:8])]
                 for i, sound in enumerate([] if audio is None else audio[:8]):  # the sound alone, lossless
-                    write_wav(sound, traj.audio_sample_rate, self.dir.samples_dir / f"step-{step:06d}-{i:02d}.wav")
+                    write_wav(sound, traj.audio_sample_rate,
+                              self.dir.samples_dir / sample_file_name(step, i, names[i], ".wav"))
                 log_videos(self.accelerator, "eval/videos", paths, step)
                 shown = middle_frame(shown)
             grid = judged_sample_grid(shown, traj.prompts[first], traj.metadata[first], self.judges,

@@ -1,7 +1,8 @@
 """`python -m flywheel.runs`: compare runs, list a folder of runs.
 
     python -m flywheel.runs compare RUN_DIR [RUN_DIR ...] [--out compare.png] [--json table.json] [--judge NAME]
-    python -m flywheel.runs list [ROOT]
+                                    [--config-diff] [--no-plot]
+    python -m flywheel.runs list [ROOT] [--max-depth N]
 
 The reading, table and plot live in `flywheel.runs.compare`; this is only the command line.
 """
@@ -11,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flywheel.runs.compare import (RunDirError, compare, compare_table, list_runs, list_table, load_runs, plot_runs,
-                                   write_json)
+from flywheel.runs.compare import (LIST_MAX_DEPTH, RunDirError, compare, compare_table, config_diff_table, list_runs,
+                                   list_table, load_runs, plot_runs, write_json)
 
 USAGE_ERROR_EXIT = 2  # as argparse: what was asked for cannot be done as given
 
@@ -31,17 +32,27 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--judge", metavar="NAME",
                      help="the judge to report (eval/judge/NAME/mean); default: each run's first judge")
     cmp.add_argument("--no-plot", action="store_true", help="print the table only (no matplotlib needed)")
+    cmp.add_argument("--config-diff", action="store_true",
+                     help="also print the config keys on which the runs differ (from each config.yaml, dotted "
+                          "keys; run_dir left out): key | run1 | run2 ...")
 
-    lst = commands.add_parser("list", help="the runs in a folder, most recently modified first")
+    lst = commands.add_parser("list", help="the runs in a folder and its subfolders, most recently modified first")
     lst.add_argument("root", nargs="?", default="runs", metavar="ROOT",
-                     help="the folder holding run directories (default: runs)")
+                     help="the folder holding run directories, at any depth (default: runs)")
+    lst.add_argument("--max-depth", type=int, default=LIST_MAX_DEPTH, metavar="N",
+                     help=f"how many folder levels below ROOT to search (default: {LIST_MAX_DEPTH})")
     return parser
 
 
 def run_compare(args: argparse.Namespace) -> None:
+    if args.config_diff and len(args.runs) < 2:
+        raise RunDirError(f"--config-diff compares the configs of two runs or more; got one: {args.runs[0]}")
     runs = load_runs(args.runs)
     summaries = compare(runs, judge=args.judge)
     print(compare_table(summaries))
+    if args.config_diff:
+        print()
+        print(config_diff_table(runs))
     if args.json:
         print(f"wrote {write_json(summaries, args.json)}")
     if not args.no_plot:
@@ -49,7 +60,9 @@ def run_compare(args: argparse.Namespace) -> None:
 
 
 def run_list(args: argparse.Namespace) -> None:
-    runs, notes = list_runs(args.root)
+    if args.max_depth < 1:
+        raise RunDirError(f"--max-depth {args.max_depth}: must be >= 1 (1 = only the folders directly in ROOT)")
+    runs, notes = list_runs(args.root, args.max_depth)
     if runs:
         print(list_table(runs))
     else:

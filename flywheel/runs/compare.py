@@ -14,6 +14,11 @@ algorithms are read the same way:
 
 Older runs without run.json show recipe "?"; their wall time is the running
 sum of `time/step_s`. A run still in progress is read as far as it got.
+
+A metric a run did not measure is left out for that run (not plotted, "-" in
+the table). Recipes log only what they measure; older runs of NFT, AWM and
+GRPO (`train.log_kl=false`) wrote `kl` as 0.0 with no reference model to
+measure it against, and `kl_placeholder` recognises those from the config.
 """
 
 from __future__ import annotations
@@ -113,6 +118,7 @@ class Run:
     steps_configured: int | None
     rows: list[dict]  # the rows of metrics.jsonl that carry an integer "step", in file order
     walls: list[float]  # wall time (s) of each row, see `_wall_times`
+    config: dict = dataclasses.field(default_factory=dict)  # config.yaml as read ({} when there is none)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Run:
@@ -141,7 +147,7 @@ class Run:
         return cls(path=path, name=path.resolve().name, recipe=str(info.get("recipe") or UNKNOWN),
                    card=str(info.get("card") or model.get("card") or UNKNOWN),
                    steps_configured=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
-                   rows=rows, walls=_wall_times(rows))
+                   rows=rows, walls=_wall_times(rows), config=config)
 
     @property
     def steps_done(self) -> int:
@@ -177,8 +183,14 @@ class Run:
         """The first of `DIVERSITY_KEYS` the run logs, None if neither."""
         return next((k for k in DIVERSITY_KEYS if any(k in r for r in self.rows)), None)
 
+    def measured(self, key: str) -> bool:
+        """Whether the run measured `key`: it logged it, and not as a placeholder (see `kl_placeholder`)."""
+        return any(key in r for r in self.rows) and not (key == KL_KEY and kl_placeholder(self))
+
     def series(self, key: str) -> list[tuple[int, float, float]]:
-        """(step, wall time, value) of every row where `key` holds a finite number."""
+        """(step, wall time, value) of every row where `key` holds a finite number; none when not measured."""
+        if not self.measured(key):
+            return []
         out = []
         for row, wall in zip(self.rows, self.walls):
             value = _number(row.get(key))
@@ -190,8 +202,10 @@ class Run:
         """(step, value) of the last row holding `key`; the value is NaN when that row logged null or NaN.
 
         The last logged value, not the last finite one: a final evaluation that
-        went NaN must show as NaN, not as the evaluation before it.
+        went NaN must show as NaN, not as the evaluation before it. None when not measured.
         """
+        if not self.measured(key):
+            return None
         for row in reversed(self.rows):
             if key in row:
                 value = _number(row[key])
@@ -205,6 +219,23 @@ class Run:
             return None
         step, _, value = max(points, key=lambda p: (p[2], -p[0]))
         return step, value
+
+
+def kl_placeholder(run: Run) -> bool:
+    """Whether the run's `kl` is a placeholder: every value exactly 0.0 and a config that gave it no reference.
+
+    Before recipes logged only what they measure, NFT and AWM with
+    `train.kl_beta=0` and GRPO with `train.kl_beta=0, train.log_kl=false` had
+    no reference model and wrote `kl: 0.0` every step. All three conditions
+    must hold: a measured KL is exactly 0 only while the policy equals its
+    reference, and configs without `train.kl_beta` (DPO) always measure it.
+    """
+    train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
+    beta = _number(train.get("kl_beta"))
+    if beta is None or beta != 0.0 or train.get("log_kl") is True:
+        return False
+    values = [row[KL_KEY] for row in run.rows if KL_KEY in row]
+    return all(_number(v) == 0.0 for v in values)
 
 
 @dataclasses.dataclass
@@ -347,6 +378,72 @@ def write_json(summaries: list[RunSummary], path: str | os.PathLike) -> Path:
 
 
 # ---------------------------------------------------------------------------
+# Config differences
+# ---------------------------------------------------------------------------
+
+
+# Keys left out of the config diff: they differ between any two runs by construction.
+CONFIG_DIFF_IGNORED = ("run_dir",)
+ABSENT = "(absent)"  # a key one run's config.yaml does not hold
+
+
+def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys (`train.learning_rate`) to leaf values, in the file's order; lists are leaves."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten_config(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def format_config_value(value: Any) -> str:
+    """A config value as it reads in YAML on the command line: null, true, 0.001, [a, b]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, separators=(", ", ": "))
+    return str(value)
+
+
+def config_diff(runs: list[Run]) -> list[tuple[str, list[str]]]:
+    """(dotted key, each run's value) for every config key on which the runs differ, in config order.
+
+    A key missing from a run's config.yaml (another recipe's section, an older
+    run) shows as ABSENT; `CONFIG_DIFF_IGNORED` keys are left out.
+    """
+    flats = [flatten_config(r.config) for r in runs]
+    keys: dict[str, None] = {}
+    for flat in flats:
+        keys.update(dict.fromkeys(flat))
+    diff = []
+    for key in keys:
+        if key in CONFIG_DIFF_IGNORED:
+            continue
+        missing = object()
+        values = [flat.get(key, missing) for flat in flats]
+        if all(v is not missing for v in values) and all(v == values[0] and type(v) is type(values[0])
+                                                         for v in values):
+            continue
+        diff.append((key, [ABSENT if v is missing else format_config_value(v) for v in values]))
+    return diff
+
+
+def config_diff_table(runs: list[Run]) -> str:
+    """The table of `config_diff` (key | run1 | run2 ...), or a line saying the configs agree."""
+    ignored = ", ".join(CONFIG_DIFF_IGNORED)
+    diff = config_diff(runs)
+    if not diff:
+        return f"the runs' configs are the same (apart from {ignored})"
+    table = render_table(["key", *(r.name for r in runs)], [[key, *values] for key, values in diff])
+    return f"config keys that differ ({len(diff)}; {ignored} left out):\n{table}"
+
+
+# ---------------------------------------------------------------------------
 # Listing a folder of runs
 # ---------------------------------------------------------------------------
 
@@ -354,23 +451,90 @@ def write_json(summaries: list[RunSummary], path: str | os.PathLike) -> Path:
 LIST_HEADER = ["run", "recipe", "card", "steps", "last eval reward", "judge", "modified"]
 
 
-def list_runs(root: str | os.PathLike) -> tuple[list[Run], list[str]]:
-    """The runs directly under `root`, most recently modified first, and a note for each folder skipped.
+# How deep `list` looks for run directories below its root (runs/sweep/lr-1e-3/seed-0 is 3 deep).
+LIST_MAX_DEPTH = 4
+# Folders a run writes inside itself, and other folders that never hold runs: never searched.
+NOT_RUN_FOLDERS = frozenset({"wandb", "checkpoints", "samples", "lora", "lora_ema", "best", "__pycache__"})
 
-    Hidden folders and plain files are passed over silently; a folder that is
-    not a run (or cannot be read) gets a note saying why.
+
+def is_run_dir(path: Path) -> bool:
+    """A folder a recipe wrote: config.yaml beside metrics.jsonl or run.json."""
+    return (path / CONFIG_FILENAME).is_file() and ((path / METRICS_FILENAME).is_file()
+                                                   or (path / RUN_INFO_FILENAME).is_file())
+
+
+def find_run_dirs(root: Path, max_depth: int = LIST_MAX_DEPTH) -> tuple[list[Path], list[str]]:
+    """Run directories at any depth up to `max_depth` below `root`, and a note for each folder passed over.
+
+    A run directory is not searched further (its checkpoints/, samples/,
+    wandb/ and TensorBoard folder hold no runs), nor are hidden folders and
+    `NOT_RUN_FOLDERS`. Symlinked folders are followed once each. A folder
+    directly under `root` that holds no run gets a note, as does one that
+    holds config.yaml without metrics.jsonl or run.json, and the depth limit
+    when some folder at it had subfolders.
     """
+    if is_run_dir(root):  # `list runs/grpo-toy`: the run itself
+        return [root], []
+    found, notes, seen, cut = [], [], set(), []
+
+    def visit(folder: Path, depth: int) -> bool:  # whether a run was found at or under `folder`
+        try:
+            real = folder.resolve()
+        except OSError:
+            return False
+        if real in seen:
+            return False
+        seen.add(real)
+        try:
+            entries = sorted(e for e in folder.iterdir() if e.is_dir() and not e.name.startswith(".")
+                             and e.name not in NOT_RUN_FOLDERS)
+        except OSError as e:
+            notes.append(f"skipped {folder.relative_to(root)}: cannot read it ({e.strerror or e})")
+            return False
+        if depth == max_depth:
+            if entries:
+                cut.append(folder)
+            return False
+        any_run = False
+        for entry in entries:
+            name = entry.relative_to(root)
+            if is_run_dir(entry):
+                found.append(entry)
+                any_run = True
+                continue
+            if (entry / CONFIG_FILENAME).is_file():
+                notes.append(f"skipped {name}: it holds {CONFIG_FILENAME} but neither {METRICS_FILENAME} nor "
+                             f"{RUN_INFO_FILENAME}, so it is not a run directory")
+            held = visit(entry, depth + 1)
+            any_run = any_run or held
+            if depth == 0 and not held and not (entry / CONFIG_FILENAME).is_file():
+                notes.append(f"skipped {name}: not a run directory, and no run directory in it")
+        return any_run
+
+    visit(root, 0)
+    if cut:
+        shown = ", ".join(str(c.relative_to(root)) for c in cut[:3]) + (", ..." if len(cut) > 3 else "")
+        notes.append(f"did not look deeper than {max_depth} levels below {root} (folders not searched under: "
+                     f"{shown}); run list on a deeper folder to see runs there")
+    return found, notes
+
+
+def list_runs(root: str | os.PathLike, max_depth: int = LIST_MAX_DEPTH) -> tuple[list[Run], list[str]]:
+    """The runs under `root` (nested folders included, see `find_run_dirs`), most recently modified first,
+    and a note for each folder skipped. Each run is named by its path below `root` (sweep/lr-1e-3)."""
     root = Path(root)
     if not root.is_dir():
         raise RunDirError(f"{root}: no such directory (give the folder that holds your run directories)")
-    runs, notes = [], []
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith(".") or not entry.is_dir():
-            continue
+    paths, notes = find_run_dirs(root, max_depth)
+    runs = []
+    for path in paths:
         try:
-            runs.append(Run.load(entry))
+            run = Run.load(path)
         except RunDirError as e:
-            notes.append(f"skipped {entry.name}: {e}")
+            notes.append(f"skipped {path.relative_to(root)}: {e}")
+            continue
+        run.name = path.name if path == root else str(path.relative_to(root))
+        runs.append(run)
     runs.sort(key=lambda r: r.modified, reverse=True)
     return runs, notes
 
@@ -424,17 +588,21 @@ def plot_runs(runs: list[Run], summaries: list[RunSummary], out: str | os.PathLi
         for col, (title, key_of) in enumerate(panels):
             for row, (axis_name, index) in enumerate((("step", 0), ("wall time (s)", 1))):
                 ax = axes[row][col]
-                drawn = False
+                absent = []  # runs that did not measure this panel's metric: no line, named under the panel
                 for i, (run, summary) in enumerate(zip(runs, summaries)):
                     key = key_of(run, summary)
                     points = run.series(key) if key else []
                     if points:
                         ax.plot([p[index] for p in points], [p[2] for p in points], marker="o", markersize=3,
                                 color=f"C{i % 10}", label=f"{run.name} ({run.recipe})")
-                        drawn = True
-                if not drawn:
+                    else:
+                        absent.append(run.name)
+                if len(absent) == len(runs):
                     ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes,
                             color="grey")
+                elif absent:
+                    ax.text(0.01, 0.01, "not logged: " + ", ".join(absent), ha="left", va="bottom",
+                            transform=ax.transAxes, color="grey", fontsize=8)
                 ax.set_title(title, fontsize=10)
                 ax.set_xlabel(axis_name)
                 ax.grid(True, alpha=0.3)

@@ -2,7 +2,9 @@
 
 wandb runs offline when no account is configured (no WANDB_API_KEY and no
 api.wandb.ai entry in ~/.netrc), so a first run never blocks on a login and
-its files land in the run directory for a later `wandb sync`.
+its files land in the run directory for a later `wandb sync`; the run says so
+in one line, with that command. TensorBoard (accelerate's tracker) writes into
+`<run_dir>/<project>/` (`project` defaults to "flywheel").
 """
 
 from __future__ import annotations
@@ -36,12 +38,36 @@ def prepare_tracker(tracker: str, run_dir: Path) -> dict:
         raise ModuleNotFoundError("tracker=tensorboard needs the tensorboard package: `pip install tensorboard`, "
                                   "or use tracker=wandb / tracker=none")
     if tracker == "wandb":
+        reason = None
         if "WANDB_MODE" not in os.environ and not wandb_account_configured():
             os.environ["WANDB_MODE"] = "offline"
-            log.info("no wandb account configured: logging offline into %s", run_dir / "wandb")
+            reason = "no wandb account configured"
+        elif os.environ.get("WANDB_MODE") in WANDB_OFFLINE_MODES:
+            reason = f"WANDB_MODE={os.environ['WANDB_MODE']}"
+        if reason is not None and _is_main_rank():
+            # WANDB_SILENT hides wandb's own notice of this: say it once, with the command that uploads the run.
+            print(wandb_offline_line(run_dir, reason), flush=True)
         os.environ.setdefault("WANDB_SILENT", "true")
         return {"wandb": {"dir": str(run_dir), "name": run_dir.name}}
     return {}
+
+
+# WANDB_MODE values in which wandb writes the run locally only ("dryrun" is wandb's older name for offline).
+WANDB_OFFLINE_MODES = ("offline", "dryrun")
+
+
+def wandb_offline_line(run_dir: Path, reason: str) -> str:
+    """The line a run prints when wandb logs offline: why, where, and the command that uploads it later.
+
+    wandb names each run's folder `<run_dir>/wandb/offline-run-<time>-<id>`; a resumed run adds another, and
+    the glob syncs them all.
+    """
+    return f"wandb is offline ({reason}): sync with `wandb sync {Path(run_dir) / 'wandb'}/offline-run-*`"
+
+
+def _is_main_rank() -> bool:
+    """Whether this is the launch's first process (RANK as accelerate launch and torchrun set it; 0 when unset)."""
+    return os.environ.get("RANK", "0") in ("", "0")
 
 
 def log_images(accelerator, name: str, images: list, step: int) -> None:
