@@ -27,13 +27,15 @@ import torch
 
 from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_for_start, wait_until_alive, was_restarted
 from rewards import RewardBatch, RewardSet
+from rewards.registry import import_modules
 
 
 class RewardWorker:
     """One reward actor: a RewardSet built once, scoring the chunks it is sent."""
 
-    def __init__(self, spec, kwargs: dict, threads: int):
+    def __init__(self, spec, kwargs: dict, threads: int, modules: list[str]):
         torch.set_num_threads(threads)
+        import_modules(modules)  # scorers that the trainer's reward_modules register, registered here too
         self.rewards = RewardSet(spec, **kwargs)
         self.rows = 0
         self.busy_s = 0.0
@@ -59,8 +61,9 @@ class RayRewardPool:
     def __init__(self, spec, actors: int = 1, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
                  max_failures: int = 3, max_restarts: int = 3, call_timeout_s: float = 600.0,
                  restart_timeout_s: float = 120.0, start_timeout_s: float = 300.0, threads: int = 1,
-                 name: str = "reward_pool", **reward_kwargs):
-        """`spec` and `reward_kwargs` as for `RewardSet` (mode, scorer_kwargs, ...), built on every actor."""
+                 name: str = "reward_pool", modules: list[str] | tuple = (), **reward_kwargs):
+        """`spec` and `reward_kwargs` as for `RewardSet` (mode, scorer_kwargs, ...), built on every actor;
+        `modules` are imported on every actor first (they register scorers)."""
         if not ray.is_initialized():
             raise RuntimeError("RayRewardPool needs a running Ray: call ray.init() (a local Ray) or "
                                "ray.init(address='auto') (a cluster) first")
@@ -72,7 +75,7 @@ class RayRewardPool:
         self.restart_timeout_s = restart_timeout_s
         worker = ray.remote(RewardWorker).options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor,
                                                   max_restarts=max_restarts, max_task_retries=0)
-        self.actors = [worker.remote(spec, reward_kwargs, threads) for _ in range(actors)]
+        self.actors = [worker.remote(spec, reward_kwargs, threads, list(modules)) for _ in range(actors)]
         wait_for_start(self.actors, start_timeout_s, f"{actors} {name} actor(s)", actors * cpus_per_actor,
                        actors * gpus_per_actor)
         self.failures = 0
