@@ -1,6 +1,8 @@
 """RayEnginePool and RayRewardPool on a local Ray: flywheel parity with the local engine, weight sync with
 100 requests in flight, a replica and a reward actor killed mid-step, and the bounded-failure error."""
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -33,7 +35,7 @@ REWARD = "digit_alignment:1.0"
 @pytest.fixture(scope="module")
 def pool():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    pool = RayEnginePool("toy-digits", replicas=2, cpus_per_replica=0.5, max_restarts=2, restart_timeout_s=60,
+    pool = RayEnginePool("toy-digits", replicas=2, cpus_per_replica=0.5, max_restarts=6, restart_timeout_s=60,
                          call_timeout_s=60)
     yield pool
     pool.close()
@@ -170,6 +172,62 @@ def test_a_replica_killed_mid_step_is_restarted_resynced_and_the_step_is_unchang
     again = pool.generate(requests[:2])  # one row on each replica, replica 1 included: the current version
     assert again.weight_version == version
     assert torch.equal(again.latents, local_engine(weights, version, max_batch=1).generate(requests[:2]).latents)
+
+
+def kill_replica(pool, index: int) -> None:
+    """SIGKILL replica `index`'s process and wait until it is gone (ray.kill only asks: a call sent right after it
+    may still be served by the dying actor)."""
+    pid = ray.get(pool.replicas[index].state.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"replica {index} (pid {pid}) did not exit after SIGKILL")
+
+
+KILL_POINTS = {  # when the replica dies -> the pool method it dies before (None: before the sync starts)
+    "before the sync": None,  # the drain's pause meets the dead replica
+    "between drain and load": "write_weights",
+    "between the checksums and the commit": "commit_weights",
+    "between the commit and the resume": "resume",
+}
+
+
+@pytest.mark.parametrize("when", list(KILL_POINTS))
+def test_a_replica_killed_during_a_sync_is_restarted_resynced_and_the_sync_completes(pool, monkeypatch, when):
+    """Every call of a sync (pause, drain, write, checksums, commit, resume) restores a replica that died: it is
+    restarted, re-synced to the committed weights (checked by checksum), given the sync's write, and the sync
+    ends with every replica on the new version (issue 22: drain/resume raised ActorUnavailableError)."""
+    old_weights, new_weights = trainer_weights(50), trainer_weights(51)
+    version = sync_pool(pool, old_weights)
+    victim = list(KILL_POINTS).index(when) % 2
+    failures, resyncs = pool.failures, pool.resyncs
+    method = KILL_POINTS[when]
+    if method is None:
+        kill_replica(pool, victim)
+    else:
+        original = getattr(pool, method)
+
+        def kill_first(*args, **kwargs):
+            kill_replica(pool, victim)
+            monkeypatch.setattr(pool, method, original)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(pool, method, kill_first)
+    assert sync_pool(pool, new_weights) == version + 1 == pool.weight_version
+    assert pool.failures > failures and pool.resyncs > resyncs
+    state = ray.get(pool.replicas[victim].state.remote())
+    assert state["restarted"] and state["version"] == version + 1 and state["unsynced"] is None
+    assert ray.get(pool.replicas[victim].checksums.remote(list(new_weights), "transformer")) == \
+        tensor_checksums(new_weights)
+    requests = [GenerationRequest(prompt=p.prompt, seed=4000 + i, **ROLLOUT) for i, p in enumerate(PROMPTS[:2])]
+    traj = pool.generate(requests)  # one row on each replica, the restarted one included
+    assert traj.weight_version == version + 1
+    assert torch.equal(traj.latents, local_engine(new_weights, version + 1, max_batch=1).generate(requests).latents)
 
 
 def test_a_reward_actor_killed_mid_step_is_retried(pool):
