@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     limits = from_args(args)  # checked before the scorer loads
     logging.basicConfig(level=logging.INFO)
-    import_modules(args.module, key="--module")
+    try:
+        import_modules(args.module, key="--module")
+    except ImportError as exc:
+        parser.error(str(exc))  # one line and exit 2, like any other bad flag
     scorer = get(args.reward, **json.loads(args.kwargs))
     server = ServerThread(scorer, args.reward, args.host, args.port, args.token, **limits.as_kwargs())
     print(f"serving reward {args.reward!r} at {server.url}", flush=True)

@@ -183,6 +183,7 @@ def plugin_env(site: Path) -> dict:
             "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
 
 
+@pytest.mark.slow
 def test_a_recipe_finds_and_uses_an_installed_plugin_by_name(tmp_path):
     """The issue's acceptance run: a scorer from a separate package that scores every image 0.5, found by
     name with no wrapper script. Every group is flat, so no step trains."""
@@ -190,7 +191,7 @@ def test_a_recipe_finds_and_uses_an_installed_plugin_by_name(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), "rewards=half", "steps=3",
                           "tracker=none", f"run_dir={run_dir}", "data.prompts_per_step=2", "data.group_size=2",
-                          "sampling.steps=2", "sampling.eval_seeds=1", "eval_every=1000", "sample_every=1000",
+                          "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=1", "eval_every=1000", "sample_every=1000",
                           "save_every=1000"], cwd=tmp_path, env=plugin_env(site), capture_output=True, text=True,
                          timeout=300)
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -225,3 +226,14 @@ def test_the_reward_server_serves_a_plugin_and_a_module_by_name(tmp_path):
         finally:
             server.terminate()
             server.wait(timeout=30)
+
+
+def test_a_module_the_reward_server_cannot_import_is_a_one_line_flag_error(capsys):
+    from rewards.serve import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--reward", "third", "--module", "no_such_scorers"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --module: cannot import 'no_such_scorers' (ModuleNotFoundError: No module named 'no_such_scorers'); "
+        "it must be importable here (installed, or on PYTHONPATH)")
