@@ -332,3 +332,10 @@ def test_broadcast_sync_over_a_process_group_and_a_restart_after_it(pool):
     traj = pool.generate(requests)
     assert traj.weight_version == version and torch.equal(traj.latents, expected.latents)
     assert ray.get(pool.replicas[0].checksums.remote(list(weights), "transformer")) == tensor_checksums(weights)
+    # The restarted replica is not in the group: the next broadcast sync forms it anew and reaches everyone.
+    assert not pool.all_in_group()
+    newer = trainer_weights(41)
+    assert WeightSyncController(pool, transport=transport, verify=True).sync(newer)["weight_version"] == version + 1
+    assert pool.all_in_group()
+    for index in (0, 1):
+        assert ray.get(pool.replicas[index].checksums.remote(list(newer), "transformer")) == tensor_checksums(newer)

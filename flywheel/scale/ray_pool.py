@@ -255,7 +255,8 @@ class EngineReplica:
     def state(self) -> dict:
         with self.lock:
             return {"version": self.engine.weight_version, "requests": self.requests, "busy_s": self.busy_s,
-                    "restarted": self.restarted, "unsynced": self.unsynced, "pid": os.getpid()}
+                    "restarted": self.restarted, "unsynced": self.unsynced, "pid": os.getpid(),
+                    "in_group": hasattr(self, "group")}
 
 
 class RayEnginePool:
@@ -445,6 +446,11 @@ class RayEnginePool:
         returns the refs to wait for once the trainer's side has joined too."""
         size = 1 + len(self.replicas)
         return [r.join_group.remote(backend, host, port, 1 + i, size, timeout_s) for i, r in enumerate(self.replicas)]
+
+    def all_in_group(self) -> bool:
+        """Whether every replica holds the weight-broadcast group (a restarted one does not: it is restored
+        first, here, and the transport forms the group again)."""
+        return all(state["in_group"] for state in self._on_replicas("state", lambda r: r.state.remote()))
 
     def receive_broadcast(self, manifest: list, component: str, bucket_bytes: int, restore_copy) -> Callable:
         """Every replica posts the receives of a broadcast sync (paused, drained pool); returns the wait for them.
