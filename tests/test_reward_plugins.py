@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -191,8 +190,8 @@ def test_a_recipe_finds_and_uses_an_installed_plugin_by_name(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), "rewards=half", "steps=3",
                           "tracker=none", f"run_dir={run_dir}", "data.prompts_per_step=2", "data.group_size=2",
-                          "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=1", "eval_every=1000", "sample_every=1000",
-                          "save_every=1000"], cwd=tmp_path, env=plugin_env(site), capture_output=True, text=True,
+                          "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=1", "eval_every=1000",
+                          "sample_every=1000", "save_every=1000"], cwd=tmp_path, env=plugin_env(site), capture_output=True, text=True,
                          timeout=300)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows, out.stderr[-2000:]
