@@ -206,6 +206,18 @@ def kill_replica(pool, index: int) -> None:
     raise AssertionError(f"replica {index} (pid {pid}) did not exit after SIGKILL")
 
 
+def wait_restarted(pool, index: int, timeout_s: float = 60) -> bool:
+    """Whether replica `index` answers as a restarted, not yet restored actor within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(pool.replicas[index].state.remote(), timeout=5)["unsynced"] == "restarted":
+                return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.1)
+    return False
+
+
 KILL_POINTS = {  # when the replica dies -> the pool method it dies before (None: before the sync starts)
     "before the sync": None,  # the drain's pause meets the dead replica
     "between drain and load": "write_weights",
@@ -332,7 +344,10 @@ def test_broadcast_sync_over_a_process_group_and_a_restart_after_it(pool):
     traj = pool.generate(requests)
     assert traj.weight_version == version and torch.equal(traj.latents, expected.latents)
     assert ray.get(pool.replicas[0].checksums.remote(list(weights), "transformer")) == tensor_checksums(weights)
-    # The restarted replica is not in the group: the next broadcast sync forms it anew and reaches everyone.
+    # The restarted replicas are not in the group: the next broadcast sync restores the one no call met yet,
+    # forms the group anew and reaches everyone.
+    kill_replica(pool, 1)
+    assert wait_restarted(pool, 1)
     assert not pool.all_in_group()
     newer = trainer_weights(41)
     assert WeightSyncController(pool, transport=transport, verify=True).sync(newer)["weight_version"] == version + 1

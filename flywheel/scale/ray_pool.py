@@ -448,9 +448,14 @@ class RayEnginePool:
         return [r.join_group.remote(backend, host, port, 1 + i, size, timeout_s) for i, r in enumerate(self.replicas)]
 
     def all_in_group(self) -> bool:
-        """Whether every replica holds the weight-broadcast group (a restarted one does not: it is restored
-        first, here, and the transport forms the group again)."""
-        return all(state["in_group"] for state in self._on_replicas("state", lambda r: r.state.remote()))
+        """Whether every replica holds the weight-broadcast group. A restarted one does not: it is restored
+        here first (it would refuse the broadcast's receives), then the transport forms the group again."""
+        states = self._on_replicas("state", lambda r: r.state.remote())
+        for index, state in enumerate(states):
+            if state["unsynced"] == RESTARTED:
+                self.failures += 1
+                self._recover(index, self._version)
+        return all(state["in_group"] for state in states)
 
     def receive_broadcast(self, manifest: list, component: str, bucket_bytes: int, restore_copy) -> Callable:
         """Every replica posts the receives of a broadcast sync (paused, drained pool); returns the wait for them.
