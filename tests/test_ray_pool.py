@@ -191,10 +191,10 @@ def test_a_replica_killed_mid_step_is_restarted_resynced_and_the_step_is_unchang
     assert torch.equal(again.latents, local_engine(weights, version, max_batch=1).generate(requests[:2]).latents)
 
 
-def kill_replica(pool, index: int) -> None:
-    """SIGKILL replica `index`'s process and wait until it is gone (ray.kill only asks: a call sent right after it
+def kill_actor(actor, what: str) -> None:
+    """SIGKILL the actor's process and wait until it is gone (ray.kill only asks: a call sent right after it
     may still be served by the dying actor)."""
-    pid = ray.get(pool.replicas[index].state.remote())["pid"]
+    pid = ray.get(actor.state.remote())["pid"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -203,7 +203,11 @@ def kill_replica(pool, index: int) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.01)
-    raise AssertionError(f"replica {index} (pid {pid}) did not exit after SIGKILL")
+    raise AssertionError(f"{what} (pid {pid}) did not exit after SIGKILL")
+
+
+def kill_replica(pool, index: int) -> None:
+    kill_actor(pool.replicas[index], f"replica {index}")
 
 
 def wait_restarted(pool, index: int, timeout_s: float = 60) -> bool:
@@ -271,6 +275,8 @@ def test_a_reward_actor_killed_mid_step_is_retried(pool):
         torch.testing.assert_close(scored.total, expected.total, atol=1e-6, rtol=0)
         assert scored.weight_version == 3 and bool(scored.valid.all())
         assert rewards.metrics()["reward_pool/actor1/restarted"] == 1.0
+        kill_actor(rewards.actors[0], "reward actor 0")  # dies between two steps
+        assert rewards.metrics()["reward_pool/actor0/restarted"] == 1.0  # read once Ray has restarted it
     finally:
         rewards.close()
 

@@ -102,7 +102,14 @@ class RayRewardPool:
 
     def metrics(self) -> dict[str, float]:
         out = {f"{self.name}/failures": float(self.failures)}
-        for index, state in enumerate(ray.get([a.state.remote() for a in self.actors])):
+        refs = [a.state.remote() for a in self.actors]
+        # An actor that died since the last step answers once Ray has restarted it (as score's retry does).
+        states = [get_retrying(ref, lambda i=index: self.actors[i].state.remote(),
+                               lambda i=index: wait_until_alive(self.actors[i], self.restart_timeout_s,
+                                                                f"{self.name} actor {i}"),
+                               f"{self.name} actor {index} (state)", self.call_timeout_s, self.max_failures)
+                  for index, ref in enumerate(refs)]
+        for index, state in enumerate(states):
             out.update({f"{self.name}/actor{index}/rows": float(state["rows"]),
                         f"{self.name}/actor{index}/busy_s": state["busy_s"],
                         f"{self.name}/actor{index}/restarted": float(state["restarted"])})
