@@ -12,7 +12,8 @@ Routes
                         output), "intermediates": {stage path: images} with "return_intermediates": true}
     GET  /v1/models     the hosted cards, then the served workflows (kind "workflow", "requires")
     GET  /v1/weights    the weight version of each hosted generator
-    POST /v1/weights    load a safetensors file into a hosted card (disk weight sync)
+    POST /v1/weights    load a safetensors file into a hosted card (disk weight sync), or fuse a
+                        LoRA a run exported into its weights: {"path", "version", "component", "card"}
     GET  /health        liveness (no token needed)
 
 Binds 127.0.0.1 by default; `--token` (or FLYWHEEL_SERVE_TOKEN) requires
@@ -53,6 +54,9 @@ TOKEN_KEY = web.AppKey("token", str)
 CARD_KEY = web.AppKey("default_card", str)
 MAX_IMAGES_KEY = web.AppKey("max_images", int)
 INFLIGHT_KEY = web.AppKey("inflight_bytes", InflightBudget)
+# (card, component) -> {weight name: its value before any LoRA was fused in}, so a new LoRA replaces the last one
+LORA_BASE_KEY = web.AppKey("lora_base_weights", dict)
+WEIGHTS_LOCK_KEY = web.AppKey("weights_lock", asyncio.Lock)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024**2  # a thousand full-size bodies being received at once
@@ -245,17 +249,23 @@ async def weights(request: web.Request) -> web.Response:
 async def load_weights(request: web.Request) -> web.Response:
     """Disk weight sync: load a safetensors file the trainer wrote (atomically) into a hosted card.
 
-    Body: {"path": "/abs/file.safetensors", "version": int, "component": "transformer", "card": optional}.
-    The file is read and checked here, before the engine pauses: readable, every tensor finite,
-    floating point exactly where the weight it replaces is. Running requests finish on their
-    version; requests that arrive meanwhile wait for the new one.
+    Body: {"path": "/abs/file.safetensors" or a folder holding one (a run's lora/), "version": int,
+    "component": "transformer", "card": optional}. The file is read and checked here, before the engine
+    pauses: readable, every tensor finite, floating point exactly where the weight it replaces is. A LoRA
+    file (what a run exports, see engine.lora_fuse) is fused: each adapted weight becomes its value before
+    any LoRA + s·B·A, so a second LoRA replaces the first rather than adding to it; weights the new LoRA
+    does not adapt get their pre-LoRA values back. Running requests finish on their version; requests that
+    arrive meanwhile wait for the new one.
     """
     body = await _read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object with 'path' and 'version'")
     path, version = body.get("path"), body.get("version")
+    if isinstance(path, str) and os.path.isdir(path):
+        path = _safetensors_in(path)
     if not isinstance(path, str) or not path.endswith(".safetensors"):
-        raise BadRequest("'path' must name a .safetensors file on the server's disk")
+        raise BadRequest("'path' must name a .safetensors file on the server's disk, or a folder holding one "
+                         "(a run's lora/)")
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
         raise BadRequest(f"'version' must be an integer in 0..{MAX_VERSION} above the current weight version, "
                          f"got {json.dumps(version)[:40]}")
@@ -264,13 +274,61 @@ async def load_weights(request: web.Request) -> web.Response:
         raise BadRequest("'component' must be a string such as 'transformer' and 'card' a card id string")
     engine = request.app[ENGINE_KEY]
     module = engine.engine(card).component(component)  # unknown card: 404; unknown component: 400
-    tensors = await asyncio.to_thread(read_weights, path, module.state_dict(), component)
+    async with request.app[WEIGHTS_LOCK_KEY]:  # one push at a time: the pre-LoRA weights are shared state
+        state = module.state_dict()
+        tensors = await asyncio.to_thread(read_weights, path, state, component)
+        bases = request.app[LORA_BASE_KEY].setdefault((card, component), {})
+        lora = None
+        from engine.lora_fuse import is_lora
+
+        if is_lora(tensors):
+            tensors, lora = await asyncio.to_thread(fuse_lora, path, tensors, state, component, bases)
+        try:
+            result = await engine.load_weights(tensors, version, component=component, card=card)
+        except KeyError as exc:  # tensor names that are not in the component
+            raise BadRequest(str(exc.args[0] if exc.args else exc)) from None
+        if lora is None:
+            for name in tensors:  # full weights: the new values are the pre-LoRA ones
+                bases.pop(name.removeprefix(component + "."), None)
+    reply = {"weight_version": result["version"], "component": result["component"], "tensors": result["tensors"]}
+    if lora is not None:
+        reply["lora"] = lora
+    return web.json_response(reply)
+
+
+def _safetensors_in(folder: str) -> str:
+    """The one .safetensors file of a folder (a run's lora/ holds pytorch_lora_weights.safetensors)."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if "pytorch_lora_weights.safetensors" in files:
+        return os.path.join(folder, "pytorch_lora_weights.safetensors")
+    if len(files) != 1:
+        raise BadRequest(f"folder {folder} holds {len(files)} .safetensors files ({', '.join(files[:5]) or 'none'}); "
+                         "name the file in 'path'", status=404 if not files else 400)
+    return os.path.join(folder, files[0])
+
+
+def fuse_lora(path: str, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], component: str,
+              bases: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full weights that fuse the LoRA file at `path` into `state`, from the pre-LoRA values in `bases`
+    (filled with the served values of weights adapted for the first time); and a summary for the reply."""
+    from safetensors import safe_open
+
+    from engine.lora_fuse import lora_deltas
+
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata()
     try:
-        result = await engine.load_weights(tensors, version, component=component, card=card)
-    except KeyError as exc:  # tensor names that are not in the component
-        raise BadRequest(str(exc.args[0] if exc.args else exc)) from None
-    return web.json_response({"weight_version": result["version"], "component": result["component"],
-                              "tensors": result["tensors"]})
+        deltas = lora_deltas(tensors, metadata, component, state)
+    except ValueError as exc:
+        raise BadRequest(f"LoRA file {path}: {exc}") from None
+    for name in deltas:
+        if name not in bases:
+            bases[name] = state[name].detach().to("cpu", copy=True)
+    fused = {name: base.clone() for name, base in bases.items() if name not in deltas}  # an older LoRA's layers
+    for name, delta in deltas.items():
+        base = bases[name]
+        fused[name] = (base.float() + delta).to(base.dtype)
+    return fused, {"fused": True, "layers": len(deltas), "restored": len(fused) - len(deltas)}
 
 
 def read_weights(path: str, state: dict[str, torch.Tensor], component: str) -> dict[str, torch.Tensor]:
@@ -347,6 +405,8 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     app[TOKEN_KEY] = token or ""
     app[MAX_IMAGES_KEY] = max_images
     app[INFLIGHT_KEY] = InflightBudget(limits)
+    app[LORA_BASE_KEY] = {}
+    app[WEIGHTS_LOCK_KEY] = asyncio.Lock()
     generators = [m["id"] for m in engine.models() if m["kind"] == "generator"]
     app[CARD_KEY] = default_card or (generators[0] if generators else "")
     app.router.add_post("/v1/generate", generate)

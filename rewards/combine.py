@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rewards.registry import REMOTE, get, parse_spec
+from rewards.registry import REMOTE, get, parse_spec_targets
 from rewards.remote import check_seconds
 from rewards.types import RewardBatch, Scorer, check_audio, check_videos, scorer_inputs, wants_audio, wants_video
 
@@ -39,7 +39,8 @@ class RewardSet:
                            (("timeout_s", "remote_timeout_s", remote_timeout_s),
                             ("budget_s", "remote_budget_s", remote_budget_s)) if value is not None}
         self.mode = mode
-        pairs = parse_spec(spec)
+        entries = parse_spec_targets(spec)  # (name, what get() builds, weight): "ocr=remote:<url>" is named ocr
+        pairs, targets = [(n, w) for n, _, w in entries], {n: t for n, t, _ in entries}
         scorer_kwargs = dict(scorer_kwargs or {})
         names = [n for n, _ in pairs]
         extra = sorted(set(scorer_kwargs) - set(names))
@@ -50,7 +51,8 @@ class RewardSet:
         self.scorer_ids: list[str] = names
         # Built here and kept: a scorer that loads weights loads them once per RewardSet.
         self.scorers: dict[str, Scorer] = {
-            n: get(n, **{**(remote_defaults if n.startswith(REMOTE) else {}), **scorer_kwargs.get(n, {})})
+            n: get(targets[n], **{**(remote_defaults if targets[n].startswith(REMOTE) else {}),
+                                  **scorer_kwargs.get(n, {})})
             for n in names}
 
     def __repr__(self) -> str:

@@ -1,22 +1,48 @@
-"""Reward registry: scorer factories by name, and parsing of reward specs like "a:1.0,b:0.1"."""
+"""Reward registry: scorer factories by name, and parsing of reward specs like "a:1.0,b:0.1".
+
+Scorers are found by name in three places: the built-ins registered below; scorers that
+installed packages declare under the entry-point group `flywheel.rewards` (found on the first
+lookup of a name that is not registered, and listed by `available()`); and modules named in
+the config (`reward_modules`, `python -m rewards.serve --module`) that call `register` when
+imported. A plugin may not take a built-in's (or an explicitly registered scorer's) name: the
+registered one wins and the plugin is skipped with a warning naming its package, so
+installing a package never changes what an existing config computes. A name declared by two
+installed packages is an error when it is used, naming both.
+
+    # pyproject.toml of a plugin package
+    [project.entry-points."flywheel.rewards"]
+    half = "my_pkg.scorers:Half"      # a class or function: called with the scorer's arguments
+"""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import types
+import typing
+import warnings
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Callable
 
 from rewards.types import Scorer
 
 ScorerFactory = Callable[..., Scorer]
+ENTRY_POINT_GROUP = "flywheel.rewards"
 
 _FACTORIES: dict[str, ScorerFactory] = {}
+_PLUGINS: dict[str, list[EntryPoint]] = {}  # entry-point name -> its entry points (more than one: ambiguous)
+_plugins_found = False
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name.strip() or any(c in name for c in ",:= \t"):
+        raise ValueError(f"scorer name {name!r} is not valid: use a non-empty name without ',', ':', '=' or spaces")
 
 
 def register(name: str, factory: ScorerFactory | None = None, *, replace: bool = False):
     """Register a scorer factory under `name`; without `factory`, returns a decorator."""
-    if not isinstance(name, str) or not name.strip() or any(c in name for c in ",: \t"):
-        raise ValueError(f"scorer name {name!r} is not valid: use a non-empty name without ',', ':' or spaces")
+    _check_name(name)
 
     def _add(f: ScorerFactory) -> ScorerFactory:
         if not callable(f):
@@ -35,12 +61,94 @@ def unregister(name: str) -> None:
     _FACTORIES.pop(name, None)
 
 
+def _distribution(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"package {dist.name!r}" if dist is not None else "an unnamed package"
+
+
+def find_plugins(refresh: bool = False) -> dict[str, list[EntryPoint]]:
+    """The `flywheel.rewards` entry points of the installed packages, by name (read once; `refresh` re-reads
+    them, e.g. after sys.path changed). A name taken by a registered scorer is skipped with a warning."""
+    global _plugins_found
+    if _plugins_found and not refresh:
+        return _PLUGINS
+    _PLUGINS.clear()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            _check_name(ep.name)
+        except ValueError as exc:
+            warnings.warn(f"{ENTRY_POINT_GROUP} entry point {ep.value!r} of {_distribution(ep)} is skipped: {exc}",
+                          stacklevel=2)
+            continue
+        if ep.name in _FACTORIES and not getattr(_FACTORIES[ep.name], "entry_point", None):
+            warnings.warn(f"{ENTRY_POINT_GROUP} entry point {ep.name!r} ({ep.value}) of {_distribution(ep)} is "
+                          f"skipped: {ep.name!r} is already a registered scorer, which keeps that name; the "
+                          f"package must use another name", stacklevel=2)
+            continue
+        if any(e.value == ep.value for e in _PLUGINS.get(ep.name, [])):
+            continue  # one package seen twice on sys.path
+        _PLUGINS.setdefault(ep.name, []).append(ep)
+    _plugins_found = True
+    return _PLUGINS
+
+
+def _plugin_factory(name: str) -> ScorerFactory | None:
+    """The factory of the installed plugin `name` (registered on first use), or None."""
+    eps = find_plugins().get(name)
+    if not eps:
+        return None
+    if len(eps) > 1:
+        raise ValueError(f"scorer {name!r} is declared under {ENTRY_POINT_GROUP} by more than one package: "
+                         + "; ".join(f"{_distribution(e)} ({e.value})" for e in eps)
+                         + ". Uninstall one of them")
+    ep = eps[0]
+    try:
+        target = ep.load()
+    except Exception as exc:
+        raise ImportError(f"scorer {name!r}: cannot load entry point {ep.value!r} of {_distribution(ep)} "
+                          f"({ENTRY_POINT_GROUP}): {type(exc).__name__}: {exc}") from exc
+    if not callable(target):
+        raise TypeError(f"scorer {name!r}: entry point {ep.value!r} of {_distribution(ep)} is a "
+                        f"{type(target).__name__}, not a scorer class or function")
+
+    def factory(**kwargs: Any) -> Scorer:
+        return target(**kwargs)
+
+    factory.target = lambda: target
+    factory.entry_point = ep
+    factory.__qualname__ = f"plugin({ep.value})"
+    return register(name, factory)
+
+
 def available() -> list[str]:
-    """Names of all registered scorers, sorted."""
-    return sorted(_FACTORIES)
+    """Names of all scorers: registered ones and installed plugins (`flywheel.rewards`), sorted."""
+    return sorted(set(_FACTORIES) | set(find_plugins()))
+
+
+def import_modules(modules: list[str] | tuple[str, ...], key: str = "reward_modules") -> None:
+    """Import each module (which registers its scorers with `register`); an ImportError naming `key` and the
+    module that failed."""
+    for module in modules:
+        if not isinstance(module, str) or not module.strip():
+            raise ImportError(f"{key}: {module!r} is not a module name; expected e.g. my_pkg.scorers")
+        try:
+            importlib.import_module(module.strip())
+        except Exception as exc:
+            raise ImportError(f"{key}: cannot import {module!r} ({type(exc).__name__}: {exc}); it must be "
+                              "importable here (installed, or on PYTHONPATH)") from exc
 
 
 REMOTE = "remote:"  # "remote:<url>" names a scorer served by `python -m rewards.serve` at that address
+
+
+def factory_of(name: str) -> ScorerFactory:
+    """The factory that `get(name)` calls (registered, or an installed plugin); KeyError naming the known ones."""
+    factory = _FACTORIES.get(name) or _plugin_factory(name)
+    if factory is None:
+        raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available()) or '(none)'} (a scorer "
+                       f"of another package is found when it is installed under the entry-point group "
+                       f"{ENTRY_POINT_GROUP!r}, or when its module is listed in reward_modules)")
+    return factory
 
 
 def get(name: str, **kwargs: Any) -> Scorer:
@@ -49,9 +157,7 @@ def get(name: str, **kwargs: Any) -> Scorer:
         from rewards.remote import RemoteScorer
 
         return RemoteScorer(name[len(REMOTE):], **kwargs)
-    if name not in _FACTORIES:
-        raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available()) or '(none)'}")
-    return _FACTORIES[name](**kwargs)
+    return factory_of(name)(**kwargs)
 
 
 def _weight(value: Any, where: str) -> float:
@@ -100,19 +206,44 @@ def _split_remote(text: str) -> tuple[str, float]:
     return entry, 1.0
 
 
-def _parse_entry(text: str) -> tuple[str, float]:
-    """One "name" or "name:weight" entry of a string spec (or "remote:<url>[:weight]")."""
-    if text.strip().startswith(REMOTE):
-        return _split_remote(text)
+def _short_name(text: str) -> tuple[str | None, str]:
+    """(short name, entry) of a "name=remote:<url>[:weight]" entry; (None, entry) for any other entry."""
+    entry = text.strip()
+    head, sep, rest = entry.partition("=")
+    if not sep or entry.startswith(REMOTE) or ":" in head:  # "=" inside a URL's query belongs to the URL
+        return None, entry
+    if not rest.strip().startswith(REMOTE):
+        raise ValueError(f"reward spec entry {entry!r}: a short name ('name=') is only for remote scorers, e.g. "
+                         "'ocr=remote:http://127.0.0.1:8100[:weight]'; other scorers are named by their name")
+    try:
+        _check_name(head.strip())
+    except ValueError as exc:
+        raise ValueError(f"reward spec entry {entry!r}: {exc}") from None
+    return head.strip(), rest.strip()
+
+
+def _parse_entry(text: str) -> tuple[str, str, float]:
+    """One "name[:weight]", "remote:<url>[:weight]" or "short=remote:<url>[:weight]" entry: (name, target, weight)."""
+    short, text = _short_name(text)
+    if text.startswith(REMOTE):
+        target, weight = _split_remote(text)
+        return short or target, target, weight
     parts = text.split(":")
     if len(parts) > 2:
         raise ValueError(f"reward spec entry {text.strip()!r} has more than one ':'; expected 'name' or 'name:weight'")
     name = _name(parts[0], text.strip())
-    return name, (_weight(parts[1].strip(), text.strip()) if len(parts) == 2 else 1.0)
+    return name, name, (_weight(parts[1].strip(), text.strip()) if len(parts) == 2 else 1.0)
 
 
-def parse_spec(spec: str | dict | list | tuple) -> list[tuple[str, float]]:
-    """Parse a reward spec into (name, weight) pairs; a name without a weight gets 1.0.
+def _named(key: Any, where: str) -> tuple[str, str]:
+    """(name, target) of a dict key or pair name, which may be "short=remote:<url>"."""
+    short, entry = _short_name(_name(key, where))
+    return short or entry, entry
+
+
+def parse_spec_targets(spec: str | dict | list | tuple) -> list[tuple[str, str, float]]:
+    """Parse a reward spec into (name, target, weight): `name` keys the metrics and reward_args, `target` is
+    what `get` builds (they differ only for "short=remote:<url>"); a name without a weight gets 1.0.
 
     Accepts "a:1.0, b:0.1", a dict {name: weight}, or a list of (name, weight)
     pairs or "name[:weight]" strings (the forms a YAML config produces).
@@ -120,31 +251,195 @@ def parse_spec(spec: str | dict | list | tuple) -> list[tuple[str, float]]:
     if isinstance(spec, str):
         if not spec.strip():
             raise ValueError("reward spec is empty; expected e.g. 'digit_alignment:1.0,jpeg_compressibility:0.1'")
-        pairs = []
+        entries = []
         for i, part in enumerate(spec.split(",")):
             if not part.strip():
                 raise ValueError(f"reward spec {spec!r} has an empty entry at position {i}")
-            pairs.append(_parse_entry(part))
+            entries.append(_parse_entry(part))
     elif isinstance(spec, dict):
-        pairs = [(_name(k, str(k)), _weight(v, f"{k}: {v}")) for k, v in spec.items()]
+        entries = [(*_named(k, str(k)), _weight(v, f"{k}: {v}")) for k, v in spec.items()]
     elif isinstance(spec, (list, tuple)):
-        pairs = []
+        entries = []
         for item in spec:
             if isinstance(item, str):
-                pairs.append(_parse_entry(item))
+                entries.append(_parse_entry(item))
             elif isinstance(item, (list, tuple)) and len(item) == 2:
-                pairs.append((_name(item[0], str(item)), _weight(item[1], str(item))))
+                entries.append((*_named(item[0], str(item)), _weight(item[1], str(item))))
             else:
                 raise ValueError(f"reward spec entry {item!r} is not valid; expected 'name[:weight]' or (name, weight)")
     else:
         raise ValueError(f"reward spec must be a string, dict or list, got {type(spec).__name__}")
-    if not pairs:
+    if not entries:
         raise ValueError("reward spec is empty; expected at least one scorer name")
-    names = [n for n, _ in pairs]
+    names = [n for n, _, _ in entries]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"reward spec names a scorer more than once: {', '.join(dupes)}")
-    return pairs
+    return entries
+
+
+def parse_spec(spec: str | dict | list | tuple) -> list[tuple[str, float]]:
+    """Parse a reward spec into (name, weight) pairs (see `parse_spec_targets`)."""
+    return [(name, weight) for name, _, weight in parse_spec_targets(spec)]
+
+
+# ---- scorer arguments from the config ---------------------------------------------------------------
+
+
+def _factory_target(factory: Callable) -> Callable:
+    """What a factory builds (a lazy built-in's or a plugin's class), for its signature."""
+    return factory.target() if hasattr(factory, "target") else factory
+
+
+def scorer_parameters(target: str) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """({argument: (parameter, type hint)}, takes any keyword) of the scorer `target` builds.
+
+    A class's `**kwargs` that go to its base class are followed up the MRO (Aesthetic -> the CLIP base),
+    so the arguments listed are the ones that are really taken. A remote scorer's address is its spec."""
+    if target.startswith(REMOTE):
+        from rewards.remote import RemoteScorer
+
+        built, skip = RemoteScorer, {"url"}
+    else:
+        built, skip = _factory_target(factory_of(target)), set()
+    functions = ([k.__dict__["__init__"] for k in built.__mro__ if k is not object and "__init__" in k.__dict__]
+                 if inspect.isclass(built) else [built])
+    params: dict[str, tuple[inspect.Parameter, Any]] = {}
+    for function in functions:
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):  # a builtin without a signature: anything goes
+            return params, True
+        try:
+            hints = typing.get_type_hints(function)
+        except Exception:  # annotations that do not resolve: coerce by the defaults' types
+            hints = {}
+        takes_more = False
+        for i, (name, param) in enumerate(signature.parameters.items()):
+            if inspect.isclass(built) and i == 0:
+                continue  # self
+            if param.kind is param.VAR_KEYWORD:
+                takes_more = True
+            elif param.kind is not param.VAR_POSITIONAL and name not in skip:
+                params.setdefault(name, (param, hints.get(name, Any)))
+        if not takes_more:
+            return params, False
+    return params, True
+
+
+def _allowed_types(param: inspect.Parameter, hint: Any) -> set:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    kinds = {o for o in options if isinstance(o, type)}
+    if not kinds and param.default not in (None, param.empty):
+        kinds = {type(param.default)}
+    return kinds
+
+
+def _coerce(value: Any, param: inspect.Parameter, hint: Any, where: str) -> Any:
+    """A command-line string as the number or boolean the scorer's argument takes (YAML gives typed values)."""
+    kinds = _allowed_types(param, hint)
+    if not isinstance(value, str) or not kinds or str in kinds or not kinds & {bool, int, float}:
+        return value
+    text = value.strip().lower()
+    if bool in kinds and text in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return text in ("true", "yes", "on", "1")
+    if int in kinds:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    if float in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if type(None) in typing.get_args(hint) and text in ("none", "null", "~"):
+        return None
+    names = " or ".join(sorted(k.__name__ for k in kinds))
+    raise ValueError(f"{where}={value!r}: expected {names}")
+
+
+def scorer_args(reward_args: Any) -> dict[str, dict[str, Any]]:
+    """The config's reward_args as {scorer name: {argument: value}}.
+
+    Accepts {name: {arg: value}} (YAML, or `reward_args={pickscore: {path: /x}}`), the flat entries that
+    dotted overrides leave (`reward_args.pickscore.path=/x` -> {"pickscore.path": "/x"}: the argument is the
+    part after the last dot) and a mapping given as text (`reward_args.pickscore={path: /x}`).
+    """
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in dict(reward_args or {}).items():
+        key = str(key)
+        if isinstance(value, str) and "." not in key:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+        if hasattr(value, "items"):
+            out.setdefault(key, {}).update({str(k): v for k, v in value.items()})
+            continue
+        name, dot, arg = key.rpartition(".")
+        if not dot or not name or not arg:
+            raise ValueError(f"reward_args.{key}={value!r}: give the arguments of scorer {key!r} as a mapping, e.g. "
+                             f"reward_args.{key}.path=/models/x or reward_args={{{key}: {{path: /models/x}}}}")
+        out.setdefault(name, {})[arg] = value
+    return out
+
+
+def resolve_args(spec: str | dict | list | tuple, reward_args: Any) -> dict[str, dict[str, Any]]:
+    """{name: kwargs} for `RewardSet(spec, scorer_kwargs=...)` from the config's reward_args: each scorer named
+    in the spec, each argument one its factory takes (command-line text converted to its type); a ValueError
+    naming the key and the valid names otherwise."""
+    entries = parse_spec_targets(spec)
+    args = scorer_args(reward_args)
+    names = [n for n, _, _ in entries]
+    stray = [n for n in args if n not in names]
+    if stray:
+        raise ValueError(f"reward_args.{stray[0]}: {stray[0]!r} is not a scorer of rewards ({', '.join(names)}); "
+                         "reward_args are keyed by the names in the reward spec")
+    resolved = {}
+    for name, target, _ in entries:
+        if name not in args:
+            continue
+        params, takes_any = scorer_parameters(target)
+        unknown = sorted(a for a in args[name] if a not in params)
+        if unknown and not takes_any:
+            raise ValueError(f"reward_args.{name}.{unknown[0]}: scorer {target!r} takes no argument {unknown[0]!r}; "
+                             f"valid arguments: {', '.join(params) or '(none)'}")
+        resolved[name] = {a: (_coerce(v, *params[a], f"reward_args.{name}.{a}") if a in params else v)
+                          for a, v in args[name].items()}
+    return resolved
+
+
+def check_spec(spec: Any, reward_args: Any = None, modules: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The problems of a config's reward keys, each one line naming its key: modules that do not import
+    (imported here, so their scorers register before the spec is checked), a spec that does not parse,
+    scorers that are neither registered nor installed, and reward_args that the scorers do not take."""
+    try:
+        import_modules(list(modules or ()))
+    except ImportError as exc:
+        return [str(exc)]
+    try:
+        entries = parse_spec_targets(spec)
+    except ValueError as exc:
+        return [f"rewards={spec!r}: {exc}"]
+    problems = []
+    for _, target, _ in entries:
+        if not target.startswith(REMOTE):
+            try:
+                factory_of(target)
+            except KeyError as exc:
+                problems.append(f"rewards={spec!r}: {exc.args[0]}")
+            except (ImportError, TypeError, ValueError) as exc:
+                problems.append(f"rewards={spec!r}: {exc}")
+    if problems:
+        return problems
+    try:
+        resolve_args(spec, reward_args)
+    except (ValueError, KeyError, ImportError, TypeError) as exc:
+        return [str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)]
+    return []
 
 
 def _lazy(module: str, attr: str) -> ScorerFactory:
@@ -153,6 +448,7 @@ def _lazy(module: str, attr: str) -> ScorerFactory:
     def factory(**kwargs: Any) -> Scorer:
         return getattr(importlib.import_module(module), attr)(**kwargs)
 
+    factory.target = lambda: getattr(importlib.import_module(module), attr)  # the class, for its signature
     factory.__qualname__ = f"lazy({module}.{attr})"
     return factory
 

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
                                 warn_if_exposed)
-from rewards.registry import get
+from rewards.registry import get, import_modules
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
 from rewards.wire import decode_request, encode_scores
@@ -148,7 +148,11 @@ class ServerThread:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reward", required=True, help="registered scorer name, e.g. ocr")
+    parser.add_argument("--reward", required=True,
+                        help="scorer name, e.g. ocr: a built-in, one an installed package declares under the "
+                             "entry-point group flywheel.rewards, or one a --module registers")
+    parser.add_argument("--module", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first (it registers scorers with rewards.registry.register); repeatable")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8100, help="port (0: any free port, printed at start)")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
@@ -159,6 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     limits = from_args(args)  # checked before the scorer loads
     logging.basicConfig(level=logging.INFO)
+    try:
+        import_modules(args.module, key="--module")
+    except ImportError as exc:
+        parser.error(str(exc))  # one line and exit 2, like any other bad flag
     scorer = get(args.reward, **json.loads(args.kwargs))
     server = ServerThread(scorer, args.reward, args.host, args.port, args.token, **limits.as_kwargs())
     print(f"serving reward {args.reward!r} at {server.url}", flush=True)

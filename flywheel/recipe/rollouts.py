@@ -74,7 +74,8 @@ class Rollouts:
                                  time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
             self.controller = WeightSyncController(self.engine, mode="colocated")
         rewards = build_rewards(cfg.rollout, cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
-                                remote_budget_s=cfg.reward_budget_s)
+                                remote_budget_s=cfg.reward_budget_s, reward_args=cfg.reward_args,
+                                modules=cfg.reward_modules)
         if cfg.rollout.reward_actors:
             self.pools.append(rewards)
         if policy.card_defaults.get("video") or cfg.model.workflow:

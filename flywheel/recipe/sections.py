@@ -9,7 +9,7 @@ A recipe's config is `class Config(RunConfig)` (the run keys at the top level:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
@@ -18,6 +18,7 @@ from flywheel.runs.checks import ConfigChecks, config_value
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.resume import resume_config
 from flywheel.scale.config import RolloutConfig
+from rewards.registry import check_spec
 
 
 @dataclass
@@ -175,6 +176,10 @@ class RunConfig:
     """experiment tracker (wandb runs offline when no account is configured)"""
     project: str = "flywheel"
     """tracker project name"""
+    reward_modules: list[str] = field(default_factory=list)
+    """modules imported before the rewards are checked, for scorers they register (rewards.registry.register)"""
+    reward_args: dict[str, Any] = field(default_factory=dict)
+    """scorers' constructor arguments by spec name: reward_args.pickscore.path=/models/pickscore"""
 
 
 def resolve_config(config_class: type, argv: list[str], recipe: str | None = None):
@@ -222,6 +227,8 @@ def check_shared_sections(cfg) -> ConfigChecks:
                    allow_none=True)
     check_audio_keys(cfg, checks)
     check_workflow_keys(cfg, checks)
+    for problem in check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):  # imports reward_modules first
+        checks.fail(problem)
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
     for key in ("reward_timeout_s", "reward_budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")

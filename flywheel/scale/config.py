@@ -74,8 +74,17 @@ def _ray(cfg: RolloutConfig):
     return ray
 
 
-def build_rewards(cfg: RolloutConfig, spec, **reward_kwargs):
-    """The run's scorer: a RewardSet here, or a RayRewardPool of cfg.reward_actors actors (the same `score`)."""
+def build_rewards(cfg: RolloutConfig, spec, reward_args: dict | None = None, modules: list[str] | tuple = (),
+                  **reward_kwargs):
+    """The run's scorer: a RewardSet here, or a RayRewardPool of cfg.reward_actors actors (the same `score`).
+
+    `modules` are imported first (here and in every reward actor: they register scorers); `reward_args`
+    (the config's, see rewards.registry.resolve_args) become each scorer's constructor arguments."""
+    from rewards.registry import import_modules, resolve_args
+
+    import_modules(list(modules))
+    if reward_args:
+        reward_kwargs["scorer_kwargs"] = resolve_args(spec, reward_args)
     if cfg.reward_actors == 0:
         from rewards import RewardSet
 
@@ -84,7 +93,8 @@ def build_rewards(cfg: RolloutConfig, spec, **reward_kwargs):
     from flywheel.scale.ray_rewards import RayRewardPool
 
     return RayRewardPool(spec, actors=cfg.reward_actors, cpus_per_actor=cfg.cpus_per_reward_actor,
-                         gpus_per_actor=cfg.gpus_per_reward_actor, max_failures=cfg.max_failures, **reward_kwargs)
+                         gpus_per_actor=cfg.gpus_per_reward_actor, max_failures=cfg.max_failures,
+                         modules=list(modules), **reward_kwargs)
 
 
 def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:

@@ -65,6 +65,9 @@ class ReplicaNotSynced(RuntimeError):
     """A replica refused to generate: it was restarted, or a sync wrote into it and did not commit."""
 
 
+RESTARTED = "restarted"  # EngineReplica.unsynced of a replica Ray rebuilt and the pool has not restored yet
+
+
 def balanced_chunks(n: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) ranges covering range(n) in at most `parts` non-empty pieces whose sizes differ by <= 1
     (the first n % parts pieces get the extra row)."""
@@ -161,7 +164,7 @@ class EngineReplica:
         self.index = index
         self.restarted = was_restarted()
         # Set by a restart or an uncommitted write: the weights are not those of the version the pool serves.
-        self.unsynced = "restarted" if self.restarted else None
+        self.unsynced = RESTARTED if self.restarted else None
         self.requests = 0
         self.busy_s = 0.0
         self.lock = threading.Lock()
@@ -187,10 +190,19 @@ class EngineReplica:
         return self.engine.drain(timeout_s=timeout_s)
 
     def resume(self) -> None:
+        self.refuse_if_restarted("to resume")  # the pool restores it first, then resumes it
         self.engine.resume()
+
+    def refuse_if_restarted(self, what: str) -> None:
+        """A rebuilt replica holds the card's weights: a sync's write, commit or checksums would be about those,
+        so it refuses them until the pool has restored it (`restore`)."""
+        if self.unsynced == RESTARTED:
+            raise ReplicaNotSynced(f"rollout replica {self.index} (pid {os.getpid()}) was restarted and holds the "
+                                   f"card's weights: it refuses {what} until the pool restores it")
 
     def write_weights(self, tensors: dict[str, torch.Tensor], component: str) -> int:
         """Copy the tensors in (the engine paused and drained); the replica refuses to serve until `commit`."""
+        self.refuse_if_restarted("a weight write")
         self.unsynced = f"its {component} weights were partly written by a sync that did not commit"
         return self.engine.write_weights(tensors, component)
 
@@ -202,6 +214,7 @@ class EngineReplica:
     def receive_broadcast(self, manifest: list, component: str, bucket_bytes: int) -> int:
         """Receive the trainer's broadcast buckets (the `plan_buckets` layout of `manifest`) into `component`;
         the replica refuses to serve until `commit`."""
+        self.refuse_if_restarted("a broadcast sync")
         self.unsynced = f"its {component} weights were partly written by a sync that did not commit"
         like = {name: torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
                 for name, dtype, shape in manifest}
@@ -213,12 +226,14 @@ class EngineReplica:
         return total
 
     def commit(self, version: int, component: str) -> int:
+        self.refuse_if_restarted(f"the commit of version {version}")
         self.engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
         self.unsynced = None
         return version
 
-    def restore(self, weights: dict[str, ray.ObjectRef], version: int) -> int:
-        """Bring a restarted replica to `version`: the committed weights of each component, then the version."""
+    def restore(self, weights: dict[str, ray.ObjectRef], version: int, paused: bool = False) -> int:
+        """Bring a restarted replica to `version`: the committed weights of each component, then the version.
+        `paused`: leave the engine paused and drained (a sync is under way: it resumes the replica)."""
         self.engine.pause()
         try:
             self.engine.drain()
@@ -228,17 +243,20 @@ class EngineReplica:
                 self.engine.set_weight_version(version, prompt_encoder_changed=True)
             self.unsynced = None
         finally:
-            self.engine.resume()
+            if not paused:
+                self.engine.resume()
         return version
 
     def checksums(self, names: list[str] | None, component: str) -> dict[str, str]:
+        self.refuse_if_restarted("checksums")
         state = self.engine.component(component).state_dict()
         return tensor_checksums({n: state[n] for n in (names if names is not None else state)})
 
     def state(self) -> dict:
         with self.lock:
             return {"version": self.engine.weight_version, "requests": self.requests, "busy_s": self.busy_s,
-                    "restarted": self.restarted, "unsynced": self.unsynced, "pid": os.getpid()}
+                    "restarted": self.restarted, "unsynced": self.unsynced, "pid": os.getpid(),
+                    "in_group": hasattr(self, "group")}
 
 
 class RayEnginePool:
@@ -283,6 +301,7 @@ class RayEnginePool:
         self._in_flight = 0
         self._next = 0  # the replica that takes the next call's first chunk (spreads small calls)
         self._recovery_locks = [threading.Lock() for _ in self.replicas]
+        self._replicas_paused = False  # a sync drained the replicas' engines and has not resumed them
         self.failures = 0
         self.resyncs = 0
 
@@ -330,13 +349,20 @@ class RayEnginePool:
                             self.max_failures)
 
     def _recover(self, index: int, version: int) -> None:
-        """Wait for Ray to restart replica `index`, then re-sync it to `version` and check its weights."""
+        """Wait for Ray to restart replica `index`, then re-sync it to `version` and check its weights.
+
+        During a sync (the replicas drained) the restored replica stays paused, and the tensors written but
+        not committed yet are written into it again, so the sync carries on where the replica died."""
         with self._recovery_locks[index]:  # two calls that saw the same death re-sync once
             replica = self.replicas[index]
             state = wait_until_alive(replica, self.restart_timeout_s, f"{self.name} replica {index}")
-            if state["version"] == version and not state["unsynced"]:
+            # Restore a replica rebuilt from the card, or one a failed sync left half-written; one that
+            # another call restored already, or that holds this sync's write, carries on.
+            if state["unsynced"] != RESTARTED and state["version"] == version and (
+                    not state["unsynced"] or self._written):
                 return
-            ray.get(replica.restore.remote(dict(self._committed), version), timeout=self.call_timeout_s)
+            ray.get(replica.restore.remote(dict(self._committed), version, self._replicas_paused),
+                    timeout=self.call_timeout_s)
             for component, ref in self._committed.items():
                 # Checked against what the trainer sent (hashed here, only when a replica comes back).
                 expected = tensor_checksums(ray.get(ref))
@@ -345,7 +371,26 @@ class RayEnginePool:
                     wrong = sorted(n for n in got if got[n] != expected.get(n))
                     raise RuntimeError(f"{self.name} replica {index} was re-synced to version {version} but its "
                                        f"{component} tensors differ from the committed ones: {wrong[:5]}")
+            for component, ref in self._written.items():  # a sync under way: its uncommitted write again
+                ray.get(replica.write_weights.remote(ref, component), timeout=self.call_timeout_s)
             self.resyncs += 1
+
+    def _on_replicas(self, what: str, call: Callable, timeout_s: float | None = None) -> list:
+        """`call(replica)` on every replica at once and their answers in order; a replica that died (or was
+        restarted and refuses) is restored by `_recover` to the committed version and asked again, at most
+        `max_failures` times. Every call of a sync goes through here, so a replica that dies during one is
+        restarted, re-synced, checked and brought into the sync (issue 22: drain/resume used to raise
+        ActorUnavailableError)."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        refs = [call(replica) for replica in self.replicas]
+
+        def recover(index: int) -> None:
+            self.failures += 1
+            self._recover(index, self._version)
+
+        return [get_retrying(ref, lambda i=index: call(self.replicas[i]), lambda i=index: recover(i),
+                             f"{self.name} replica {index} ({what})", timeout_s, self.max_failures)
+                for index, ref in enumerate(refs)]
 
     # ---- the engine side of weight sync (WeightSyncController's EngineHandle) -------------------
 
@@ -370,12 +415,15 @@ class RayEnginePool:
                 raise TimeoutError(f"{self.name} pool did not drain within {timeout_s:.1f}s: "
                                    f"{self._in_flight} generate() call(s) still running")
         left = max(0.0, timeout_s - (time.perf_counter() - start))
-        ray.get([r.pause.remote("drain") for r in self.replicas], timeout=self.call_timeout_s)
-        ray.get([r.drain.remote(left) for r in self.replicas], timeout=left + self.call_timeout_s)
+        self._replicas_paused = True  # from here a replica restored by _recover stays paused
+        self._on_replicas("pause", lambda r: r.pause.remote("drain"))
+        self._on_replicas("drain", lambda r: r.drain.remote(left), timeout_s=left + self.call_timeout_s)
         return time.perf_counter() - start
 
     def resume(self) -> None:
-        ray.get([r.resume.remote() for r in self.replicas], timeout=self.call_timeout_s)
+        self._on_replicas("resume", lambda r: r.resume.remote())
+        self._replicas_paused = False
+        self._written = {}  # a write no commit ended (a failed sync): never replayed into a restored replica
         with self._gate:
             self._paused = False
             self._gate.notify_all()
@@ -390,7 +438,7 @@ class RayEnginePool:
         ref = tensors if isinstance(tensors, ray.ObjectRef) else ray.put(
             {n: t.detach().to("cpu") for n, t in tensors.items()})
         self._written[component] = ref
-        written = ray.get([r.write_weights.remote(ref, component) for r in self.replicas], timeout=self.call_timeout_s)
+        written = self._on_replicas(f"write of {component}", lambda r: r.write_weights.remote(ref, component))
         return sum(written) // len(self.replicas)
 
     def join_group(self, backend: str, host: str, port: int, timeout_s: float) -> list:
@@ -398,6 +446,16 @@ class RayEnginePool:
         returns the refs to wait for once the trainer's side has joined too."""
         size = 1 + len(self.replicas)
         return [r.join_group.remote(backend, host, port, 1 + i, size, timeout_s) for i, r in enumerate(self.replicas)]
+
+    def all_in_group(self) -> bool:
+        """Whether every replica holds the weight-broadcast group. A restarted one does not: it is restored
+        here first (it would refuse the broadcast's receives), then the transport forms the group again."""
+        states = self._on_replicas("state", lambda r: r.state.remote())
+        for index, state in enumerate(states):
+            if state["unsynced"] == RESTARTED:
+                self.failures += 1
+                self._recover(index, self._version)
+        return all(state["in_group"] for state in states)
 
     def receive_broadcast(self, manifest: list, component: str, bucket_bytes: int, restore_copy) -> Callable:
         """Every replica posts the receives of a broadcast sync (paused, drained pool); returns the wait for them.
@@ -414,7 +472,7 @@ class RayEnginePool:
         """Mark `version` on every replica; from now on a restarted replica is re-synced to these weights."""
         if component not in self._written:
             raise RuntimeError(f"commit_weights({version}, {component!r}) without write_weights first")
-        ray.get([r.commit.remote(version, component) for r in self.replicas], timeout=self.call_timeout_s)
+        self._on_replicas(f"commit of version {version}", lambda r: r.commit.remote(version, component))
         self._committed[component] = self._written.pop(component)
         self._version = version
 
@@ -435,7 +493,7 @@ class RayEnginePool:
 
     def checksums(self, names: list[str], component: str = "transformer") -> dict[str, str]:
         """The replicas' checksums of `names`; an error naming the replica if any of them differs from replica 0."""
-        per_replica = ray.get([r.checksums.remote(list(names), component) for r in self.replicas])
+        per_replica = self._on_replicas("checksums", lambda r: r.checksums.remote(list(names), component))
         for index, got in enumerate(per_replica[1:], start=1):
             wrong = sorted(n for n in got if got[n] != per_replica[0].get(n))
             if wrong:
@@ -446,7 +504,7 @@ class RayEnginePool:
     def metrics(self) -> dict[str, float]:
         """Per replica: requests served, busy seconds, weight version, restarted (0/1); and the pool's counts."""
         out = {f"{self.name}/failures": float(self.failures), f"{self.name}/resyncs": float(self.resyncs)}
-        for index, state in enumerate(ray.get([r.state.remote() for r in self.replicas])):
+        for index, state in enumerate(self._on_replicas("state", lambda r: r.state.remote())):
             prefix = f"{self.name}/replica{index}"
             out.update({f"{prefix}/requests": float(state["requests"]), f"{prefix}/busy_s": state["busy_s"],
                         f"{prefix}/version": float(state["version"]), f"{prefix}/restarted": float(state["restarted"])})

@@ -27,13 +27,15 @@ import torch
 
 from flywheel.scale.ray_pool import balanced_chunks, get_retrying, wait_for_start, wait_until_alive, was_restarted
 from rewards import RewardBatch, RewardSet
+from rewards.registry import import_modules
 
 
 class RewardWorker:
     """One reward actor: a RewardSet built once, scoring the chunks it is sent."""
 
-    def __init__(self, spec, kwargs: dict, threads: int):
+    def __init__(self, spec, kwargs: dict, threads: int, modules: list[str]):
         torch.set_num_threads(threads)
+        import_modules(modules)  # scorers that the trainer's reward_modules register, registered here too
         self.rewards = RewardSet(spec, **kwargs)
         self.rows = 0
         self.busy_s = 0.0
@@ -59,8 +61,9 @@ class RayRewardPool:
     def __init__(self, spec, actors: int = 1, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
                  max_failures: int = 3, max_restarts: int = 3, call_timeout_s: float = 600.0,
                  restart_timeout_s: float = 120.0, start_timeout_s: float = 300.0, threads: int = 1,
-                 name: str = "reward_pool", **reward_kwargs):
-        """`spec` and `reward_kwargs` as for `RewardSet` (mode, scorer_kwargs, ...), built on every actor."""
+                 name: str = "reward_pool", modules: list[str] | tuple = (), **reward_kwargs):
+        """`spec` and `reward_kwargs` as for `RewardSet` (mode, scorer_kwargs, ...), built on every actor;
+        `modules` are imported on every actor first (they register scorers)."""
         if not ray.is_initialized():
             raise RuntimeError("RayRewardPool needs a running Ray: call ray.init() (a local Ray) or "
                                "ray.init(address='auto') (a cluster) first")
@@ -72,7 +75,7 @@ class RayRewardPool:
         self.restart_timeout_s = restart_timeout_s
         worker = ray.remote(RewardWorker).options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor,
                                                   max_restarts=max_restarts, max_task_retries=0)
-        self.actors = [worker.remote(spec, reward_kwargs, threads) for _ in range(actors)]
+        self.actors = [worker.remote(spec, reward_kwargs, threads, list(modules)) for _ in range(actors)]
         wait_for_start(self.actors, start_timeout_s, f"{actors} {name} actor(s)", actors * cpus_per_actor,
                        actors * gpus_per_actor)
         self.failures = 0
@@ -99,7 +102,14 @@ class RayRewardPool:
 
     def metrics(self) -> dict[str, float]:
         out = {f"{self.name}/failures": float(self.failures)}
-        for index, state in enumerate(ray.get([a.state.remote() for a in self.actors])):
+        refs = [a.state.remote() for a in self.actors]
+        # An actor that died since the last step answers once Ray has restarted it (as score's retry does).
+        states = [get_retrying(ref, lambda i=index: self.actors[i].state.remote(),
+                               lambda i=index: wait_until_alive(self.actors[i], self.restart_timeout_s,
+                                                                f"{self.name} actor {i}"),
+                               f"{self.name} actor {index} (state)", self.call_timeout_s, self.max_failures)
+                  for index, ref in enumerate(refs)]
+        for index, state in enumerate(states):
             out.update({f"{self.name}/actor{index}/rows": float(state["rows"]),
                         f"{self.name}/actor{index}/busy_s": state["busy_s"],
                         f"{self.name}/actor{index}/restarted": float(state["restarted"])})

@@ -20,7 +20,8 @@ it into its engine (on the GPU, nothing crosses the host or the object store);
 `verify=True` compares checksums as above; the commit bumps every replica's
 version. A replica that Ray restarts cannot rejoin a running group, so each
 sync also puts one host copy of the tensors in the object store, which is what
-a restarted replica is re-synced from. Across machines the store's host (the
+a restarted replica is re-synced from, and the next sync forms the group anew
+(trainer and every replica) before it broadcasts. Across machines the store's host (the
 trainer's address) must be reachable from the replicas' nodes, and NCCL picks
 the network (set NCCL_SOCKET_IFNAME where a machine has several).
 """
@@ -99,6 +100,10 @@ class CollectiveTransport:
     def transfer(self, pool, tensors: dict[str, torch.Tensor], version: int, component: str) -> int:
         if self.group is None:
             raise RuntimeError("CollectiveTransport.connect(pool) must run before the first sync")
+        if not pool.all_in_group():
+            # A replica Ray restarted cannot rejoin the running group: everyone forms a new one.
+            self.group = None
+            self.connect(pool)
         host = {n: t.detach().to("cpu") for n, t in tensors.items()}
         manifest = [(n, str(t.dtype), list(t.shape)) for n, t in host.items()]
         received = pool.receive_broadcast(manifest, component, self.bucket_bytes, ray.put(host))
