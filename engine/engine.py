@@ -332,13 +332,18 @@ class Engine:
 
         A request's noise depends only on its seed, never on its batch
         neighbours; the initial noise is drawn first, so ODE and SDE runs of
-        one seed start from the same point.
+        one seed start from the same point. A request with a `noise_seed` starts
+        from that seed's initial noise; its step noise is still its own seed's.
         """
         steps = requests[0].steps
         initial, per_step = [], []
         for r in requests:
             generator = torch.Generator(device=self.device).manual_seed(r.seed)
-            initial.append(torch.randn(latent_shape, generator=generator, device=self.device))
+            own = torch.randn(latent_shape, generator=generator, device=self.device)
+            if r.noise_seed is not None:
+                shared = torch.Generator(device=self.device).manual_seed(r.noise_seed)
+                own = torch.randn(latent_shape, generator=shared, device=self.device)
+            initial.append(own)
             if stochastic:
                 per_step.append(torch.randn((steps, *latent_shape), generator=generator, device=self.device))
         return torch.stack(initial), (torch.stack(per_step) if stochastic else None)

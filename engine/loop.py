@@ -52,6 +52,8 @@ def guided_velocity(model: FlowModel, transformer: nn.Module, x: torch.Tensor, t
         return model.velocity(transformer, x, t, cond, guidance=guidance_scale)
     if uncond_cond is None:
         return model.velocity(transformer, x, t, cond)
+    if torch.is_tensor(t) and t.dim() == 1 and t.numel() == x.shape[0]:
+        t = torch.cat([t, t])  # one time per row: the unconditional rows take their conditional twin's
     v = model.velocity(transformer, torch.cat([x, x]), t, uncond_cond)
     v_uncond, v_cond = v.chunk(2)
     guide = getattr(model, "guide", None)

@@ -81,6 +81,9 @@ class GenerationRequest:
     early_exit: float | None = None
     # What a skipped step uses: 1 = the line through the row's last two model calls, 0 = the last call's velocity.
     cache_order: int = 1
+    # The seed of the initial noise x_1 alone; None = `seed`. Requests that share one start from the same noise
+    # (a group's samples: MixGRPO's init_same_noise), while their SDE step noise still comes from `seed`.
+    noise_seed: int | None = None
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -92,6 +95,7 @@ class GenerationRequest:
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler={self.sampler!r} is not known; valid samplers: {', '.join(SAMPLERS)}")
         _integer("seed", self.seed, *SEED_RANGE)
+        _integer("noise_seed", self.noise_seed, *SEED_RANGE, nullable=True)
         _integer("steps", self.steps, 1, MAX_STEPS)
         _number("guidance_scale", self.guidance_scale, 0.0, MAX_GUIDANCE)
         _number("noise_level", self.noise_level, 0.0, MAX_NOISE_LEVEL)

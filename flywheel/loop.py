@@ -97,10 +97,13 @@ class Flywheel:
 
     def __init__(self, engine: Engine, rewards: RewardSet, sampler: PromptSampler,
                  group_size: int, request_kwargs: dict, seed: int = 0, adv_clip: float | None = None,
-                 overlap_scoring: bool = False, rollout_chunk_size: int | None = None, global_std: bool = False):
+                 overlap_scoring: bool = False, rollout_chunk_size: int | None = None, global_std: bool = False,
+                 same_noise_per_group: bool = False):
         """`rollout_chunk_size`: rows per engine call (None: all rows at once, or half of them when
         `overlap_scoring` is on, so that there is a next chunk to overlap with). `global_std`: normalise
-        advantages by the std of the whole step's rewards instead of each group's (Flow-GRPO's option)."""
+        advantages by the std of the whole step's rewards instead of each group's (Flow-GRPO's option).
+        `same_noise_per_group`: every sample of a group starts from its first sample's initial noise (MixGRPO's
+        init_same_noise); the SDE noise of each sample stays its own."""
         rank, world = rank_and_world()
         global_batch = sampler.prompts_per_step * group_size
         if global_batch % world:
@@ -108,7 +111,7 @@ class Flywheel:
                              f"number of processes ({world})")
         self.engine, self.rewards, self.sampler = engine, rewards, sampler
         self.group_size, self.request_kwargs, self.seed, self.adv_clip = group_size, request_kwargs, seed, adv_clip
-        self.global_std = global_std
+        self.global_std, self.same_noise_per_group = global_std, same_noise_per_group
         self.rank, self.world = rank, world
         self.local_batch = global_batch // world
         if rollout_chunk_size is not None and rollout_chunk_size < 1:
@@ -176,7 +179,7 @@ class Flywheel:
         rows = range(self.rank * self.local_batch, (self.rank + 1) * self.local_batch)
         overrides = self.request_overrides or (lambda step, row: {})
         requests = [self._request(items[row // self.group_size], sample_seed(self.seed, step, row),
-                                  **overrides(step, row)) for row in rows]
+                                  **overrides(step, row), **self._shared_noise(step, row)) for row in rows]
         group_ids = torch.tensor([row // self.group_size for row in rows])
 
         trajectory, rewards, timings = self._rollout_and_score(requests)
@@ -191,6 +194,13 @@ class Flywheel:
                    "weight_version": trajectory.weight_version, **rewards.metrics()}
         return RolloutBatch(trajectory, rewards, advantages.to(trajectory.latents.device),
                             usable.to(trajectory.latents.device), group_ids, metrics)
+
+    def _shared_noise(self, step: int, row: int) -> dict:
+        """The request field that gives a group one initial noise: its first row's seed (a function of the step and
+        the row alone, so a group split across ranks agrees)."""
+        if not self.same_noise_per_group:
+            return {}
+        return {"noise_seed": sample_seed(self.seed, step, row - row % self.group_size)}
 
     def _request(self, item: PromptItem, seed: int, **overrides) -> GenerationRequest:
         return item_request(item, seed, self.engine.card_id, {**self.request_kwargs, **overrides})

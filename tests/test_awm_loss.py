@@ -112,14 +112,27 @@ def test_zero_advantages_leave_only_the_regulariser():
     torch.testing.assert_close(v.grad, 0.1 * 2 * (V - V_REF) / 4)
 
 
-def test_only_usable_rows_count():
+def test_usable_average_counts_only_usable_rows():
     usable = torch.tensor([True, False])
-    loss, stats = loss_of("uniform", usable=usable, v_ref=V_REF, kl_beta=1.0)
+    loss, stats = loss_of("uniform", usable=usable, v_ref=V_REF, kl_beta=1.0, average="usable")
     # Row 0 alone: 2·4.5 + 1·2 = 11
     assert float(loss) == pytest.approx(11.0, abs=1e-6)
     assert float(stats["matching_error/negative"]) == 0.0  # the negative row is not usable
-    loss, _ = loss_of("uniform", usable=torch.tensor([False, False]), v_ref=V_REF, kl_beta=1.0)
+    loss, _ = loss_of("uniform", usable=torch.tensor([False, False]), v_ref=V_REF, kl_beta=1.0, average="usable")
     assert float(loss) == 0.0
+
+
+def test_default_average_is_over_every_row_as_the_released_code():
+    usable = torch.tensor([True, False])
+    loss, stats = loss_of("uniform", usable=usable, v_ref=V_REF, kl_beta=1.0)
+    # (row 0: 2·4.5 + 1·2, row 1: no policy term (not usable) + 1·1) / 2 = 6
+    assert float(loss) == pytest.approx(6.0, abs=1e-6)
+    assert float(stats["policy_loss"]) == pytest.approx(4.5, abs=1e-6)
+    # No usable row: the regularisers alone, over both rows.
+    loss, _ = loss_of("uniform", usable=torch.tensor([False, False]), v_ref=V_REF, kl_beta=1.0)
+    assert float(loss) == pytest.approx(1.5, abs=1e-6)
+    with pytest.raises(ValueError, match="all or usable"):
+        loss_of("uniform", average="rows")
 
 
 def test_scalar_time_broadcasts_over_rows():
@@ -155,13 +168,19 @@ def test_schedule_times_come_one_from_each_stratum():
     assert seen == set(range(1, 9))  # every eligible step is drawn sometimes; 0 (t = 1) and 9 never
 
 
-def test_uniform_times_are_stratified_then_shifted():
+def test_uniform_times_are_stratified_per_row_then_shifted():
     tc = AWMConfig(timesteps_per_sample=4, time_sampling="uniform", uniform_t_min=0.2, time_shift=3.0)
-    times = draw_times(torch.linspace(1, 0, 11), tc, torch.Generator().manual_seed(0)).double()
-    # Undo s·t / (1 + (s - 1)·t): t = t' / (s - (s - 1)·t'); the k-th lies in [0.2 + 0.2k, 0.2 + 0.2(k + 1)).
+    times = draw_times(torch.linspace(1, 0, 11), tc, torch.Generator().manual_seed(0), rows=5).double()
+    assert times.shape == (4, 5)
+    # Undo s·t / (1 + (s - 1)·t): t = t' / (s - (s - 1)·t'); each row has one t in each [0.2 + 0.2k, 0.2 + 0.2(k + 1)).
     unshifted = times / (3.0 - 2.0 * times)
-    for k, t in enumerate(unshifted.tolist()):
-        assert 0.2 + 0.2 * k <= t < 0.2 + 0.2 * (k + 1) + 1e-6
+    for row in unshifted.T.tolist():
+        strata = sorted(int((t - 0.2) / 0.2 + 1e-9) for t in row)
+        assert strata == [0, 1, 2, 3], row
+    # The rows draw their own times, in orders of their own (the code's per-row draw and shuffle).
+    assert len({tuple(r) for r in unshifted.T.tolist()}) == 5
+    orders = {tuple(int((t - 0.2) / 0.2 + 1e-9) for t in row) for row in unshifted.T.tolist()}
+    assert len(orders) > 1
 
 
 def test_draws_depend_only_on_seed_step_and_rank():
@@ -280,7 +299,9 @@ def oracle_update(model, reference, anchor_model, traj, cfg, step):
             kl = ((v - v_ref) ** 2).flatten(1).mean(1)
             anchor_kl = ((v - v_anchor) ** 2).flatten(1).mean(1)
             per_row = adv * w + tc.kl_beta * kl + tc.anchor_beta * anchor_kl
-            loss = (per_row * usable).sum() / usable.sum()
+            # An unusable row has no policy term; the mean is over every row (the code's) or the usable ones.
+            per_row = usable * adv * w + tc.kl_beta * kl + tc.anchor_beta * anchor_kl
+            loss = (per_row.mean() if tc.loss_average == "all" else (per_row * usable).sum() / usable.sum())
             (loss / tc.timesteps_per_sample).backward()
         opt.step()
         opt.zero_grad()

@@ -177,15 +177,15 @@ def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule_and_serves_the
     rollouts = RecordingRollouts(version=4)
     sampling = SamplingPolicy(weights, rollouts, model=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25,
                                                                            eta_max=0.6))
-    # Step 0 is flat: eta = 0 copies theta.
+    # After step 0 one step is done, and one is flat: eta = 0 copies theta.
     metrics = sampling.follow(trained, step=0)
     assert weights["a"].tolist() == [[0.0]] and weights["b"].tolist() == [3.0, 6.0]
     assert metrics == {"sync/total_s": 0.5, "nft/eta": 0.0, "weight_version_after": 5}
     with torch.no_grad():
         trained[0][1].copy_(torch.tensor([5.0, 2.0]))
         trained[1][1].fill_(8.0)
-    # Step 2: eta = (2 - 1)·0.25 = 0.25; b = 0.25·[3, 6] + 0.75·[5, 2] = [4.5, 3], a = 0.25·0 + 0.75·8 = 6.
-    metrics = sampling.follow(trained, step=2)
+    # After step 1 (2 done): eta = (2 - 1)·0.25 = 0.25; b = 0.25·[3, 6] + 0.75·[5, 2] = [4.5, 3], a = 0.75·8 = 6.
+    metrics = sampling.follow(trained, step=1)
     assert weights["b"].tolist() == [4.5, 3.0] and weights["a"].tolist() == [[6.0]]
     assert metrics["nft/eta"] == 0.25 and metrics["weight_version_after"] == 6
     assert rollouts.served[-1]["b"].tolist() == [4.5, 3.0]  # what the engine got is what was soft-updated

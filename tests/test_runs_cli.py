@@ -68,17 +68,20 @@ OLD_ROWS = [
 NEW_SUMMARY = {"name": "new", "recipe": "nft", "card": "toy-digits", "steps_done": 4, "steps_configured": 10,
                "reward_final": 0.8, "reward_final_step": 4, "reward_best": 0.9, "reward_best_step": 2,
                "judge": "digit_svc", "judge_final": 0.6, "judge_at_best_reward": 0.7,
-               "diversity_key": "diversity", "diversity_final": 0.12, "kl_final": 0.05, "wall_s": 75.5}
+               "diversity_key": "diversity", "diversity_final": 0.12, "kl_final": 0.05, "wall_s": 75.5,
+               "best_checkpoint_step": 2}
 OLD_SUMMARY = {"name": "old", "recipe": "?", "card": "number-card", "steps_done": 3, "steps_configured": 3,
                "reward_final": None, "reward_final_step": 3, "reward_best": 0.5, "reward_best_step": 0,
                "judge": "digit_svc", "judge_final": 0.0625, "judge_at_best_reward": 0.25,
                "diversity_key": "eval/diversity", "diversity_final": None, "kl_final": 0.125,
-               "wall_s": 4.0}  # 1.5 + 2.25 + 0.25
+               "wall_s": 4.0, "best_checkpoint_step": None}  # 1.5 + 2.25 + 0.25; no best/ (an older run)
 
 
 @pytest.fixture
 def two_runs(tmp_path):
     new = write_run(tmp_path / "runs" / "new", NEW_ROWS, steps=10, info={"recipe": "nft", "card": "toy-digits"})
+    (new / "best").mkdir()  # best/ holds step 2, the best eval reward without a watch signal
+    (new / "best" / "best.json").write_text(json.dumps({"step": 2, "reward": 0.9, "ema": False, "lora": False}))
     old = write_run(tmp_path / "runs" / "old", OLD_ROWS, steps=3, card="number-card")
     return new, old
 
@@ -100,9 +103,9 @@ def test_summaries_hold_the_final_and_best_values_worked_out_by_hand(two_runs, t
         assert got == {**want, "path": str(path)}
     printed = capsys.readouterr().out
     assert table_line(printed, "new") == ["new", "nft", "toy-digits", "4/10", "0.800 @4", "0.900 @2", "digit_svc",
-                                          "0.600", "0.700", "0.120", "1m15s"]
+                                          "0.600", "0.700", "0.120", "1m15s", "@2"]
     assert table_line(printed, "old") == ["old", "?", "number-card", "3/3", "nan @3", "0.500 @0", "digit_svc",
-                                          "0.062", "0.250", "nan", "4.0s"]
+                                          "0.062", "0.250", "nan", "4.0s", "-"]
     assert not (tmp_path / "compare.png").exists()  # --no-plot
 
 
@@ -139,7 +142,7 @@ def test_a_run_just_started_or_with_empty_metrics_shows_dashes(tmp_path, capsys)
     assert main(["compare", str(started), str(empty), "--json", str(tmp_path / "t.json"), "--no-plot"]) == 0
     printed = capsys.readouterr().out
     for name in ("started", "empty"):
-        assert table_line(printed, name) == [name, "?", "toy-digits", "0/5", "-", "-", "-", "-", "-", "-", "-"]
+        assert table_line(printed, name) == [name, "?", "toy-digits", "0/5", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert json.loads((tmp_path / "t.json").read_text())[0]["reward_final"] is None
 
 
@@ -179,10 +182,12 @@ def test_list_sorts_newest_first_and_skips_folders_that_are_not_runs(two_runs, t
             os.utime(entry, (mtime, mtime))
     assert main(["list", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["run", "recipe", "card", "steps", "last", "eval", "reward", "judge", "modified"]
-    assert table_line("\n".join(lines), "old")[:6] == ["old", "?", "number-card", "3/3", "nan @3", "digit_svc 0.062"]
-    assert table_line("\n".join(lines), "new")[:6] == ["new", "nft", "toy-digits", "4/10", "0.800 @4",
-                                                       "digit_svc 0.600"]
+    assert lines[0].split() == ["run", "recipe", "card", "steps", "last", "eval", "reward", "judge", "best/",
+                                "modified"]
+    assert table_line("\n".join(lines), "old")[:7] == ["old", "?", "number-card", "3/3", "nan @3", "digit_svc 0.062",
+                                                       "-"]
+    assert table_line("\n".join(lines), "new")[:7] == ["new", "nft", "toy-digits", "4/10", "0.800 @4",
+                                                       "digit_svc 0.600", "@2"]
     assert [line.split()[0] for line in lines[2:4]] == ["old", "new"]
     assert lines[4].startswith("skipped scratch:") and "not a run directory" in lines[4]
     assert len(lines) == 5

@@ -22,9 +22,11 @@ for it (stratified, see `draw_times`), with fresh noise eps ~ N(0, I):
         + kl_beta     · mean |v_theta - v_ref|^2      velocity MSE to the reference (base) policy
         + anchor_beta · mean |v_theta - v_ema|^2      velocity MSE to an EMA of the trained weights
 
-averaged over the usable samples of a minibatch (those whose group has a
-spread of rewards), then over the K times and the accumulated minibatches of
-an optimizer step. w(l, t) reshapes the error (`weighted_error`): "uniform" is
+averaged over every sample of a minibatch, flat groups included (whose A is
+0: they add only to the two regularisers), as the released code does
+(`loss_average=usable` averages over the samples whose group has a spread of
+rewards instead), then over the K times and the accumulated minibatches of an
+optimizer step. w(l, t) reshapes the error (`weighted_error`): "uniform" is
 l itself, the plain flow-matching loss; "ghuber", the released configs' choice,
 is t/p·((l + d)^p - d^p), whose gradient t·(l + d)^(p-1)·dl/dtheta gives the
 samples the model already fits well more weight and the large-error ones less.
@@ -46,17 +48,28 @@ Deviations from that code, each on purpose:
   (minibatch_size < samples per rank and gradient_accumulation_steps smaller
   than the minibatch count) the later steps are off-policy without a trust
   region, and the two regularisers are the only brakes.
-- Flow times are drawn per minibatch (one t per stratum, shared by the
-  minibatch's rows), as the code draws them per micro-batch; the noise is
-  per row. A shared t keeps one forward per (minibatch, time) and lets
-  classifier-free guidance reuse `engine.loop.guided_velocity`.
+- Rollouts use the ODE sampler by default. The released GenEval and OCR
+  configs roll out with SA-Solver at noise level 0.4 (train.use_sa_solver,
+  sample.noise_level = 0.4; the PickScore config at noise 0). The engine has no
+  SA-Solver; since only the final sample x0 is trained on, any sampler works:
+  `sampling.sampler=sde sampling.noise_level=0.4` gives stochastic rollouts
+  (Flow-SDE, not SA-Solver, so the samples' distribution differs).
+- "schedule" times are drawn per minibatch (one t per stratum, shared by the
+  minibatch's rows), as the code's discrete modes draw them per micro-batch;
+  the noise is per row. "uniform" times are drawn per row, as the code's
+  uniform mode: each row gets one t from each stratum, the K strata in a random
+  order of its own.
 - The schedule strata are computed with integers, (i·span) // K, where the
   code truncates float32 linspace values (the same cut points unless float
   rounding moves one down by one index).
 - The KL "ELBO" weighting (division by 2·(0.7·sqrt(t/(1-t)))^2) is left out:
   every released config uses "Uniform", the plain velocity MSE kept here.
-- The regularisers average over the usable samples, as the policy term; the
-  code averages them over every sample of the micro-batch.
+- Averaging: by default all three terms average over every sample of the
+  minibatch, as the code. With many flat groups that keeps the policy term's
+  weight next to the KL and anchor terms the code's; `loss_average=usable`
+  (this recipe's earlier default) averages over the usable samples only, which
+  makes the policy term N/N_usable times stronger relative to the
+  regularisers (2x with 3 of 6 samples flat).
 - The EMA anchor is updated once per `awm_update` (one rollout step), with
   decay min(anchor_decay, anchor_decay_ramp·steps done). The code updates it
   once per epoch with the optimizer-step count, the same thing when each
@@ -172,6 +185,10 @@ class AWMConfig(OptimConfig):
     """EMA anchor: ceiling of the decay (EMA <- decay·EMA + (1 - decay)·weights after each step)"""
     anchor_decay_ramp: float = 0.001
     """EMA anchor: the decay is min(anchor_decay, anchor_decay_ramp·steps done), the code's linear warm-up"""
+    loss_average: Literal["all", "usable"] = "all"
+    """the rows a minibatch's loss averages over: "all" (the code's: flat groups, A = 0, add only to the KL and
+    anchor terms) or "usable" (rows whose group has a spread of rewards: a stronger policy term when many groups
+    are flat)"""
     cfg_in_train: bool = False
     """train the guided velocity v_u + g·(v_c - v_u) when rollouts used guidance (the code's train.cfg = False:
     the conditional velocity is the one pretraining fitted)"""
@@ -243,22 +260,29 @@ def weighted_error(error: torch.Tensor, t: torch.Tensor, weighting: str, ghuber_
 def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor | float,
              advantages: torch.Tensor, v_ref: torch.Tensor | None = None, *, usable: torch.Tensor | None = None,
              weighting: str = "ghuber", ghuber_power: float = 0.25, kl_beta: float = 0.0,
-             v_anchor: torch.Tensor | None = None, anchor_beta: float = 0.0
+             v_anchor: torch.Tensor | None = None, anchor_beta: float = 0.0, average: str = "all"
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """AWM loss of N rows: mean over usable rows of A·w(l, t) + kl_beta·|v - v_ref|² + anchor_beta·|v - v_anchor|².
+    """AWM loss of N rows: the mean of A·w(l, t) + kl_beta·|v - v_ref|² + anchor_beta·|v - v_anchor|².
 
     v_theta, x0, noise [N, ...] (the velocity at x_t = (1 - t)·x0 + t·noise);
     t [N] or a scalar; advantages [N]; usable [N] bool (None = every row).
     v_ref / v_anchor: the reference's and the EMA anchor's velocities at the
     same x_t (no gradient flows into them); each term is measured when given
-    and added with its beta. A minibatch with no usable row has loss 0.
+    and added with its beta. `average` "all" takes the mean over every row
+    (an unusable row's advantage is 0 by then, so it adds only to the
+    regularisers), "usable" over the usable rows only (a minibatch with no
+    usable row then has loss 0). The matching-error stats are over usable rows.
     """
+    if average not in ("all", "usable"):
+        raise ValueError(f"AWM loss average {average!r} is not known: use all or usable")
     n = v_theta.shape[0]
     mask = torch.ones(n, device=v_theta.device) if usable is None else usable.float().to(v_theta.device)
-    row_weight = mask / mask.sum().clamp(min=1.0)
+    usable_weight = mask / mask.sum().clamp(min=1.0)
+    row_weight = usable_weight if average == "usable" else torch.full((n,), 1.0 / max(n, 1), device=v_theta.device)
     error = matching_error(v_theta, x0, noise)
     weighted = weighted_error(error, t, weighting, ghuber_power)
-    adv = advantages.float().to(v_theta.device)
+    # An unusable row has no training signal of its own, whatever advantage it was handed.
+    adv = advantages.float().to(v_theta.device) * mask
     policy = (adv * weighted * row_weight).sum()
     loss = policy
     zero = torch.zeros((), device=v_theta.device)
@@ -276,7 +300,7 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: to
         "policy_loss": policy.detach(),
         "kl": kl.detach(),
         "anchor_kl": anchor.detach(),
-        "matching_error": (detached * row_weight).sum(),
+        "matching_error": (detached * usable_weight).sum(),
         # AWM lowers the error of better-than-average samples and raises the others': the gap is the signal.
         "matching_error/positive": (detached * positive).sum() / positive.sum().clamp(min=1.0),
         "matching_error/negative": (detached * negative).sum() / negative.sum().clamp(min=1.0),
@@ -307,21 +331,27 @@ def schedule_strata(num_steps: int, k: int, fraction: float, skip_first: bool) -
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def draw_times(timesteps: torch.Tensor, tc: AWMConfig, generator: torch.Generator) -> torch.Tensor:
-    """K flow times [K] (fp32, CPU), one from each stratum, for one minibatch.
+def draw_times(timesteps: torch.Tensor, tc: AWMConfig, generator: torch.Generator, rows: int = 1) -> torch.Tensor:
+    """A minibatch's K flow times (fp32, CPU), one from each stratum: [K] shared by its rows, or [K, rows].
 
-    "schedule": index lower + floor(u·(upper - lower)) of each stratum of the
-    rollout's steps, and that step's time `timesteps[index]`;
-    "uniform": t = t_min + (k + u)/K·(1 - t_min), then s·t / (1 + (s - 1)·t).
+    "schedule" ([K]): index lower + floor(u·(upper - lower)) of each stratum of
+    the rollout's steps, and that step's time `timesteps[index]`;
+    "uniform" ([K, rows], the code's per-row draw): for each row and stratum k,
+    t = t_min + (k + u)/K·(1 - t_min); each row's K times are then put in a
+    random order of their own (the code's argsort shuffle), and shifted:
+    s·t / (1 + (s - 1)·t).
     """
     k = tc.timesteps_per_sample
-    u = torch.rand(k, generator=generator, dtype=torch.float64)
     if tc.time_sampling == "schedule":
+        u = torch.rand(k, generator=generator, dtype=torch.float64)
         strata = schedule_strata(len(timesteps) - 1, k, tc.timestep_fraction, tc.skip_first_step)
         index = [lo + int(math.floor(float(u[i]) * (hi - lo))) for i, (lo, hi) in enumerate(strata)]
         return timesteps.detach().float().cpu()[index]
     if tc.time_sampling == "uniform":
-        t = tc.uniform_t_min + (torch.arange(k, dtype=torch.float64) + u) / k * (1.0 - tc.uniform_t_min)
+        u = torch.rand((k, rows), generator=generator, dtype=torch.float64)
+        t = tc.uniform_t_min + (torch.arange(k, dtype=torch.float64)[:, None] + u) / k * (1.0 - tc.uniform_t_min)
+        order = torch.rand((k, rows), generator=generator, dtype=torch.float64).argsort(dim=0)
+        t = torch.gather(t, 0, order)
         s = tc.time_shift
         return (s * t / (1 + (s - 1) * t)).float()
     raise ValueError(f"train.time_sampling={tc.time_sampling!r}: use schedule or uniform")
@@ -329,8 +359,8 @@ def draw_times(timesteps: torch.Tensor, tc: AWMConfig, generator: torch.Generato
 
 def draw_minibatch(timesteps: torch.Tensor, rows: int, latent_shape: tuple[int, ...], tc: AWMConfig,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(times [K], noise [K, rows, *latent]) of one minibatch, both on the CPU: times first, then the noise."""
-    times = draw_times(timesteps, tc, generator)
+    """(times [K] or [K, rows], noise [K, rows, *latent]) of one minibatch, on the CPU: times first, then noise."""
+    times = draw_times(timesteps, tc, generator, rows)
     noise = torch.randn((tc.timesteps_per_sample, rows, *latent_shape), generator=generator)
     return times, noise
 
@@ -429,7 +459,7 @@ def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
         cond, uncond_cond = trajectory_conditioning(traj.select(rows), tc.cfg_in_train)
         times, noise = draw_minibatch(traj.timesteps, len(rows), tuple(x0.shape[1:]), tc, generator)
         for i in range(k):
-            # One t for the minibatch's rows (a scalar t keeps guided_velocity's batched CFG forward valid).
+            # "schedule": one t for the minibatch's rows; "uniform": one per row.
             t, eps = times[i].to(x0.device), noise[i].to(x0.device)
             x_t = noised(x0, eps, t)
             with torch.no_grad():
@@ -440,9 +470,9 @@ def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
             v = policy.velocity(transformer, x_t, t, cond, uncond_cond, traj.guidance_scale)
             loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=batch.usable[rows], weighting=tc.weighting,
                                    ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
-                                   anchor_beta=tc.anchor_beta)
+                                   anchor_beta=tc.anchor_beta, average=tc.loss_average)
             grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
-            grads.record({**stats, "t/mean": t.float()})
+            grads.record({**stats, "t/mean": t.float().mean()})
         grads.maybe_step(m)
     metrics = grads.metrics()
     if anchor is not None:

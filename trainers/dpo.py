@@ -64,9 +64,12 @@ Deviations, each on purpose:
   of group_size) is paired within each rank's share.
 - Flow times: `time_sampling` "rollout_grid" (default) draws each of a pair's K
   times from the rollout schedule's own times in (0, 1], independently;
-  "uniform" draws t ~ U(0, 1); "logit_normal" t = sigmoid(N(0, 1)) as the public
-  codes (flow_grpo maps it onto the scheduler's 1000 discrete times; here t is
-  continuous). K = timesteps_per_pair = 2 by default (flow_grpo: 9 of a 10-step
+  "uniform" draws t ~ U(0, 1); "logit_normal" u = sigmoid(N(0, 1)) as the public
+  codes, mapped through the rollout schedule's time shift s, t = s·u / (1 + (s -
+  1)·u), as flow_grpo does by indexing the scheduler's 1000 shifted times with u
+  (SD3.5, s = 3: median t 0.75; here t is continuous, and s is read from the
+  rollout's times, `schedule_shift`; this recipe ignored the shift before, median
+  0.5 whatever the card). K = timesteps_per_pair = 2 by default (flow_grpo: 9 of a 10-step
   rollout; Flow-Factory: 1).
 - Rollouts: the ODE by default (flow_grpo samples with the Flow-SDE); any
   sampler works, since only the final samples are trained on.
@@ -174,7 +177,8 @@ class DPOConfig(OptimConfig):
     timesteps_per_pair: int = 2
     """flow times K each pair is trained at per step (one shared noise draw per time)"""
     time_sampling: Literal["rollout_grid", "uniform", "logit_normal"] = "rollout_grid"
-    """flow times: one of the rollout schedule's times in (0, 1]; t ~ U(0, 1); or sigmoid(N(0, 1)) (public codes)"""
+    """flow times: one of the rollout schedule's times in (0, 1]; t ~ U(0, 1); or sigmoid(N(0, 1)) under the
+    schedule's time shift (public codes)"""
     minibatch_size: int = 64
     """pairs per training forward (each pair is two rows, winner and loser)"""
     swap_pairs: bool = False
@@ -294,6 +298,21 @@ def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_
 # ---------------------------------------------------------------------------------------
 
 
+def schedule_shift(timesteps: torch.Tensor) -> float:
+    """The time shift s of a rollout schedule t_0 = 1 > ... > t_T = 0: t_i = s·l / (1 + (s - 1)·l) at
+    l = 1 - i/T, so s = t·(1 - l) / (l·(1 - t)), read at the step nearest the middle (for a schedule that is
+    not one shift of the linear one, such as FLUX's resolution-dependent one, the shift of its middle)."""
+    t = timesteps.detach().double().cpu()
+    steps = len(t) - 1
+    if steps < 2:
+        return 1.0
+    i = steps // 2
+    level, ti = 1.0 - i / steps, float(t[i])
+    if not 0 < ti < 1:
+        return 1.0
+    return ti * (1 - level) / (level * (1 - ti))
+
+
 def draw_times_and_noise(traj: Trajectory, n_pairs: int, tc: DPOConfig, generator: torch.Generator
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(times [P, K], noise [P, K, *latent]) on the CPU, times first: one t and one eps per pair and time."""
@@ -305,7 +324,9 @@ def draw_times_and_noise(traj: Trajectory, n_pairs: int, tc: DPOConfig, generato
     elif tc.time_sampling == "uniform":
         times = torch.rand((n_pairs, k), generator=generator)
     elif tc.time_sampling == "logit_normal":
-        times = torch.sigmoid(torch.randn((n_pairs, k), generator=generator))
+        shift = schedule_shift(traj.timesteps)
+        u = torch.sigmoid(torch.randn((n_pairs, k), generator=generator))
+        times = shift * u / (1 + (shift - 1) * u)
     else:
         raise ValueError(f"train.time_sampling={tc.time_sampling!r}: use rollout_grid, uniform or logit_normal")
     noise = torch.randn((n_pairs, k, *traj.latents.shape[2:]), generator=generator)

@@ -24,7 +24,13 @@ Options (train.*), each independent of the others:
   it has passed the end (--roll_back). Deviations: the code's window is cut at
   index T - 2 and shrinks near the end (it is even empty at its last position);
   here it is always w steps, the last start being T - w, and may cover the last
-  step; window_end=stay keeps the last position instead of restarting.
+  step; window_end=stay keeps the last position instead of restarting. The
+  released scripts also pass --init_same_noise (every sample of a prompt's
+  group starts from one initial noise): `sampling.same_noise_per_group=true`,
+  off by default. They normalise advantages by the unbiased group std + 1e-8
+  (torch's .std()); here every variant uses the population std + 1e-4 (Flow-
+  GRPO's np.std), so with G samples a group's advantages are sqrt(G/(G - 1))
+  times the code's before clipping (1.03x at G = 16).
 - flash_compress=f, MixGRPO-Flash: the ODE steps after the window run the
   second-order multistep DPM-Solver++(2M), midpoint form (engine/sampling.py),
   over max(1, int(n·f)) of the n steps left (released: f = 0.4; Flash*: 0.2).

@@ -74,7 +74,10 @@ code unless it says otherwise):
 8. Guidance. Rollouts made with classifier-free guidance (guidance_scale != 1)
    are refused: v_old must be the velocity of the policy that sampled x0.
 9. The eta schedule counts training steps (Algorithm 1's iterations i, one
-   rollout batch each), whatever the number of optimizer steps per batch.
+   rollout batch each), whatever the number of optimizer steps per batch (the
+   public code counts optimizer steps: the same with one per batch). As the
+   code, the soft update after the i-th step (i = 1, 2, ...) uses eta_i, so the
+   first one already uses 0.001 (this recipe used eta_0 = 0 there before).
 
 Defaults, and what was changed from the paper's for the built-in toy task (toy-digits,
 8 prompts x 16 samples, ODE with 10 steps, full fine-tune; held-out eval reward at
@@ -273,8 +276,9 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise
 
 
 def eta_schedule(step: int, flat_steps: int = 0, rate: float = 0.001, eta_max: float = 0.5) -> float:
-    """Soft-update factor after training step `step` (0-based): 0 for the first `flat_steps`, then
-    min((step - flat_steps)·rate, eta_max) (paper App. C: min(0.001·i, 0.5), i the iteration)."""
+    """Soft-update factor once `step` training steps are done (1 after the first update): 0 while step <
+    flat_steps, then min((step - flat_steps)·rate, eta_max) (paper App. C: min(0.001·i, 0.5); the public
+    code's return_decay of its step count, already raised by the update it follows)."""
     if step < 0 or flat_steps < 0:
         raise ValueError(f"eta_schedule needs step >= 0 and flat_steps >= 0, got step={step}, flat_steps={flat_steps}")
     if rate < 0 or not 0 <= eta_max <= 1:
@@ -337,9 +341,13 @@ class SamplingPolicy:
         return {"weight_version": self.rollouts.version}
 
     def follow(self, named_params: list[tuple[str, torch.nn.Parameter]], step: int) -> dict:
-        """After step `step`'s update: theta_old <- eta·theta_old + (1 - eta)·theta, then serve it (version + 1)."""
+        """After step `step`'s update: theta_old <- eta·theta_old + (1 - eta)·theta, then serve it (version + 1).
+
+        eta is the schedule's at step + 1, the training steps done: the public code raises its step count
+        before it soft-updates, so its first update already uses 0.001.
+        """
         tc = self.tc
-        eta = eta_schedule(step, tc.eta_flat_steps, tc.eta_rate, tc.eta_max)
+        eta = eta_schedule(step + 1, tc.eta_flat_steps, tc.eta_rate, tc.eta_max)
         soft_update([self.weights[name] for name, _ in named_params], [p for _, p in named_params], eta)
         synced = self.rollouts.sync(self.weights)
         metrics = {key: value for key, value in synced.items() if key != "weight_version"}

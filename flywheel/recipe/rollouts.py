@@ -89,7 +89,8 @@ class Rollouts:
         self.flywheel = Flywheel(
             rollout_engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step, cfg.seed),
             cfg.data.group_size, request_kwargs=rollout_request_kwargs(cfg.sampling), seed=cfg.seed,
-            adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std)
+            adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std,
+            same_noise_per_group=cfg.sampling.same_noise_per_group)
         self.eval_engine = rollout_engine
         if serve == "copy" or ((cfg.async_rollouts or cfg.rollout.backend == "ray") and cfg.train.ema):
             # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine

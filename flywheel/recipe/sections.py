@@ -74,6 +74,9 @@ class SamplingConfig:
     """[start, end) of the stochastic (trained) steps; None = all steps"""
     time_shift: float = 1.0
     """SD3-style time shift of the schedule"""
+    same_noise_per_group: bool = False
+    """every sample of a prompt's group starts from the same initial noise (MixGRPO's --init_same_noise); each
+    sample's SDE step noise stays its own, so the group differs only by the stochastic steps"""
     eval_guidance_scale: float = 1.0
     """guidance of the ODE evaluation samples"""
     eval_seeds: int = 4
@@ -131,6 +134,9 @@ class OptimConfig:
     """training steps during which the EMA is the trained weights; it averages from then on"""
     ema_update_every: int = 8
     """the EMA moves after every N-th training step from ema_start_step (Flow-GRPO: every 8 optimizer steps)"""
+    stop_on_hacking: int = 0
+    """end the run (exit 0) after this many consecutive evaluations where the hacking watch fired; best/ and the
+    last checkpoint saved before the signals are kept (flywheel/recipe/hacking_stop.py). 0 = off"""
     stage: str | None = None
     """with model.workflow: the stage trained (its first card stage, e.g. draw); the others run the ODE frozen"""
 
@@ -214,6 +220,10 @@ def check_shared_sections(cfg) -> ConfigChecks:
         checks.require("sampling.noise_level", lambda v: 0 < v < 1, "is CPS's eta for sampler=cps: in (0, 1)")
     elif sampler == "sde":
         checks.require("sampling.noise_level", lambda v: 0 < v <= 10, "is Flow-SDE's a: in (0, 10] (0 is the ODE)")
+    if cfg.sampling.same_noise_per_group and sampler == "ode":
+        checks.fail("sampling.same_noise_per_group=true with sampling.sampler=ode: every sample of a group would "
+                    "be the same image (no reward spread, nothing to train on); use sampler=sde or cps, or set "
+                    "same_noise_per_group=false")
     for key in ("sampling.guidance_scale", "sampling.eval_guidance_scale"):
         checks.require(key, lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
     checks.require("sampling.eval_cache_threshold", lambda v: 0 <= v <= 1,
@@ -236,6 +246,7 @@ def check_shared_sections(cfg) -> ConfigChecks:
                    "must be in [0, 1) (EMA <- decay·EMA + (1 - decay)·weights; 0 = the trained weights)")
     checks.require("train.ema_start_step", lambda v: v >= 0, "must be an integer >= 0")
     checks.require("train.ema_update_every", lambda v: v >= 1, positive)
+    checks.require("train.stop_on_hacking", lambda v: v >= 0, "must be an integer >= 0 (0 = off)")
     try:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:

@@ -33,10 +33,12 @@ from flywheel.distributed import all_reduce_mean
 from flywheel.grids import judged_sample_grid
 from flywheel.guards import check_finite
 from flywheel.hacking_watch import HackingWatch
-from flywheel.lora import save_lora_for_diffusers
+from flywheel.lora import lora_state_dict, save_lora_for_diffusers
 from flywheel.loop import RolloutBatch
 from flywheel.prompts import load_prompts
+from flywheel.recipe.best import LORA_DIRNAME, WEIGHTS_FILENAME, BestCheckpoint
 from flywheel.recipe.ema import WeightEMA, train_ema_decay
+from flywheel.recipe.hacking_stop import HackingStop
 from flywheel.recipe.policy import Policy, fsdp_full_params
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import eval_request_kwargs
@@ -79,6 +81,8 @@ class RecipeRun:
         self.recipe_tensors: dict[str, torch.Tensor] = {}
         self.ema: WeightEMA | None = None  # train.ema's average, held by the main process (it evaluates and saves)
         self.wall_offset = 0.0  # wall seconds of the run before a resume
+        self.best: BestCheckpoint | None = None  # best/, kept by the main process once train() starts
+        self.hacking_stop = HackingStop(0)
         self.full_params = None
 
     @property
@@ -168,6 +172,11 @@ class RecipeRun:
         self.rollouts = rollouts
         self.judges = judges_for_card(cfg.model.card) if self.is_main else {}
         self.watch = HackingWatch()  # reward rising while the judge falls, overall or in one class
+        self.best = BestCheckpoint(self.dir.path) if self.is_main else None
+        self.hacking_stop = HackingStop(cfg.train.stop_on_hacking, self.trainer_state)
+        if cfg.train.stop_on_hacking and self.is_main and not self.judges:
+            print(f"warning: train.stop_on_hacking={cfg.train.stop_on_hacking} has no effect: the {cfg.model.card} "
+                  "card has no judges, so the hacking watch never fires", file=sys.stderr, flush=True)
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
                 self.watch.update(earlier, earlier["step"])
@@ -186,6 +195,7 @@ class RecipeRun:
         version = rollouts.version
         skipped = self.trainer_state.get("skipped_steps", 0)
         masked_run = self.trainer_state.get("masked_run", 0)
+        stopping = False
         try:
             for step in range(self.start_step, cfg.steps):
                 step_start = time.perf_counter()
@@ -221,9 +231,11 @@ class RecipeRun:
                         check_finite(row[key], f"the mean {key}", step + 1)
                 row.update(rollouts.metrics())
                 done = step + 1
+                stopping = False
                 if done % cfg.eval_every == 0 or done == cfg.steps:
                     with self.full_params():
                         row.update(self.evaluate(done))
+                    stopping = self.stop_for_hacking()
                 row["time/wall_s"] = time.perf_counter() - started
                 self.log(row)
                 if done % cfg.save_every == 0 or done == cfg.steps:
@@ -234,10 +246,19 @@ class RecipeRun:
                 progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}",
                                      kl=f"{row.get('kl', 0.0):.2e}", v=version,
                                      **({"HACKING?": self.watch.last.short} if self.watch.last.short else {}))
+                if stopping:
+                    break
         finally:
             progress.close()
             rollouts.close()
-        return self.finish(base_eval, row)
+        summary = self.finish(base_eval, row)
+        if stopping:
+            summary["stopped"] = self.hacking_stop.reason(row["step"], self.best and self.best.step,
+                                                          self.best and (self.best.state or {}).get("reward"),
+                                                          self.dir.checkpoints_dir) if self.is_main else "stopped"
+            if self.is_main:
+                print(summary["stopped"], flush=True)
+        return summary
 
     # --- the blocks the loop uses -------------------------------------------------------------------
 
@@ -279,6 +300,10 @@ class RecipeRun:
             metrics["eval/ema"] = 1.0
         watched = self.watch.update(metrics, step)
         metrics.update(watched.metrics)
+        self.hacking_stop.update(metrics)
+        if self.best is not None:
+            self.best.consider(step, metrics, self._write_best)
+            metrics.update(self.best.metrics())
         if watched.new:  # printed once when it starts; the progress bar shows it while it lasts
             _progress_write(f"step {step}: {watched.warning}")
         if step % cfg.sample_every == 0 or step == cfg.steps:
@@ -303,6 +328,32 @@ class RecipeRun:
             log_images(self.accelerator, "eval/samples", [grid], step)
         return metrics
 
+    def stop_for_hacking(self) -> bool:
+        """After an evaluation: whether train.stop_on_hacking's streak is reached (the main process counts; every
+        rank gets its answer, so they all leave the loop together)."""
+        if not self.cfg.train.stop_on_hacking:
+            return False
+        verdict = all_reduce_mean({"stop": float(self.is_main and self.hacking_stop.should_stop)})
+        return verdict["stop"] > 0
+
+    def _write_best(self, folder) -> dict:
+        """best/'s files: the weights as evaluated (train.ema's average when on) and, for LoRA, the adapter."""
+        from safetensors.torch import save_file
+
+        lora = self.cfg.model.finetune == "lora"
+        with self.ema_weights():
+            save_file({n: p.detach().cpu().contiguous() for n, p in self.policy.named_params},
+                      str(folder / WEIGHTS_FILENAME))
+            if lora:
+                pipeline = self.policy.card_defaults.get("diffusers_pipeline")
+                if pipeline:
+                    save_lora_for_diffusers(self.policy.transformer, folder / LORA_DIRNAME, pipeline)
+                else:
+                    (folder / LORA_DIRNAME).mkdir()
+                    save_file(lora_state_dict(self.policy.transformer),
+                              str(folder / LORA_DIRNAME / "adapter_model.safetensors"))
+        return {"ema": self.ema is not None, "lora": lora}
+
     def log(self, row: dict) -> None:
         if self.is_main:
             self.dir.metrics.append(row)
@@ -311,6 +362,8 @@ class RecipeRun:
     def save(self, step: int, trainer_state: dict, recipe_tensors: dict[str, torch.Tensor]) -> None:
         """Checkpoint the trained weights, the optimizer, RNG and trainer state (and the recipe's tensors, and
         train.ema's average: the trained weights stay the ones a resume continues from)."""
+        if self.cfg.train.stop_on_hacking:  # the streak continues across a resume
+            trainer_state = {**trainer_state, **self.hacking_stop.state()}
         with self.full_params():
             if self.is_main:
                 tensors = {n: p.detach() for n, p in self.policy.named_params}
@@ -319,7 +372,9 @@ class RecipeRun:
                     tensors.update({EMA_TENSOR_PREFIX + k: v for k, v in self.ema.state_dict().items()})
                 raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
                 save_checkpoint(self.dir.checkpoints_dir, step, tensors, raw_optimizer, self.policy.named_params,
-                                {"step": step, **trainer_state}, keep_last=self.cfg.keep_checkpoints)
+                                {"step": step, **trainer_state},
+                                keep_last=self.hacking_stop.keep_last(self.cfg.keep_checkpoints))
+                self.hacking_stop.saved(step)
         self.accelerator.wait_for_everyone()
 
     def finish(self, base_eval: dict | None, row: dict) -> dict:

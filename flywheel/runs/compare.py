@@ -228,6 +228,7 @@ class RunSummary:
     diversity_final: float | None
     kl_final: float | None
     wall_s: float | None
+    best_checkpoint_step: int | None = None  # the step best/ holds (flywheel/recipe/best.py); None: no best/
 
     def to_json(self) -> dict:
         """A dict strict JSON can hold (NaN becomes null)."""
@@ -257,7 +258,15 @@ def summarize(run: Run, judge: str | None = None) -> RunSummary:
         reward_best=best[1] if best else None, reward_best_step=best[0] if best else None,
         judge=judge, judge_final=judge_final[1] if judge_final else None, judge_at_best_reward=judge_at_best,
         diversity_key=diversity_key, diversity_final=diversity[1] if diversity else None,
-        kl_final=kl[1] if kl else None, wall_s=run.wall_s)
+        kl_final=kl[1] if kl else None, wall_s=run.wall_s, best_checkpoint_step=best_checkpoint_step(run.path))
+
+
+def best_checkpoint_step(path: Path) -> int | None:
+    """The step of the evaluation `path/best/` holds (best/best.json), None when the run has no best/."""
+    from flywheel.recipe.best import read_best
+
+    info = read_best(path)
+    return None if info is None else info["step"]
 
 
 def load_runs(paths: list[str | os.PathLike]) -> list[Run]:
@@ -315,6 +324,11 @@ def format_steps(done: int, configured: int | None) -> str:
     return f"{done}/{configured if configured is not None else UNKNOWN}"
 
 
+def _step(step: int | None) -> str:
+    """best/'s step as "@12", "-" when the run has no best/."""
+    return "-" if step is None else f"@{step}"
+
+
 def _at(value: float | None, step: int | None) -> str:
     text = format_value(value)
     return f"{text} @{step}" if value is not None and step is not None else text
@@ -329,7 +343,7 @@ def render_table(header: list[str], lines: list[list[str]]) -> str:
 
 
 COMPARE_HEADER = ["run", "recipe", "card", "steps", "reward final", "reward best", "judge", "judge final",
-                  "judge @best", "diversity", "wall"]
+                  "judge @best", "diversity", "wall", "best/"]
 
 
 def compare_table(summaries: list[RunSummary]) -> str:
@@ -337,7 +351,8 @@ def compare_table(summaries: list[RunSummary]) -> str:
     lines = [[s.name, s.recipe, s.card, format_steps(s.steps_done, s.steps_configured),
               _at(s.reward_final, s.reward_final_step), _at(s.reward_best, s.reward_best_step),
               s.judge or "-", format_value(s.judge_final), format_value(s.judge_at_best_reward),
-              format_value(s.diversity_final), format_duration(s.wall_s)] for s in summaries]
+              format_value(s.diversity_final), format_duration(s.wall_s), _step(s.best_checkpoint_step)]
+             for s in summaries]
     return render_table(COMPARE_HEADER, lines)
 
 
@@ -351,7 +366,7 @@ def write_json(summaries: list[RunSummary], path: str | os.PathLike) -> Path:
 # ---------------------------------------------------------------------------
 
 
-LIST_HEADER = ["run", "recipe", "card", "steps", "last eval reward", "judge", "modified"]
+LIST_HEADER = ["run", "recipe", "card", "steps", "last eval reward", "judge", "best/", "modified"]
 
 
 def list_runs(root: str | os.PathLike) -> tuple[list[Run], list[str]]:
@@ -384,7 +399,7 @@ def list_table(runs: list[Run]) -> str:
         s = summarize(run)
         judge = f"{s.judge} {format_value(s.judge_final)}" if s.judge else "-"
         lines.append([run.name, run.recipe, run.card, format_steps(s.steps_done, s.steps_configured),
-                      _at(s.reward_final, s.reward_final_step), judge,
+                      _at(s.reward_final, s.reward_final_step), judge, _step(s.best_checkpoint_step),
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(run.modified))])
     return render_table(LIST_HEADER, lines)
 
