@@ -213,6 +213,8 @@ class Flywheel:
 
 
 EVAL_SEED_OFFSET = 10_000  # evaluation seeds never coincide with the first training rows
+# The mean over evaluation prompts of the per-pixel std across that prompt's seeds (`group_diversity`).
+EVAL_DIVERSITY_METRIC = "eval/diversity"
 
 
 def item_request(item: PromptItem, seed: int, card: str, request_kwargs: dict) -> GenerationRequest:
@@ -237,7 +239,10 @@ def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_
     `eval/judge/<name>/<c>` (the mean judge score of c's samples) and
     `eval/reward/<c>` (the mean total reward of c's valid samples), and
     `eval/judge/<name>/min_class` (the worst class): reward hacking usually
-    starts in one class, where the overall mean hides it.
+    starts in one class, where the overall mean hides it. With more than one
+    seed a prompt, `eval/diversity` is the mean over prompts of the per-pixel
+    std across that prompt's seeds (`group_diversity`): the collapse a sample
+    grid shows when every seed of a prompt gives the same image.
     """
     requests = [item_request(item, EVAL_SEED_OFFSET + s, engine.card_id, request_kwargs)
                 for item in items for s in range(seeds_per_prompt)]
@@ -247,6 +252,10 @@ def evaluate(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_
     scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version,
                            **reward_inputs(trajectory))
     metrics = scored.metrics(prefix="eval/reward")
+    if seeds_per_prompt > 1:
+        # The collapse a sample grid shows: how far a prompt's seeds differ (0 = one image per prompt).
+        metrics[EVAL_DIVERSITY_METRIC] = group_diversity(
+            trajectory.images, torch.arange(len(items)).repeat_interleave(seeds_per_prompt))
     if trajectory.steps_computed is not None and any(r.adaptive for r in requests):
         # The adaptive loop's model calls per sample (of the requested steps), beside the reward it gave.
         metrics["eval/model_calls"] = float(trajectory.steps_computed.float().mean())

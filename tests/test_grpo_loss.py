@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from engine.loop import guided_velocity
 from flywheel.loop import RolloutBatch
-from trainers.grpo import Config, chosen_steps, grpo_step_loss, grpo_update
+from trainers.grpo import Config, chosen_steps, grpo_step_loss, grpo_update, trained_fraction
 
 STEPS, NOISE, ROWS = 3, 0.7, 8
 ADV = torch.tensor([1.0, -0.5, 0.0, 0.8, -1.2, 0.7, 0.3, -0.9])
@@ -43,6 +43,7 @@ def recipe_config(**train) -> Config:
     cfg.train.kl_beta = 0.5
     cfg.train.clip_range = 1e-3
     cfg.train.max_grad_norm = 1e9  # no clipping: the oracle is plain SGD
+    cfg.train.timestep_fraction = 1.0  # every step, as the oracle trains (the default leaves the last one out)
     for k, v in train.items():
         setattr(cfg.train, k, v)
     return cfg
@@ -234,3 +235,20 @@ def test_first_steps_selection_follows_flow_grpo(fresh_model):
     assert chosen_steps(traj, 0.3, torch.Generator(), selection="first") == [0, 1, 2]
     picked = chosen_steps(traj, 0.3, torch.Generator().manual_seed(1))
     assert len(picked) == 3 and picked == sorted(picked)
+
+
+def test_default_trains_flow_grpos_first_nine_of_ten_steps(fresh_model):
+    """Flow-GRPO's train.timestep_fraction 0.99 trains the first int(0.99·10) = 9 steps of a 10-step rollout, the
+    last one untrained: the default does the same (issue 23, 5g); the windowed variants train their whole window."""
+    traj = rollout(fresh_model, steps=10)
+    reference = copy.deepcopy(fresh_model.transformer).requires_grad_(False)
+    metrics = recipe_update(fresh_model, fresh_model.transformer, reference, traj,
+                            recipe_config(kl_beta=0.0, timestep_fraction=None))
+    assert (metrics["trained_steps/first"], metrics["trained_steps/count"]) == (0.0, 9.0)
+    assert trained_fraction(Config().train) == (0.99, "first")
+    assert trained_fraction(recipe_config(variant="mixgrpo", timestep_fraction=None).train) == (1.0, "first")
+    # An explicit fraction keeps its own selection.
+    assert trained_fraction(recipe_config(timestep_fraction=0.5).train) == (0.5, "random")
+    every = recipe_update(fresh_model, fresh_model.transformer, reference, traj,
+                          recipe_config(kl_beta=0.0, timestep_fraction=1.0))
+    assert every["trained_steps/count"] == 10.0

@@ -66,6 +66,22 @@ def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
     assert "eval/reward/3" not in plain
 
 
+def test_evaluate_logs_the_pixel_std_across_each_prompts_seeds_as_eval_diversity(toy_engine):
+    """eval/diversity: per prompt, the per-pixel std (population) over its seeds, averaged over pixels, then prompts;
+    0 when every seed of a prompt gives one image (the collapse a sample grid shows); absent with one seed."""
+    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 3, EVAL_KWARGS)
+    images = traj.images.double().flatten(1)  # prompt-major: rows 3p..3p+2 are prompt p's seeds
+    per_prompt = []
+    for p in range(len(ITEMS)):
+        seeds = images[3 * p:3 * p + 3]
+        mean = seeds.mean(0)
+        per_prompt.append(float(((seeds - mean) ** 2).mean(0).sqrt().mean()))
+    assert metrics["eval/diversity"] == pytest.approx(sum(per_prompt) / len(per_prompt), rel=1e-5)
+    assert metrics["eval/diversity"] > 0.01  # different seeds give different digits
+    one_seed, _ = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS)
+    assert "eval/diversity" not in one_seed
+
+
 def test_class_means_leave_out_invalid_and_classless_rows():
     values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     means = class_means(values, [3, 3, 6, None, 8], valid=torch.tensor([True, False, True, True, False]))

@@ -136,10 +136,13 @@ class GRPOConfig(OptimConfig):
     """measure the KL to the reference even when kl_beta = 0 (one extra no-grad forward per step)"""
     importance_cap: float = 2.0
     """async rollouts: truncation of the importance weight pi_current / pi_rollout"""
-    timestep_fraction: float = 1.0
-    """fraction of the stochastic steps trained each step"""
+    timestep_fraction: float | None = None
+    """fraction of the stochastic steps trained each step; null = the released code's: Flow-GRPO's 0.99 with
+    timestep_selection=first for variant=flow_grpo (the first int(0.99·n) = n - 1 of n steps: 9 of 10, the last
+    one untrained), every window step for mixgrpo and fast"""
     timestep_selection: Literal["random", "first"] = "random"
-    """which steps `timestep_fraction` keeps: round(f·n) random ones each step, or the first int(f·n) as Flow-GRPO"""
+    """which steps an explicit `timestep_fraction` keeps: round(f·n) random ones each step, or the first int(f·n)
+    as Flow-GRPO (a null fraction always keeps the first)"""
     cfg_in_train: bool = True
     """apply guidance in the training forward too (when rollouts used it)"""
     variant: Literal["flow_grpo", "mixgrpo", "fast"] = "flow_grpo"
@@ -319,6 +322,21 @@ def trained_mask(traj: Trajectory, steps: list[int]) -> torch.Tensor:
     return stochastic_mask(traj).cpu() & chosen
 
 
+# Flow-GRPO's train.timestep_fraction (config/grpo.py): it trains the first int(0.99·T) steps of a T-step rollout.
+FLOW_GRPO_TIMESTEP_FRACTION = 0.99
+
+
+def trained_fraction(tc: GRPOConfig) -> tuple[float, str]:
+    """(fraction, selection) of the stochastic steps an update trains: train.timestep_fraction and
+    train.timestep_selection when the fraction is set; when it is null, the released code's choice: Flow-GRPO's
+    first int(0.99·n) for variant=flow_grpo, and the whole window for mixgrpo and fast."""
+    if tc.timestep_fraction is not None:
+        return tc.timestep_fraction, tc.timestep_selection
+    if tc.variant == "flow_grpo":
+        return FLOW_GRPO_TIMESTEP_FRACTION, "first"
+    return 1.0, "first"
+
+
 def chosen_steps(traj: Trajectory, fraction: float, generator: torch.Generator,
                  selection: str = "random") -> list[int]:
     """Which denoising steps to train: a `fraction` of the stochastic ones.
@@ -448,8 +466,8 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
     """
     tc = cfg.train
     traj = batch.trajectory
-    steps = chosen_steps(traj, tc.timestep_fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step),
-                         tc.timestep_selection)
+    fraction, selection = trained_fraction(tc)
+    steps = chosen_steps(traj, fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step), selection)
     trained = trained_mask(traj, steps)
     per_row = trained.sum(1)
     grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
@@ -501,7 +519,9 @@ def validate_config(cfg: Config) -> None:
         checks.require(key, lambda v: v > 0, "must be > 0")
     checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = no KL penalty)")
     checks.require("train.importance_cap", lambda v: v >= 1, "must be >= 1 (the truncation of pi / pi_rollout)")
-    checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    checks.require("train.timestep_fraction", lambda v: 0 < v <= 1,
+                   "must be in (0, 1], or null for the released code's (0.99 of the steps, the first ones)",
+                   allow_none=True)
     if cfg.train.kl_form == "flow_grpo" and sampler != "sde":
         checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
                     "train.kl_form=exact")
@@ -557,10 +577,10 @@ def check_window_keys(cfg: Config, checks) -> None:
             checks.fail("train.flash_compress with train.variant=fast and train.window_per=trajectory: Flash "
                         "compresses the steps after each window, so trajectories of different windows have "
                         "different schedules and cannot be trained as one batch; set train.window_per=step")
-        if tc.window_per == "trajectory" and tc.timestep_fraction != 1.0:
+        if tc.window_per == "trajectory" and tc.timestep_fraction not in (None, 1.0):
             checks.fail(f"train.timestep_fraction={tc.timestep_fraction} with train.variant=fast and "
                         "train.window_per=trajectory: each trajectory trains every step of its own window (use "
-                        "train.window_size for fewer steps); set train.timestep_fraction=1.0")
+                        "train.window_size for fewer steps); set train.timestep_fraction=null or 1.0")
 
 
 # ---------------------------------------------------------------------------------------
