@@ -13,6 +13,8 @@ from typing import Literal
 
 from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
+from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_rewards,
+                                       check_run_dir, warn_prompts_per_step)
 from flywheel.recipe.workflow import check_workflow_keys
 from flywheel.runs.checkpoint import resolve_resume
 from flywheel.runs.checks import ConfigChecks, config_value
@@ -247,6 +249,14 @@ def check_shared_sections(cfg) -> ConfigChecks:
             checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
         else:
             check_dataset_images(cfg, key, items, checks)
+            if key == "data.prompts":
+                warn_prompts_per_step(cfg, len(items))
+    # What needs more than the values (files, servers, the card's folder), still before anything is written.
+    check_bounds(cfg, checks)
+    check_minibatches(cfg, checks)
+    check_run_dir(cfg, checks)
+    check_model_path(cfg, checks)
+    check_rewards(cfg, checks)
     return checks
 
 
