@@ -34,8 +34,9 @@ REMOTE_PROBE_S = 5.0
 
 
 def warn(message: str) -> None:
-    """A config warning on stderr (once per process, before any work)."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    """A config warning on stderr, before any work; once per launch (the first process prints it)."""
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,6 +208,8 @@ def check_built_model(cfg, model) -> None:
     """The card's size and frame rules for the rollout and evaluation requests, asked of the loaded model
     (`latent_shape`, which the first rollout would call); a video card whose VAE decodes another number of
     frames than requested is said (`decoded_frames`, LTX-2)."""
+    if cfg.model.workflow is not None:
+        return  # the workflow's stages set their own sizes (engine/workflows), checked when it is built
     s = cfg.sampling
     keys = f"sampling.height={s.height}, sampling.width={s.width}, sampling.frames={s.frames}"
     try:

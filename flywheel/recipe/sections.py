@@ -18,7 +18,7 @@ from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_mo
 from flywheel.recipe.workflow import check_workflow_keys
 from flywheel.runs.checkpoint import resolve_resume
 from flywheel.runs.checks import ConfigChecks, config_value
-from flywheel.runs.config import ConfigError, apply_overrides, load_config, parse_config
+from flywheel.runs.config import CONFIG_RELATIVE, ConfigError, apply_overrides, load_config, parse_config
 from flywheel.scale.config import RolloutConfig
 
 
@@ -52,9 +52,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "toy-digits"
-    """training prompts: a built-in dataset name or a .txt / .jsonl file"""
-    eval_prompts: str = "toy-digits-heldout"
+    prompts: str = field(default="toy-digits", metadata={CONFIG_RELATIVE: True})
+    """training prompts: a built-in dataset name or a .txt / .jsonl file (in a --config file: relative to the
+    working directory, else to the config file's folder)"""
+    eval_prompts: str = field(default="toy-digits-heldout", metadata={CONFIG_RELATIVE: True})
     """held-out evaluation prompts (same forms as `prompts`)"""
     prompts_per_step: int = 8
     """distinct prompts per step (over all ranks)"""
