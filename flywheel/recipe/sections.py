@@ -252,13 +252,18 @@ def check_shared_sections(cfg) -> ConfigChecks:
             check_dataset_images(cfg, key, items, checks)
             if key == "data.prompts":
                 warn_prompts_per_step(cfg, len(items))
-    # What needs more than the values (files, servers, the card's folder), still before anything is written.
     check_bounds(cfg, checks)
     check_minibatches(cfg, checks)
+    check_environment(cfg, checks)
+    return checks
+
+
+def check_environment(cfg, checks: ConfigChecks) -> None:
+    """What needs more than the config's values, still before anything is written: the run dir is usable, the
+    model folder is the card's, the scorers' folders are there and remote reward servers answer."""
     check_run_dir(cfg, checks)
     check_model_path(cfg, checks)
     check_rewards(cfg, checks)
-    return checks
 
 
 def card_flag(card: str, name: str) -> bool:
