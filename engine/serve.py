@@ -47,6 +47,7 @@ from engine.admission import AdmissionController, AdmissionError
 from engine.async_engine import AsyncEngine, UnknownCardError
 from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
                                 warn_if_exposed)
+from engine.server_flags import FlagParser, check_bind, check_port, check_positive, flag_error
 from engine.types import MAX_STEPS, SAMPLERS, GenerationRequest
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -422,8 +423,43 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     return app
 
 
+def check_flags(args: argparse.Namespace) -> ServerLimits:
+    """Every flag of `main`, checked before anything loads; a bad one exits 2 with one `error:` line naming it."""
+    from engine.card_folders import check_card_path
+    from engine.cards import list_cards
+    from engine.workflows import default_registry
+
+    if args.card not in list_cards():
+        flag_error(f"--card {args.card}: unknown model card; known cards: {', '.join(list_cards())}")
+    try:
+        check_card_path(args.card, args.path)
+    except ValueError as e:
+        flag_error(f"--path {args.path}: {e}" if args.path is not None else f"--path: {e}")
+    known = default_registry().ids()
+    for workflow_id in args.workflow:
+        if workflow_id not in known:
+            flag_error(f"--workflow {workflow_id}: unknown workflow; known workflows: {', '.join(known)}")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as e:
+        flag_error(f"--device {args.device}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        flag_error(f"--device {args.device}: no CUDA device here; use --device cpu")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-concurrency", args.max_concurrency),
+                        ("--budget-bytes", args.budget_bytes)):
+        check_positive(value, flag)
+    check_positive(args.max_wait_ms, "--max-wait-ms", integer=False, allow_zero=True)
+    try:
+        limits = from_args(args)
+    except ValueError as e:
+        flag_error(f"--max-body-bytes/--max-inflight-bytes/--header-timeout-s/--body-timeout-s: {e}")
+    check_port(args.port)
+    check_bind(args.host, args.port)
+    return limits
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serve a model card over HTTP.")
+    parser = FlagParser(description="Serve a model card over HTTP.")
     parser.add_argument("--card", default="toy-digits", help="model card id (see engine.list_cards())")
     parser.add_argument("--path", default=None, help="local weights folder or file (default: shipped weights)")
     parser.add_argument("--workflow", action="append", default=[],
@@ -441,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     add_limit_args(parser, ServerLimits(DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_HEADER_TIMEOUT_S,
                                         DEFAULT_BODY_TIMEOUT_S))
     args = parser.parse_args(argv)
-    limits = from_args(args)  # checked before the model loads
+    limits = check_flags(args)  # every flag checked before the model loads
     warn_if_exposed(args.host, args.token, "engine server", "--token or $FLYWHEEL_SERVE_TOKEN")
 
     from engine.engine import Engine

@@ -95,6 +95,12 @@ class _ClipBase:
         self.preprocess = ClipImagePreprocess(self.folder)
         self.dtype = dtype
 
+    @classmethod
+    def check_args(cls, path: str | os.PathLike | None = None, **_) -> None:
+        """Raise FileNotFoundError, as the constructor would, when the folder is missing or incomplete; loads
+        nothing (`rewards.registry.check_scorer`)."""
+        resolve_folder(path, cls.env, cls.name)
+
     @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
         """L2-normalised image embeddings [B, D]."""
@@ -179,16 +185,17 @@ class Aesthetic(_ClipBase):
 
     def __init__(self, path: str | os.PathLike | None = None, head: str | os.PathLike | None = None, **kwargs):
         super().__init__(path, **kwargs)
-        head_path = Path(head) if head else self.folder / HEAD_FILE
-        if not head_path.is_file():
-            raise FileNotFoundError(f"reward 'aesthetic': head file {head_path} does not exist; it must be a "
-                                    f"safetensors file of linear layers 'layers.N.weight' / 'layers.N.bias' "
-                                    f"(put it in the CLIP folder as {HEAD_FILE} or pass head=...)")
+        head_path = _head_path(self.folder, head)
         self.layers = [(w.to(self.device), b.to(self.device)) for w, b in load_head(head_path)]
         dim = self.model.config.projection_dim
         if self.layers[0][0].shape[1] != dim:
             raise ValueError(f"{head_path}: first layer expects {self.layers[0][0].shape[1]} inputs but the CLIP "
                              f"model's embedding has {dim}")
+
+    @classmethod
+    def check_args(cls, path: str | os.PathLike | None = None, head: str | os.PathLike | None = None, **_) -> None:
+        """The CLIP folder and the head file, checked without loading either."""
+        _head_path(resolve_folder(path, cls.env, cls.name), head)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -197,3 +204,13 @@ class Aesthetic(_ClipBase):
         for weight, bias in self.layers:
             x = F.linear(x, weight, bias)
         return x[:, 0].cpu()
+
+
+def _head_path(folder: Path, head: str | os.PathLike | None) -> Path:
+    """The aesthetic head file (`head`, or the CLIP folder's), which must exist."""
+    head_path = Path(head) if head else folder / HEAD_FILE
+    if not head_path.is_file():
+        raise FileNotFoundError(f"reward 'aesthetic': head file {head_path} does not exist; it must be a "
+                                f"safetensors file of linear layers 'layers.N.weight' / 'layers.N.bias' "
+                                f"(put it in the CLIP folder as {HEAD_FILE} or pass head=...)")
+    return head_path

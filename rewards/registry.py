@@ -463,3 +463,41 @@ register("pickscore", _lazy("rewards.clip", "PickScore"))
 register("aesthetic", _lazy("rewards.clip", "Aesthetic"))
 register("audio_loudness", _lazy("rewards.audio", "AudioLoudness"))
 register("av_onset_sync", _lazy("rewards.audio", "AvOnsetSync"))
+
+
+# Checks of a scorer's arguments that need no weights (a local folder's files), by scorer name: run before a
+# training run writes anything, so a missing folder is one line rather than a traceback after minutes of setup.
+_ARG_CHECKS: dict[str, Callable[..., None]] = {}
+
+
+def register_check(name: str, check: Callable[..., None]) -> None:
+    """Register `check(**kwargs)` for scorer `name`: it raises (ValueError, OSError) when the scorer could not be
+    built with those kwargs, without building it. Scorers without a check are only checked when built."""
+    if not callable(check):
+        raise TypeError(f"the check for scorer {name!r} must be callable, got {type(check).__name__}")
+    _ARG_CHECKS[name] = check
+
+
+def check_scorer(name: str, **kwargs: Any) -> None:
+    """What can be known about scorer `name` before building it: KeyError for an unknown name, ValueError for a
+    malformed `remote:<url>`, and whatever the scorer's registered check raises for `kwargs` (a missing folder).
+    Reaching a remote server is not checked here (see `rewards.remote.RemoteScorer`, which asks its /health)."""
+    if name.startswith(REMOTE):
+        from rewards.remote import check_url
+
+        check_url(name[len(REMOTE):])
+        return
+    if name not in _FACTORIES:
+        raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available()) or '(none)'}")
+    check = _ARG_CHECKS.get(name)
+    if check is not None:
+        check(**kwargs)
+
+
+def _lazy_check(module: str, attr: str) -> Callable[..., None]:
+    """`module.attr.check_args(**kwargs)`, imported only when called."""
+    return lambda **kwargs: getattr(importlib.import_module(module), attr).check_args(**kwargs)
+
+
+for _name_, _class_ in (("clip_score", "ClipScore"), ("pickscore", "PickScore"), ("aesthetic", "Aesthetic")):
+    register_check(_name_, _lazy_check("rewards.clip", _class_))

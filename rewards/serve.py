@@ -30,7 +30,8 @@ from aiohttp import web
 
 from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
                                 warn_if_exposed)
-from rewards.registry import get, import_modules
+from engine.server_flags import FlagParser, check_bind, check_port, flag_error
+from rewards.registry import REMOTE, available, check_scorer, get, import_modules
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
 from rewards.wire import decode_request, encode_scores
@@ -146,8 +147,33 @@ class ServerThread:
         self.stop()
 
 
+def check_flags(args: argparse.Namespace) -> tuple[ServerLimits, dict]:
+    """(limits, the scorer's kwargs) from `main`'s flags, each checked before the scorer loads; a bad one exits 2
+    with one `error:` line naming it (engine/server_flags.py)."""
+    if args.reward.startswith(REMOTE) or args.reward not in available():
+        flag_error(f"--reward {args.reward}: unknown scorer; known scorers: {', '.join(available())}")
+    try:
+        kwargs = json.loads(args.kwargs)
+    except ValueError as e:
+        flag_error(f"--kwargs {args.kwargs}: not JSON ({e})")
+    if not isinstance(kwargs, dict):
+        flag_error(f"--kwargs {args.kwargs}: must be a JSON object of the scorer's arguments, e.g. "
+                   '\'{"path": "/models/clip"}\'')
+    try:
+        check_scorer(args.reward, **kwargs)
+    except (ValueError, OSError) as e:
+        flag_error(f"--reward {args.reward} --kwargs {args.kwargs}: {e}")
+    try:
+        limits = from_args(args)
+    except ValueError as e:
+        flag_error(f"--max-body-bytes/--max-inflight-bytes/--header-timeout-s/--body-timeout-s: {e}")
+    check_port(args.port)
+    check_bind(args.host, args.port)
+    return limits, kwargs
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reward", required=True,
                         help="scorer name, e.g. ocr: a built-in, one an installed package declares under the "
                              "entry-point group flywheel.rewards, or one a --module registers")
@@ -161,13 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kwargs", default="{}", help='JSON kwargs for the scorer, e.g. \'{"path": "/models/clip"}\'')
     add_limit_args(parser, ServerLimits(MAX_BODY, MAX_INFLIGHT, HEADER_TIMEOUT_S, BODY_TIMEOUT_S))
     args = parser.parse_args(argv)
-    limits = from_args(args)  # checked before the scorer loads
-    logging.basicConfig(level=logging.INFO)
     try:
-        import_modules(args.module, key="--module")
+        import_modules(args.module, key="--module")  # before the checks: a module's scorers become known names
     except ImportError as exc:
-        parser.error(str(exc))  # one line and exit 2, like any other bad flag
-    scorer = get(args.reward, **json.loads(args.kwargs))
+        flag_error(str(exc))  # one line and exit 2, like any other bad flag
+    limits, kwargs = check_flags(args)  # every flag checked before the scorer loads
+    logging.basicConfig(level=logging.INFO)
+    scorer = get(args.reward, **kwargs)
     server = ServerThread(scorer, args.reward, args.host, args.port, args.token, **limits.as_kwargs())
     print(f"serving reward {args.reward!r} at {server.url}", flush=True)
     try:

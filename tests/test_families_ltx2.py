@@ -424,3 +424,14 @@ def test_the_ode_rollout_recipes_train_the_joint_policy(folder, prompts_file, tm
     trained = load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
     lora_b = [v for k, v in trained.items() if "lora_B" in k]
     assert any("audio_attn1" in k for k in trained) and max(v.abs().max() for v in lora_b) > 0
+
+
+def test_decoded_frames_says_what_the_vae_gives_as_a_rollout_shows(engine):
+    """The tiny folder's VAE counts a 2x temporal compression that its blocks do in space only: 9 frames keep
+    5 latent frames and decode to 5. `decoded_frames` (the config-time warning's source) says so, as a rollout
+    does."""
+    asked, got, why = engine.model.decoded_frames(9)
+    videos = engine.generate([GenerationRequest(prompt="sun", seed=0, card="ltx2", steps=1, height=32, width=64,
+                                                frames=9)]).images
+    assert (asked, got) == (9, 5) == (9, videos.shape[2])
+    assert "9 frames decode to 5" in why

@@ -119,7 +119,9 @@ class LTX2Model(DiffusersFlowModel):
         if height % multiple or width % multiple:
             raise ValueError(f"{CARD_ID}: height and width must be multiples of {multiple}; got {height}x{width}")
         if (frames - 1) % temporal:
-            raise ValueError(f"{CARD_ID}: frames must be {temporal}k+1 (e.g. {temporal * 2 + 1}); got {frames}")
+            valid = ", ".join(str(temporal * k + 1) for k in range(1, 5))
+            raise ValueError(f"{CARD_ID}: frames must be {temporal}k+1 (this folder's VAE compresses time by "
+                             f"{temporal}): {valid}, ...; got {frames}")
         latent_frames = (frames - 1) // temporal + 1
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         grid = Grid(frames=latent_frames // self.patch_t, height=height // spatial // self.patch,
@@ -132,6 +134,33 @@ class LTX2Model(DiffusersFlowModel):
             raise ValueError(f"{CARD_ID}: this size gives the same latent length ({n}) as another size already "
                              f"served ({known}); one engine serves one of them (e.g. not both HxW and WxH)")
         return (n,)
+
+    def decoded_frames(self, frames: int | None) -> tuple[int, int, str]:
+        """(frames asked, frames the video VAE decodes them to, why they differ), from the VAE's config alone.
+
+        The latent keeps (F - 1)/r + 1 frames for the pipeline's temporal ratio r (patch_size_t·2^(scaled
+        encoder blocks), as diffusers computes it); each decoder block that scales with a temporal upsample
+        ("temporal" or "spatiotemporal") doubles the frames less the first (2F' - 1). The released VAE does
+        both 8x; a folder whose encoder counts a scaling its blocks do only in space (downsample_type
+        "spatial") decodes fewer frames than asked.
+        """
+        frames = frames or 121
+        temporal = self.pipe.vae_temporal_compression_ratio
+        config = self.vae.config
+        blocks = len(config.decoder_block_out_channels)
+        scaling = config.decoder_spatio_temporal_scaling
+        scaling = (scaling,) * (blocks - 1) if isinstance(scaling, bool) else tuple(scaling)
+        kinds = config.upsample_type if not isinstance(config.upsample_type, str) else (config.upsample_type,) * blocks
+        latent = (frames - 1) // temporal + 1
+        got, upsample = latent, 1
+        for scaled, kind in zip(scaling, kinds):
+            if scaled and kind in ("temporal", "spatiotemporal"):
+                got, upsample = 2 * got - 1, upsample * 2
+        why = (f"this folder's video VAE keeps (frames - 1)/{temporal} + 1 = {latent} latent frames (temporal "
+               f"compression {temporal}) but its decoder upsamples time by {upsample}, so {frames} frames decode to "
+               f"{got}; with it, {temporal}k+1 frames give {upsample if upsample > 1 else ''}k+1 (the released "
+               "LTX-2 VAE compresses and upsamples by 8: 8k+1 frames in and out)")
+        return frames, got, why
 
     def grid(self, shape_or_latents: tuple[int, ...] | torch.Tensor) -> Grid:
         """The geometry of a latent shape (N,) or of flat latents [..., N] of a size this model has served."""

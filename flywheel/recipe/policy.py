@@ -12,6 +12,7 @@ import torch
 from engine import get_card, load_model
 from engine.loop import guided_velocity
 from flywheel.lora import adapters_disabled, add_lora
+from flywheel.recipe.preflight import check_built_model, check_lora_targets
 from flywheel.runs.config import ConfigError
 
 # velocity(x, t, cond, uncond_cond, guidance) of a frozen policy (the reference, or a recipe's sampling policy).
@@ -77,13 +78,15 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
         raise ConfigError(f"sampling.time_shift={cfg.sampling.time_shift}: the {mc.card} card takes its "
                           "schedule (and its shift) from the folder's scheduler config, so this key would be "
                           "ignored; leave it at 1.0 and edit scheduler/scheduler_config.json to change the shift")
+    check_built_model(cfg, model)  # the card's size and frame rules, before the run dir is written
     if cfg.train.gradient_checkpointing:
         if not hasattr(transformer, "enable_gradient_checkpointing"):
-            raise ValueError(f"train.gradient_checkpointing=true: the {mc.card} card's transformer does not "
+            raise ConfigError(f"train.gradient_checkpointing=true: the {mc.card} card's transformer does not "
                              f"support it (diffusers models do)")
         transformer.enable_gradient_checkpointing()
     ref_velocity = None
     if mc.finetune == "lora":
+        check_lora_targets(cfg, transformer, lora_targets(cfg))
         add_lora(transformer, mc.lora_rank, mc.lora_alpha, lora_targets(cfg), init=mc.lora_init)
         if reference:
             def ref_velocity(x, t, cond, uncond_cond=None, g=1.0):  # the base model = adapter switched off

@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
+from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_rewards,
+                                       check_run_dir, warn_prompts_per_step)
 from flywheel.recipe.workflow import check_workflow_keys
 from flywheel.runs.checks import ConfigChecks, config_value
-from flywheel.runs.config import ConfigError, parse_config
+from flywheel.runs.config import CONFIG_RELATIVE, ConfigError, parse_config
 from flywheel.runs.resume import resume_config
 from flywheel.scale.config import RolloutConfig
-from rewards.registry import check_spec
 
 
 @dataclass
@@ -51,9 +52,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "toy-digits"
-    """training prompts: a built-in dataset name or a .txt / .jsonl file"""
-    eval_prompts: str = "toy-digits-heldout"
+    prompts: str = field(default="toy-digits", metadata={CONFIG_RELATIVE: True})
+    """training prompts: a built-in dataset name or a .txt / .jsonl file (in a --config file: relative to the
+    working directory, else to the config file's folder)"""
+    eval_prompts: str = field(default="toy-digits-heldout", metadata={CONFIG_RELATIVE: True})
     """held-out evaluation prompts (same forms as `prompts`)"""
     prompts_per_step: int = 8
     """distinct prompts per step (over all ranks)"""
@@ -237,8 +239,6 @@ def check_shared_sections(cfg) -> ConfigChecks:
                    allow_none=True)
     check_audio_keys(cfg, checks)
     check_workflow_keys(cfg, checks)
-    for problem in check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):  # imports reward_modules first
-        checks.fail(problem)
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
     for key in ("reward_timeout_s", "reward_budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
@@ -263,7 +263,20 @@ def check_shared_sections(cfg) -> ConfigChecks:
             checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
         else:
             check_dataset_images(cfg, key, items, checks)
+            if key == "data.prompts":
+                warn_prompts_per_step(cfg, len(items))
+    check_bounds(cfg, checks)
+    check_minibatches(cfg, checks)
+    check_environment(cfg, checks)
     return checks
+
+
+def check_environment(cfg, checks: ConfigChecks) -> None:
+    """What needs more than the config's values, still before anything is written: the run dir is usable, the
+    model folder is the card's, the scorers' folders are there and remote reward servers answer."""
+    check_run_dir(cfg, checks)
+    check_model_path(cfg, checks)
+    check_rewards(cfg, checks)
 
 
 def card_flag(card: str, name: str) -> bool:

@@ -1,10 +1,10 @@
 """One run of a recipe: accelerator, run directory, trackers, resume, evaluation with judges, checkpoints,
 metrics, progress, and the loop that drives the algorithm's update.
 
-    run = RecipeRun(cfg, recipe="grpo")                         # accelerator, run dir, threads
-    policy = build_policy(cfg, run.device, reference=...)
+    run = RecipeRun(cfg, recipe="grpo")                         # accelerator, threads
+    policy = build_policy(cfg, run.device, reference=...)       # the model's own checks: still nothing written
     optimizer = make_optimizer(policy, cfg.train)
-    run.resume(policy, optimizer)                              # a no-op for a fresh run
+    run.resume(policy, optimizer)                              # the run dir; config.yaml or the checkpoint
     transformer, optimizer = run.prepare(policy, optimizer)     # DDP / FSDP wrapping
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     result = run.train(rollouts, update)                        # update(batch, step) -> metrics
@@ -80,8 +80,7 @@ class RecipeRun:
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                                        log_with=None if cfg.tracker == "none" else cfg.tracker,
                                        project_dir=cfg.run_dir)
-        self.dir = self._open_run_dir()
-        self.accelerator.wait_for_everyone()
+        self.dir: RunDir | None = None  # created by `resume`, once the model is built and checked
         if self.accelerator.device.type == "cpu":
             # One thread per rank: ranks sharing the cores must not oversubscribe them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.accelerator.num_processes))
@@ -140,6 +139,7 @@ class RecipeRun:
         The recipe's own checkpointed tensors (see `save`) land in `self.recipe_tensors`.
         """
         cfg = self.cfg
+        self._open_dir()
         if not cfg.resume:
             if self.is_main:
                 save_config(cfg, self.dir.path / "config.yaml")
@@ -175,6 +175,12 @@ class RecipeRun:
             # time/wall_s continues from the checkpoint's step, so curves against wall time join up.
             walls = [r["time/wall_s"] for r in self.dir.metrics.read() if "time/wall_s" in r]
             self.wall_offset = walls[-1] if walls else 0.0
+
+    def _open_dir(self) -> None:
+        """Create (or take over) the run directory: only now, after every check and the model build (the
+        model's own checks: LoRA targets, the card's size rules), so a refused run leaves nothing to overwrite."""
+        self.dir = self._open_run_dir()  # locked for the whole run
+        self.accelerator.wait_for_everyone()
 
     def _start_ema(self, policy: Policy, checkpointed: dict[str, torch.Tensor] | None) -> WeightEMA | None:
         """train.ema's average on the main process: the weights of a fresh run, the checkpoint's on resume."""

@@ -60,8 +60,8 @@ from omegaconf.errors import OmegaConfBaseException
 from flywheel.runs.rundir import atomic_write_text
 
 __all__ = [
-    "ConfigError", "RESUME_HISTORY_KEY", "apply_config_files", "apply_overrides", "config_help", "config_to_dict",
-    "field_docstrings", "load_config", "parse_config", "save_config", "split_argv",
+    "CONFIG_RELATIVE", "ConfigError", "RESUME_HISTORY_KEY", "apply_config_files", "apply_overrides", "config_help",
+    "config_to_dict", "field_docstrings", "load_config", "parse_config", "save_config", "split_argv",
 ]
 
 # The top-level key of a run's config.yaml under which resumes record the keys they changed
@@ -71,6 +71,12 @@ RESUME_HISTORY_KEY = "resume_overrides"
 _NoneType = type(None)
 _NONE_WORDS = {"none", "null", "~"}
 _CLI = "command line"
+
+
+# Field metadata: a relative path given in a YAML file that does not exist from the working directory is read
+# relative to that file's folder (`data.prompts: prompts.txt` in configs/x.yaml -> configs/prompts.txt). Values
+# from the command line are relative to the working directory only. The resolved path is the value kept.
+CONFIG_RELATIVE = "config_relative"
 
 
 class ConfigError(ValueError):
@@ -275,9 +281,22 @@ def _update(root: DictConfig, path: str, value: Any, tp: Any, source: str, key: 
                           + (f" ({reason})" if reason else "")) from None
 
 
+def _relative_to_file(cls: type, name: str, value: Any, base_dir: Path | None) -> Any:
+    """A CONFIG_RELATIVE field's relative path from a YAML file: kept when it exists from the working directory,
+    else the file's folder joined to it when it exists there (else kept, for the field's own check to name)."""
+    if base_dir is None or not isinstance(value, str) or not value.strip():
+        return value
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if not field.metadata.get(CONFIG_RELATIVE) or Path(value).is_absolute() or Path(value).exists():
+        return value
+    beside = base_dir / value
+    return str(beside) if beside.exists() else value
+
+
 def _assign(root: DictConfig, cls: type, parts: list[str], value: Any, source: str, prefix: str = "",
-            full_key: str | None = None) -> None:
-    """Set the dotted key `parts` (relative to section `cls` at `prefix`) to `value`."""
+            full_key: str | None = None, base_dir: Path | None = None) -> None:
+    """Set the dotted key `parts` (relative to section `cls` at `prefix`) to `value`; `base_dir`: the folder of
+    the YAML file it comes from (see CONFIG_RELATIVE)."""
     name, rest = parts[0], parts[1:]
     key, full_key = prefix + name, full_key or prefix + ".".join(parts)
     if name not in _fields(cls):
@@ -286,7 +305,7 @@ def _assign(root: DictConfig, cls: type, parts: list[str], value: Any, source: s
     section = _section_type(tp)
     if section is None:
         if not rest:
-            return _update(root, key, value, tp, source, key)
+            return _update(root, key, _relative_to_file(cls, name, value, base_dir), tp, source, key)
         dict_tp = next((a for a in (typing.get_args(tp) if _is_union(tp) else [tp])
                         if (typing.get_origin(a) or a) is dict), None)
         if dict_tp is None:
@@ -317,7 +336,7 @@ def _assign(root: DictConfig, cls: type, parts: list[str], value: Any, source: s
         # (OmegaConf refuses to set a key under None, and fails on one under a missing section).
         _update(root, key, OmegaConf.structured(sec_cls), tp, source, key)
     for sub_parts, sub_value in items:
-        _assign(root, sec_cls, sub_parts, sub_value, source, key + ".", full_key if rest else None)
+        _assign(root, sec_cls, sub_parts, sub_value, source, key + ".", full_key if rest else None, base_dir)
 
 
 def _base(config: Any) -> DictConfig:
@@ -357,7 +376,7 @@ def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
     for k, v in (data or {}).items():  # `optim.lr: 1e-3` at the top of a file works like the nested form
         if k == RESUME_HISTORY_KEY:  # a run's record of what its resumes changed, not a setting
             continue
-        _assign(root, cls, str(k).split("."), v, f"in {path}")
+        _assign(root, cls, str(k).split("."), v, f"in {path}", base_dir=path.parent)
 
 
 def _split_override(item: str) -> tuple[str, str]:

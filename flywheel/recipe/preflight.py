@@ -1,0 +1,225 @@
+"""The checks that look beyond the config's own values, every one before the run directory is written.
+
+`check_shared_sections` runs the config-time ones (nothing loaded): the run
+directory is usable, the reward spec names known scorers with finite weights,
+their local folders exist and every `remote:` server answers its /health
+within a few seconds; the model folder is a diffusers folder of the card's
+family; the step counts are within bounds and `train.updates_per_rollout`
+divides the minibatches of a step. `check_built_model` runs the ones that need
+the model (`build_policy`, before `RecipeRun.resume` creates the run
+directory): the LoRA targets match modules of the transformer, and the
+requested size and frames fit the card's rules. Each failure is one line
+naming the key (a ConfigError: exit 2, see flywheel/cli.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from engine.card_folders import check_card_path
+from engine.types import MAX_STEPS
+from flywheel.runs.checks import ConfigChecks
+from flywheel.runs.config import ConfigError
+from rewards.registry import REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, resolve_args
+
+# A bound on `steps` that no real run reaches (1e7 steps of one second each is four months): a typo such as
+# steps=1e12 is refused instead of starting a run whose progress bar and schedules are meaningless.
+MAX_TRAINING_STEPS = 10_000_000
+# Wall-clock bound (s) of the /health probe of each remote: reward at config time.
+REMOTE_PROBE_S = 5.0
+
+
+def warn(message: str) -> None:
+    """A config warning on stderr, before any work; once per launch (the first process prints it)."""
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Config time: nothing loaded
+# ---------------------------------------------------------------------------------------
+
+
+def check_bounds(cfg, checks: ConfigChecks) -> None:
+    """`steps` and the denoising steps within what the trainer and the engine take."""
+    checks.require("steps", lambda v: v <= MAX_TRAINING_STEPS,
+                   f"must be at most {MAX_TRAINING_STEPS:,} training steps".replace(",", "_"))
+    for key in ("sampling.steps", "sampling.eval_steps"):
+        checks.require(key, lambda v: v <= MAX_STEPS, f"must be at most {MAX_STEPS} (the engine's bound on "
+                       "denoising steps)", allow_none=True)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_minibatches(cfg, checks: ConfigChecks) -> None:
+    """The rows of a step split into whole minibatches and optimizer steps on every process: what
+    `flywheel.recipe.update.accumulation_steps` would refuse at the first update."""
+    tc, data = cfg.train, cfg.data
+    if not all(_positive_int(v) for v in (data.prompts_per_step, data.group_size, tc.minibatch_size)):
+        return  # reported by the range checks
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rows = data.prompts_per_step * data.group_size
+    if rows % world:
+        checks.fail(f"data.prompts_per_step x data.group_size = {rows} rows must be divisible by the number of "
+                    f"processes ({world}): each process rolls out an equal share")
+        return
+    local = rows // world
+    n = math.ceil(local / tc.minibatch_size)
+    where = (f"the {n} minibatch{'es' if n != 1 else ''} of a step ({local} rows"
+             f"{f' on each of {world} processes' if world > 1 else ''} in train.minibatch_size={tc.minibatch_size})")
+    divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    upr = tc.updates_per_rollout
+    if _positive_int(upr) and n % upr:
+        checks.fail(f"train.updates_per_rollout={upr} does not divide {where}: use one of {divisors} (or null), "
+                    "or change train.minibatch_size")
+    elif upr is None and _positive_int(tc.gradient_accumulation_steps) and n % tc.gradient_accumulation_steps:
+        checks.fail(f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps} does not divide {where}: "
+                    f"use one of {divisors}, or change train.minibatch_size")
+
+
+def warn_prompts_per_step(cfg, prompts: int) -> None:
+    """More distinct prompts per step than the dataset holds: the step repeats some (allowed, said)."""
+    per_step = cfg.data.prompts_per_step
+    if _positive_int(per_step) and per_step > prompts:
+        warn(f"data.prompts_per_step={per_step} is more than the {prompts} prompt(s) of "
+             f"data.prompts={cfg.data.prompts!r}: each step repeats prompts (groups of the same prompt are "
+             f"normalised apart); lower data.prompts_per_step to at most {prompts} for distinct prompts")
+
+
+def check_run_dir(cfg, checks: ConfigChecks) -> None:
+    """`run_dir` is (or can become) a writable directory: probed with a temporary folder that is removed, so
+    the run directory itself is not created here."""
+    path = Path(str(cfg.run_dir)).expanduser()
+    if not str(cfg.run_dir).strip():
+        checks.fail("run_dir='': give the directory the run writes (config, metrics, samples, checkpoints)")
+        return
+    if path.exists() and not path.is_dir():
+        checks.fail(f"run_dir={str(cfg.run_dir)!r} is a file, not a directory: choose another run_dir")
+        return
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        checks.fail(f"run_dir={str(cfg.run_dir)!r}: {existing} is a file, so no directory can be made there")
+        return
+    try:
+        probe = tempfile.mkdtemp(prefix=".flywheel-probe-", dir=existing)
+    except OSError as e:
+        checks.fail(f"run_dir={str(cfg.run_dir)!r} is not usable: cannot create a directory in {existing} "
+                    f"({e.strerror or e}); choose a writable run_dir")
+        return
+    os.rmdir(probe)
+
+
+def check_rewards(cfg, checks: ConfigChecks) -> None:
+    """The reward keys (`rewards.registry.check_spec`: modules, the spec's syntax and weights, known scorers,
+    reward_args), then what needs more than names: each scorer's local folder (scorers that registered a check,
+    e.g. the CLIP family) and every `remote:` server answering /health."""
+    problems = check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules)  # imports reward_modules first
+    for problem in problems:
+        checks.fail(problem)
+    if problems:
+        return
+    scorer_kwargs = resolve_args(cfg.rewards, cfg.reward_args)
+    # Ray reward actors on a cluster elsewhere read their folders there: only the names are checked here.
+    remote_workers = cfg.rollout.reward_actors > 0 and cfg.rollout.address is not None
+    for key, name, _ in parse_spec_targets(cfg.rewards):  # name: what `get` builds (a short name's target)
+        kwargs = dict(scorer_kwargs.get(key, {}))
+        try:
+            if remote_workers and not name.startswith(REMOTE):
+                if name not in available():
+                    raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available())}")
+            else:
+                check_scorer(name, **kwargs)
+        except KeyError as e:
+            checks.fail(f"rewards={cfg.rewards!r}: {e.args[0]}")
+            continue
+        except (ValueError, OSError) as e:
+            checks.fail(f"rewards={cfg.rewards!r}: {name}: {e}")
+            continue
+        if name.startswith(REMOTE):
+            _probe_remote(cfg, name, kwargs, checks)
+
+
+def _probe_remote(cfg, name: str, kwargs: dict, checks: ConfigChecks) -> None:
+    """GET /health of a remote: reward once, within REMOTE_PROBE_S of wall clock (no retries)."""
+    probe_s = min(REMOTE_PROBE_S, cfg.reward_timeout_s) if cfg.reward_timeout_s > 0 else REMOTE_PROBE_S
+    try:
+        get(name, **{**kwargs, "timeout_s": probe_s, "budget_s": probe_s, "retries": 0,
+                     "health_timeout_s": probe_s})
+    except Exception as e:  # noqa: BLE001  (any failure of the probe is the same answer: not usable)
+        checks.fail(f"rewards={cfg.rewards!r}: {name} is not reachable ({' '.join(str(e).split())}); start it "
+                    f"with `python -m rewards.serve --reward NAME --port PORT`, or fix the address")
+
+
+def check_model_path(cfg, checks: ConfigChecks) -> None:
+    """`model.path` fits the card (`engine.card_folders.check_card_path`: not empty; a diffusers card's folder
+    of the card's family, read from model_index.json and the transformer's config)."""
+    try:
+        check_card_path(cfg.model.card, cfg.model.path)
+    except KeyError:
+        return  # reported by the card check
+    except ValueError as e:
+        checks.fail(f"model.path={cfg.model.path!r} {e}")
+
+
+# ---------------------------------------------------------------------------------------
+# With the model built (before the run directory is written)
+# ---------------------------------------------------------------------------------------
+
+
+def check_lora_targets(cfg, transformer, targets: list[str] | None) -> None:
+    """Every LoRA target given in model.lora_targets matches a module of the transformer (peft's rule: the
+    module's name is the target or ends with '.' + target); the card's default list must match at least one."""
+    if not targets:
+        raise ConfigError(f"model.finetune=lora: card {cfg.model.card!r} has no default LoRA targets; set "
+                          "model.lora_targets to names of the transformer's Linear layers")
+    names = [n for n, _ in transformer.named_modules() if n]
+    matched = {t for t in targets if any(n == t or n.endswith("." + t) for n in names)}
+    explicit = cfg.model.lora_targets is not None
+    unmatched = [t for t in targets if t not in matched]
+    if matched and not (explicit and unmatched):
+        return
+    import torch
+
+    shown = sorted({_block_relative(n) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+    shown_text = ", ".join(shown[:16]) + (f" and {len(shown) - 16} more" if len(shown) > 16 else "")
+    what = type(transformer).__name__
+    if explicit:
+        raise ConfigError(f"model.lora_targets={list(targets)}: {', '.join(unmatched)} match(es) no module of the "
+                          f"{what}; its Linear layers (names within a block): {shown_text}")
+    raise ConfigError(f"model.lora_targets=null: card {cfg.model.card!r}'s default targets {list(targets)} match no "
+                      f"module of the {what}; set model.lora_targets to some of its Linear layers: {shown_text}")
+
+
+def _block_relative(name: str) -> str:
+    """A module name after its block index ("transformer_blocks.0.attn.to_q" -> "attn.to_q"): the form a LoRA
+    target takes; names outside numbered blocks stay whole."""
+    parts = name.split(".")
+    index = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+    return ".".join(parts[index + 1:]) if index is not None else name
+
+
+def check_built_model(cfg, model) -> None:
+    """The card's size and frame rules for the rollout and evaluation requests, asked of the loaded model
+    (`latent_shape`, which the first rollout would call); a video card whose VAE decodes another number of
+    frames than requested is said (`decoded_frames`, LTX-2)."""
+    if cfg.model.workflow is not None:
+        return  # the workflow's stages set their own sizes (engine/workflows), checked when it is built
+    s = cfg.sampling
+    keys = f"sampling.height={s.height}, sampling.width={s.width}, sampling.frames={s.frames}"
+    try:
+        model.latent_shape(s.height, s.width, s.frames)
+    except ValueError as e:
+        raise ConfigError(f"{keys}: {e}") from None
+    decoded = getattr(model, "decoded_frames", None)
+    if decoded is not None:
+        asked, got, why = decoded(s.frames)
+        if got != asked:
+            warn(f"sampling.frames={s.frames}: {why}")

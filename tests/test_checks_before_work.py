@@ -1,0 +1,319 @@
+"""Every check that can run before work does: each bad input below is refused with a usage error (exit 2, one
+`error:` message whose last line names the key) before anything is written to the run directory.
+
+The recipe cases call `trainers.grpo.main`, the entry `python trainers/grpo.py` runs under `run_main`, and
+format the message as `run_main` prints it; two of them also run as a real subprocess (the exit status and
+the real stderr). The servers' flags are checked through their own `main`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flywheel.cli import CONFIG_ERROR_EXIT, USAGE_ERRORS
+from trainers.grpo import main as grpo_main
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["tracker=none", "steps=2", "sampling.steps=2", "data.prompts_per_step=2", "data.group_size=2",
+        "sampling.eval_seeds=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_diffusers_folder(root: Path, pipeline: str, transformer: str) -> Path:
+    """A folder with only the JSON a family check reads: model_index.json and the transformer's config."""
+    (root / "transformer").mkdir(parents=True)
+    (root / "vae").mkdir()
+    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline, "transformer": ["diffusers", transformer],
+                                                       "vae": ["diffusers", "AutoencoderKL"],
+                                                       "image_encoder": [None, None]}))
+    (root / "transformer" / "config.json").write_text(json.dumps({"_class_name": transformer}))
+    return root
+
+
+def refused(argv: list[str], capsys) -> tuple[str, str]:
+    """(the message `run_main` prints, the stderr printed before it) of a config the recipe refuses."""
+    with pytest.raises(USAGE_ERRORS) as info:
+        grpo_main(argv)
+    return f"error: {info.value}", capsys.readouterr().err
+
+
+def assert_nothing_written(run_dir: Path) -> None:
+    assert not run_dir.exists() or not any(run_dir.iterdir()), sorted(p.name for p in run_dir.iterdir())
+
+
+def assert_last_line_names(message: str, key: str) -> None:
+    last = message.strip().splitlines()[-1].strip()
+    assert re.match(rf"(error: )?{re.escape(key)}(=|:|\s)", last), last
+
+
+CASES = {
+    # id: (overrides, the key the last line names, a phrase of the reason)
+    "unknown scorer": (["rewards=nope:1"], "rewards", "unknown scorer 'nope'"),
+    "weight abc": (["rewards=digit_alignment:abc"], "rewards", "expected a number"),
+    "weight nan": (["rewards=digit_alignment:nan"], "rewards", "must be finite"),
+    "weight -inf": (["rewards=digit_alignment:-inf"], "rewards", "must be finite"),
+    "empty spec": (["rewards="], "rewards", "reward spec is empty"),
+    "remote not a url": (["rewards=remote:notaurl"], "rewards", "needs an address"),
+    "pickscore folder unset": (["rewards=pickscore"], "rewards", "FLYWHEEL_PICKSCORE_PATH"),
+    "clip folder missing": (["rewards=clip_score:1"], "rewards", "does not exist"),
+    "model.path empty": (["model.path="], "model.path", "is empty"),
+    "model.path missing": (["model.path=/nonexistent/toy.safetensors"], "model.path", "does not exist"),
+    "sd3 without a folder": (["model.card=sd3"], "model.path", "loads a local diffusers folder"),
+    "sampling.steps past 1000": (["sampling.steps=1001"], "sampling.steps", "at most 1000"),
+    "sampling.eval_steps past 1000": (["sampling.eval_steps=5000"], "sampling.eval_steps", "at most 1000"),
+    "steps 1e12": (["steps=1e12"], "steps", "at most 10_000_000"),
+    "updates_per_rollout": (["data.prompts_per_step=8", "data.group_size=16", "train.minibatch_size=32",
+                             "train.updates_per_rollout=3"], "train.updates_per_rollout", "use one of 1, 2, 4"),
+    "gradient_accumulation": (["data.prompts_per_step=4", "data.group_size=4", "train.minibatch_size=8",
+                               "train.gradient_accumulation_steps=3"], "train.gradient_accumulation_steps",
+                              "does not divide the 2 minibatches"),
+    # Caught on the built model, still before the run dir is created:
+    "lora targets": (["model.finetune=lora", "model.lora_targets=[nope,qkv]"], "model.lora_targets",
+                     "nope match(es) no module of the ToyDiT"),
+    "height 7": (["sampling.height=7"], "sampling.height", "generates 8x8 images only"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_input_is_refused_before_anything_is_written(case, tmp_path, capsys, monkeypatch):
+    overrides, key, reason = CASES[case]
+    monkeypatch.delenv("FLYWHEEL_PICKSCORE_PATH", raising=False)
+    monkeypatch.setenv("FLYWHEEL_CLIP_PATH", str(tmp_path / "no-clip"))
+    run_dir = tmp_path / "run"
+    message, _ = refused([f"run_dir={run_dir}", *FAST, *overrides], capsys)
+    assert_nothing_written(run_dir)
+    assert_last_line_names(message, key)
+    assert reason in message.splitlines()[-1], message
+
+
+def test_a_folder_of_another_family_is_refused_naming_the_card_that_loads_it(tmp_path, capsys):
+    flux = fake_diffusers_folder(tmp_path / "flux", "FluxPipeline", "FluxTransformer2DModel")
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={flux}"], capsys)
+    assert_nothing_written(tmp_path / "run")
+    assert_last_line_names(message, "model.path")
+    assert "holds a FluxPipeline (model_index.json) but card 'sd3' loads a StableDiffusion3Pipeline: use the card " \
+           "'flux'" in message
+    # The right pipeline with a transformer of another class, and a component listed but absent.
+    odd = fake_diffusers_folder(tmp_path / "odd", "StableDiffusion3Pipeline", "FluxTransformer2DModel")
+    (odd / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline",
+                                                      "transformer": ["diffusers", "SD3Transformer2DModel"]}))
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={odd}"], capsys)
+    assert "transformer/config.json is a FluxTransformer2DModel, but model_index.json lists a SD3Transformer2DModel" \
+        in message
+    (odd / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline",
+                                                      "text_encoder_3": ["transformers", "T5EncoderModel"]}))
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={odd}"], capsys)
+    assert "lacks text_encoder_3/, listed in its model_index.json" in message
+    assert_nothing_written(tmp_path / "run")
+
+
+def test_an_unreachable_remote_reward_is_refused_within_the_probe_bound(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"rewards=remote:{url}"], capsys)
+    assert time.monotonic() - started < 30  # the probe's own bound is 5 s; the rest is the config's checks
+    assert_nothing_written(tmp_path / "run")
+    assert_last_line_names(message, "rewards")
+    assert f"remote:{url} is not reachable" in message and "retries=0" in message
+
+
+def test_a_remote_reward_that_answers_its_health_passes_the_probe(tmp_path, capsys):
+    from rewards.registry import get
+    from rewards.serve import ServerThread
+
+    with ServerThread(get("digit_alignment"), "digit_alignment", "127.0.0.1", 0, None) as server:
+        # Refused for another reason only (the height), so the probe of the live server passed.
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"rewards=remote:{server.url}",
+                              "sampling.height=7"], capsys)
+    assert "not reachable" not in message and "sampling.height=7" in message
+
+
+@pytest.mark.parametrize("where", ["a file", "under /proc", "under a file", "not writable"])
+def test_an_unusable_run_dir_is_refused(where, tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    if where == "not writable":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory")
+        (tmp_path / "ro").mkdir(mode=0o555)
+    run_dir = {"a file": tmp_path / "file", "under /proc": Path("/proc/flywheel-run"),
+               "under a file": tmp_path / "file" / "run", "not writable": tmp_path / "ro" / "run"}[where]
+    message, _ = refused([f"run_dir={run_dir}", *FAST], capsys)
+    assert_last_line_names(message, "run_dir")
+    assert (tmp_path / "file").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["file"] + (["ro"] if where == "not writable" else []))
+
+
+def test_more_prompts_per_step_than_prompts_is_a_warning(tmp_path, capsys):
+    prompts = tmp_path / "three.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    _, stderr = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"data.prompts={prompts}", "data.prompts_per_step=4",
+                         "steps=1e12"], capsys)
+    assert f"warning: data.prompts_per_step=4 is more than the 3 prompt(s) of data.prompts='{prompts}'" in stderr
+    refused([f"run_dir={tmp_path / 'run'}", *FAST, f"data.prompts={prompts}", "data.prompts_per_step=3",
+             "steps=1e12"], capsys)
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, key", [(["rewards=nope:1"], "rewards"),
+                                            (["model.finetune=lora", "model.lora_targets=[nope]"],
+                                             "model.lora_targets")])
+def test_the_command_line_exits_2_with_the_key_on_the_last_line(overrides, key, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(REPO / "trainers" / "grpo.py"), f"run_dir={run_dir}", *FAST,
+                           *overrides], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == CONFIG_ERROR_EXIT, done.stderr
+    assert "Traceback" not in done.stderr
+    assert_last_line_names(done.stderr, key)
+    assert_nothing_written(run_dir)
+
+
+# ---- the servers' flags ---------------------------------------------------------------------
+
+
+def server_refuses(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err  # one line: no usage block, no traceback
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--card", "nope"], "--card nope"),
+    (["--port", "99999"], "--port 99999"),
+    (["--port", "abc"], "argument --port"),
+    (["--card", "sd3"], "--path"),
+    (["--card", "toy-digits", "--path", "/nonexistent"], "--path /nonexistent"),
+    (["--workflow", "nope"], "--workflow nope"),
+    (["--device", "banana"], "--device banana"),
+    (["--max-batch", "0"], "--max-batch 0"),
+    (["--max-wait-ms", "nan"], "--max-wait-ms nan"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--host", "203.0.113.7"], "--host/--port 203.0.113.7"),  # TEST-NET-3: no interface of this machine
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_engine_serve_flags_are_one_line_errors(argv, flag, capsys):
+    from engine.serve import main
+
+    assert server_refuses(main, argv, capsys).startswith(f"error: {flag}")
+
+
+def test_engine_serve_refuses_a_port_in_use(capsys):
+    from engine.serve import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = server_refuses(main, ["--port", str(port)], capsys)
+    assert line.startswith(f"error: --host/--port 127.0.0.1:{port}: cannot listen there")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--reward", "nope"], "--reward nope"),
+    ([], "the following arguments are required: --reward"),
+    (["--reward", "digit_alignment", "--port", "99999"], "--port 99999"),
+    (["--reward", "digit_alignment", "--kwargs", "{bad"], "--kwargs {bad"),
+    (["--reward", "digit_alignment", "--kwargs", "[1]"], "--kwargs [1]"),
+    (["--reward", "pickscore", "--kwargs", '{"path": "/nonexistent"}'], "--reward pickscore"),
+    (["--reward", "digit_alignment", "--header-timeout-s", "0"], "--max-body-bytes/"),
+])
+def test_rewards_serve_flags_are_one_line_errors(argv, flag, capsys):
+    from rewards.serve import main
+
+    assert server_refuses(main, argv, capsys).startswith(f"error: {flag}")
+
+
+# ---- prompt files relative to the config file ---------------------------------------------------
+
+
+def test_prompt_files_in_a_config_resolve_from_the_working_directory_then_the_config_folder(tmp_path, monkeypatch):
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    configs, elsewhere = tmp_path / "configs", tmp_path / "elsewhere"
+    configs.mkdir()
+    elsewhere.mkdir()
+    (configs / "prompts.txt").write_text("a cat\n")
+    (configs / "foo.yaml").write_text("data:\n  prompts: prompts.txt\n  eval_prompts: toy-digits-heldout\n")
+    monkeypatch.chdir(elsewhere)
+    cfg = parse_config(Config, ["--config", str(configs / "foo.yaml")])
+    assert cfg.data.prompts == str(configs / "prompts.txt")
+    assert cfg.data.eval_prompts == "toy-digits-heldout"  # a built-in name is no path
+    # The working directory first: a prompts.txt there is the one meant.
+    (elsewhere / "prompts.txt").write_text("a dog\n")
+    assert parse_config(Config, ["--config", str(configs / "foo.yaml")]).data.prompts == "prompts.txt"
+    (elsewhere / "prompts.txt").unlink()
+    # A command-line value is relative to the working directory only.
+    cfg = parse_config(Config, ["--config", str(configs / "foo.yaml"), "data.prompts=prompts.txt"])
+    assert cfg.data.prompts == "prompts.txt"
+    # Found nowhere: kept as written, for the prompts check to name.
+    (configs / "foo.yaml").write_text("data:\n  prompts: missing.txt\n")
+    assert parse_config(Config, ["--config", str(configs / "foo.yaml")]).data.prompts == "missing.txt"
+
+
+# ---- the card's frame rule (LTX-2) ------------------------------------------------------------
+
+
+def ltx2_like(temporal: int, decoder_scaling, upsample_type):
+    """The attributes `LTX2Model.decoded_frames` reads: the pipeline's ratio and the VAE decoder's config."""
+    config = SimpleNamespace(decoder_block_out_channels=[8] * len(upsample_type),
+                             decoder_spatio_temporal_scaling=decoder_scaling, upsample_type=upsample_type)
+    return SimpleNamespace(pipe=SimpleNamespace(vae_temporal_compression_ratio=temporal),
+                           vae=SimpleNamespace(config=config))
+
+
+def test_ltx2_decoded_frames_follow_the_vae_config():
+    from engine.families.ltx2 import LTX2Model
+
+    released = ltx2_like(8, (True, True, True), ("spatiotemporal",) * 3)
+    assert LTX2Model.decoded_frames(released, 9)[:2] == (9, 9)
+    assert LTX2Model.decoded_frames(released, None)[:2] == (121, 121)
+    # The tiny folder's VAE: a scaling counted by the encoder's ratio but done in space only.
+    tiny = ltx2_like(2, (True,), ("spatial",))
+    asked, got, why = LTX2Model.decoded_frames(tiny, 9)
+    assert (asked, got) == (9, 5)
+    assert "decoder upsamples time by 1, so 9 frames decode to 5" in why
+    assert LTX2Model.decoded_frames(ltx2_like(4, (True, True), ("temporal", "spatial")), 9)[:2] == (9, 5)
+
+
+def test_a_video_card_that_decodes_other_frames_says_why_naming_sampling_frames(capsys):
+    from engine.families.ltx2 import LTX2Model
+    from flywheel.recipe.preflight import check_built_model
+    from flywheel.runs.config import ConfigError
+
+    class Model:
+        decoded_frames = LTX2Model.decoded_frames
+
+        def __init__(self):
+            self.pipe, self.vae = ltx2_like(2, (True,), ("spatial",)).pipe, ltx2_like(2, (True,), ("spatial",)).vae
+
+        def latent_shape(self, height, width, frames):
+            if (frames - 1) % 2:
+                raise ValueError("ltx2: frames must be 2k+1 (this folder's VAE compresses time by 2): 3, 5, ...")
+            return (1,)
+
+    cfg = SimpleNamespace(model=SimpleNamespace(workflow=None),
+                          sampling=SimpleNamespace(height=None, width=None, frames=9))
+    check_built_model(cfg, Model())
+    assert capsys.readouterr().err.startswith("warning: sampling.frames=9: this folder's video VAE keeps")
+    cfg.sampling.frames = 10
+    with pytest.raises(ConfigError, match=r"sampling.frames=10: ltx2: frames must be 2k\+1"):
+        check_built_model(cfg, Model())
