@@ -487,8 +487,7 @@ def check_scorer(name: str, **kwargs: Any) -> None:
 
         check_url(name[len(REMOTE):])
         return
-    if name not in _FACTORIES:
-        raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available()) or '(none)'}")
+    factory_of(name)  # KeyError naming the known ones; finds an installed plugin too
     check = _ARG_CHECKS.get(name)
     if check is not None:
         check(**kwargs)
