@@ -158,6 +158,22 @@ def test_an_unusable_run_dir_is_refused(where, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["file"] + (["ro"] if where == "not writable" else []))
 
 
+def test_a_used_run_dir_is_refused_with_the_config_before_the_model_loads(tmp_path):
+    from flywheel.runs.config import ConfigError, parse_config
+    from trainers.grpo import Config, validate_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError) as info:
+        validate_config(parse_config(Config, [f"run_dir={run_dir}"]))
+    assert_last_line_names(str(info.value), "run_dir")
+    assert "is already used (it holds metrics.jsonl)" in str(info.value)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    validate_config(parse_config(Config, [f"run_dir={run_dir}", "overwrite=true"]))  # told to: no refusal
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_more_prompts_per_step_than_prompts_is_a_warning(tmp_path, capsys):
     prompts = tmp_path / "three.txt"
     prompts.write_text("one\ntwo\nthree\n")

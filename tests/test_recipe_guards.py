@@ -217,11 +217,11 @@ def test_resume_refuses_a_data_position_that_does_not_match(tmp_path):
 
 
 def test_a_fresh_run_refuses_a_used_run_dir_and_overwrite_starts_over(tmp_path):
-    from flywheel.runs.rundir import RunDirInUseError
+    from flywheel.cli import USAGE_ERRORS
 
     run_dir = tmp_path / "used"
     main([f"run_dir={run_dir}", *TINY, "steps=1"])
-    with pytest.raises(RunDirInUseError, match="resume=.*overwrite=true"):
+    with pytest.raises(USAGE_ERRORS, match="resume=.*overwrite=true"):  # with the config, before the model loads
         main([f"run_dir={run_dir}", *TINY, "steps=1"])
     main([f"run_dir={run_dir}", *TINY, "steps=1", "overwrite=true"])
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]  # not [0, 1, 0, 1]

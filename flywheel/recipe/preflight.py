@@ -24,6 +24,7 @@ from engine.card_folders import check_card_path
 from engine.types import MAX_STEPS
 from flywheel.runs.checks import ConfigChecks
 from flywheel.runs.config import ConfigError
+from flywheel.runs.rundir import RunDir, RunDirInUseError
 from rewards.registry import REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, resolve_args
 
 # A bound on `steps` that no real run reaches (1e7 steps of one second each is four months): a typo such as
@@ -115,6 +116,13 @@ def check_run_dir(cfg, checks: ConfigChecks) -> None:
                     f"({e.strerror or e}); choose a writable run_dir")
         return
     os.rmdir(probe)
+    if not cfg.resume and not cfg.overwrite and path.is_dir():
+        # A used run dir is refused now, not after the model has loaded (RecipeRun.resume creates the dir);
+        # the refusal is RunDir's own, asked of a RunDir that creates nothing (not the main process).
+        try:
+            RunDir(path, mode="new", is_main_process=False).refuse_if_used()
+        except RunDirInUseError as e:
+            checks.fail(f"run_dir={str(cfg.run_dir)!r}: {e}")
 
 
 def check_rewards(cfg, checks: ConfigChecks) -> None:

@@ -496,6 +496,12 @@ class RunDir:
         return (self.config_path.is_file() and (self.path / RUN_INFO_FILENAME).is_file()
                 and not _holds_checkpoint(self.path) and _steps_done(self.path) == 0)
 
+    def refuse_if_used(self) -> None:
+        """RunDirInUseError for a fresh run here, unless the directory is new or holds a run that never trained
+        (which a fresh run replaces)."""
+        if not self._never_trained():
+            self._refuse_used()
+
     def _refuse_used(self) -> None:
         used = _used_entries(self.path)
         if not used:
