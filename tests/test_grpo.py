@@ -177,6 +177,15 @@ def test_shipped_configs_parse(path, tmp_path, monkeypatch):
     validate_config(cfg)
 
 
+def test_toy_grpo_config_is_the_no_argument_run():
+    """configs/toy_grpo.yaml writes out the defaults, which carry the mechanism chosen by the sweep of
+    docs/tuning_grpo.md: a KL penalty to the base model, Flow-GRPO's 9 of 10 trained steps, 70 steps."""
+    cfg = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_grpo.yaml")])
+    assert cfg == parse_config(Config, [])
+    assert (cfg.train.kl_beta, cfg.train.learning_rate, cfg.steps, cfg.model.finetune) == (0.1, 6e-4, 70, "full")
+    assert cfg.train.timestep_fraction is None and cfg.train.log_kl
+
+
 def test_datasets_must_match_the_cards_image_conditioning(tmp_path):
     """Checked with the config, before any model loads: first frames for image-to-video, none elsewhere."""
     with_images = image_prompts(tmp_path / "with")

@@ -320,8 +320,10 @@ def test_grpo_config_names_the_task():
     default = yaml.safe_load((ROOT / "configs/toy_grpo.yaml").read_text())
     assert cfg["model"]["card"] == "toy-numbers" and cfg["rewards"] == "number_alignment:1.0"
     assert (cfg["data"]["prompts"], cfg["data"]["eval_prompts"]) == ("toy-numbers", "toy-numbers-heldout")
-    # The same algorithm as the toy-digits default: only the task differs.
-    assert cfg["train"] == default["train"] and cfg["sampling"] == default["sampling"]
+    # The toy-digits algorithm, with the keys its tuning changed (docs/tuning_grpo.md) at their values before it:
+    # the benchmark's GRPO baseline was measured with them and was not re-tuned for toy-numbers.
+    before_tuning = {"learning_rate": 3.0e-4, "kl_beta": 0.0, "timestep_fraction": 1.0}
+    assert cfg["train"] == {**default["train"], **before_tuning} and cfg["sampling"] == default["sampling"]
     assert {k: v for k, v in cfg["data"].items() if "prompts" != k and "eval_prompts" != k} == \
         {k: v for k, v in default["data"].items() if "prompts" != k and "eval_prompts" != k}
 
