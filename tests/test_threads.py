@@ -85,3 +85,73 @@ def test_threads_zero_and_null_mean_auto():
         validate_config(parse_config(Config, [f"threads={value}"]))
     with pytest.raises(ConfigError, match="threads"):
         parse_config(Config, ["threads=two"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_engine_process_starts_on_the_thread_count_of_its_parent(torch_threads, threads, monkeypatch):
+    """Bitwise parity of its rollouts with a local Engine's needs the same count (CPU kernels round by it)."""
+    from flywheel.sync import engine_process
+
+    started = []
+
+    class NotServing:  # the process exits before its port line: start() raises after recording the command
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            self.stdout, self.returncode = mock.Mock(readline=lambda: ""), 1
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(engine_process.subprocess, "Popen", NotServing)
+    torch_threads(threads)
+    for asked, expected in ((None, threads), (3, 3)):
+        with pytest.raises(RuntimeError, match="exited with code 1 before serving"):
+            engine_process.EngineProcess.start("toy-digits", threads=asked)
+        cmd = started.pop()
+        assert cmd[cmd.index("--threads") + 1] == str(expected)
+
+
+# --- OpenMP's idle threads sleep unless the user chose -------------------------------------------
+
+def spin_count_seen_by_openmp(code: str, **env: str) -> str:
+    """GNU OpenMP's spin count in a fresh interpreter that runs `code` (libgomp prints it as it loads)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from flywheel.openmp_env import WAIT_ENV_KEYS
+
+    clean = {k: v for k, v in os.environ.items() if k not in WAIT_ENV_KEYS}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], env={**clean, "OMP_DISPLAY_ENV": "verbose", **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = set(re.findall(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr))
+    assert len(counts) == 1, out.stderr[-2000:]
+    return counts.pop()
+
+
+def test_importing_the_openmp_default_before_torch_makes_idle_threads_sleep():
+    assert spin_count_seen_by_openmp("import torch") != "0"  # torch alone: its threads spin before they sleep
+    assert spin_count_seen_by_openmp("import flywheel.openmp_env, torch") == "0"  # OMP_WAIT_POLICY=PASSIVE
+
+
+def test_every_recipe_imports_the_openmp_default_before_torch():
+    import ast
+    from pathlib import Path
+
+    for recipe in ("grpo", "nft", "awm", "dpo"):
+        tree = ast.parse((Path(__file__).resolve().parents[1] / "trainers" / f"{recipe}.py").read_text())
+        imported = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+        assert "flywheel.openmp_env" in imported and "torch" in imported, recipe
+        assert imported.index("flywheel.openmp_env") < imported.index("torch"), recipe
+
+
+def test_the_openmp_default_leaves_a_users_wait_setting_alone():
+    from flywheel.openmp_env import passive_wait_by_default
+
+    for key, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "10000"), ("KMP_BLOCKTIME", "0")):
+        environ = {key: value}
+        assert not passive_wait_by_default(environ) and environ == {key: value}
+    environ = {"OMP_WAIT_POLICY": " "}
+    assert passive_wait_by_default(environ) and environ == {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -22,6 +22,10 @@ chance to unlink. The poll costs nothing measurable and notices within
 `PARENT_POLL_S`. SIGTERM or SIGINT sent to the engine process itself, or a
 `shutdown` call, unlinks its blocks and exits (status 128 + the signal's
 number after a signal), a rollout in flight included.
+
+It runs on the torch thread count of the process that starts it unless told
+otherwise: CPU kernels round differently at another count, so its rollouts
+equal a local Engine's bit for bit at equal thread counts on one machine.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from safetensors.torch import save as save_safetensors
 from engine import Engine, GenerationRequest, Trajectory
 from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.lora import add_lora
+from flywheel.openmp_env import passive_wait_by_default
 from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
 
 # Trajectory fields that travel as tensors (the optional ones only when present).
@@ -309,8 +314,9 @@ class EngineProcess:
         if lora:
             cmd += ["--lora-rank", str(lora["rank"]), "--lora-alpha", str(lora["alpha"]),
                     "--lora-targets", ",".join(lora["targets"])]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()})
+        env = {**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()}
+        passive_wait_by_default(env)  # its OpenMP threads sleep when idle, unless the user chose (flywheel.openmp_env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = proc.stdout.readline()
         if not line:
             proc.wait(timeout=timeout_s)
