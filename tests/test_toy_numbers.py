@@ -353,8 +353,8 @@ def test_pretraining_batches_draw_the_tens_digit_left_and_the_units_digit_right(
 # Pretraining is deterministic (seed, thread count, deterministic algorithms), but its float rounding is the
 # CPU's: another CPU's kernels (AVX2 or AVX-512 paths of ATen, MKL, oneDNN) round differently, and 1500
 # optimizer steps carry the difference into every tensor. What holds across machines is the model it trains.
-CROSS_CPU_REWARD_BOUND = 0.05  # |eval reward of the retrained base - the shipped base's| on another CPU
-CROSS_CPU_LOSS_BOUND = 0.01  # |final EMA loss - the shipped file's|
+CROSS_CPU_REWARD_BOUND = 0.02  # |eval reward of the retrained base - the shipped base's| on another CPU (seen: < 0.001)
+CROSS_CPU_LOSS_BOUND = 0.005  # |final EMA loss - the shipped file's| (seen: < 0.0001)
 
 
 def base_eval_reward(weights) -> float:
