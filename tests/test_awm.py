@@ -58,7 +58,8 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
 
 def test_accelerate_launch_runs_and_writes_the_shared_metric_keys(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(["accelerate", "launch", "--num_processes", "1", "--cpu", "trainers/awm.py", "steps=2",
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+                          "trainers/awm.py", "steps=2",
                           "eval_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL, "sampling.eval_seeds=1",
                           "train.kl_beta=0.01"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -286,11 +286,10 @@ def test_engine_process_round_trip_carries_the_audio_fields(folder, engine):
         remote = remote_engine.generate(requests(**fields))
     finally:
         remote_engine.close()
-    for name in ("latents", "log_probs", "audio_noise_levels", "noise_levels"):
+    # Bit for bit, waveform included: the engine process runs on this process's thread count (the vocoder's
+    # convolutions round differently at another count).
+    for name in ("latents", "log_probs", "audio_noise_levels", "noise_levels", "audio"):
         assert torch.equal(getattr(remote, name), getattr(local, name)), name
-    # The vocoder's convolutions round differently with another thread count (the engine process runs on its
-    # own threads): the waveform matches to float rounding, the latents it decodes bit for bit.
-    torch.testing.assert_close(remote.audio, local.audio, rtol=0, atol=1e-5)
     for name in ("video", "audio"):
         assert torch.equal(remote.modality_log_probs[name], local.modality_log_probs[name])
     assert remote.condition_extra["ltx2_grid"].shape == (3, 3, 4, 8, 5, 0)

@@ -148,23 +148,33 @@ def test_an_engine_process_that_dies_under_the_trainer_ends_in_an_error_saying_s
     engine = box["engine"]
     controller = WeightSyncController(engine, transport=SharedMemoryTransport())
     params = toy_params()
-    in_flight: dict = {}
+    in_flight: dict = {"rollouts": 0}
+    rolling = threading.Event()
 
-    def long_rollout() -> None:  # about 2 s of rollout, on the engine's weights mapped in shared memory
+    def rollouts_until_the_engine_dies() -> None:
+        # Rollouts back to back on the engine's weights mapped in shared memory, so that the signal lands
+        # during one however fast the machine is (a single rollout could end before the signal came).
+        deadline = time.monotonic() + 120
         try:
-            engine.generate([GenerationRequest(prompt="3", seed=i, steps=200) for i in range(8)])
+            while time.monotonic() < deadline:
+                engine.generate([GenerationRequest(prompt="3", seed=i, steps=50) for i in range(8)])
+                in_flight["rollouts"] += 1
+                rolling.set()
         except RuntimeError as exc:
             in_flight["error"] = str(exc)
+        finally:
+            rolling.set()
 
     try:
         controller.sync(params)
         assert engine.generate([GenerationRequest(prompt="3", seed=0, steps=2)]).weight_version == 1
         assert segments_of(engine.proc.pid)
-        rollout = threading.Thread(target=long_rollout)
+        rollout = threading.Thread(target=rollouts_until_the_engine_dies)
         rollout.start()
-        time.sleep(0.5)
+        assert rolling.wait(timeout=60) and "error" not in in_flight, in_flight  # one done, the next in flight
         engine.proc.send_signal(sig)
         rollout.join(timeout=60)
+        assert not rollout.is_alive(), "the rollouts went on after the engine process was signalled"
         # SIGTERM: a clean stop even with a rollout running on the mapped weights (not a crash).
         how = "exited with code 143 \\(stopped by SIGTERM\\)" if sig == signal.SIGTERM else "was killed by SIGKILL"
         assert re.fullmatch(f"engine process \\(pid {engine.proc.pid}, card 'toy-digits'\\) {how} during 'generate'"

@@ -179,7 +179,8 @@ def test_lora_trains_only_the_adapter_and_its_sampling_policy_is_an_adapter_too(
 
 def test_accelerate_launch_runs_the_recipe(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(["accelerate", "launch", "--num_processes", "1", "--cpu", "trainers/nft.py", "steps=2",
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+                          "trainers/nft.py", "steps=2",
                           "eval_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
                           "train.timesteps_per_sample=2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

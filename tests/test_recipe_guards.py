@@ -4,6 +4,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,8 @@ def test_config_errors_stop_before_the_run_dir_is_touched(tmp_path):
 
 def test_under_accelerate_launch_the_config_error_is_the_last_thing_printed(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(["accelerate", "launch", "--num_processes", "1", "--cpu", "trainers/grpo.py",
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+                          "trainers/grpo.py",
                           "save_every=0", "tracker=none", f"run_dir={tmp_path / 'r'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -351,27 +351,72 @@ def test_pretraining_batches_draw_the_tens_digit_left_and_the_units_digit_right(
     assert set((rows // 8).tolist()) == {0, 1, 2} and set((rows % 8).tolist()) == set(range(8))
 
 
-# --- the shipped weights reproduce bit for bit -------------------------------------------
+# --- the shipped weights reproduce: bit for bit on one CPU, within a bound on another -------------
+# Pretraining is deterministic (seed, thread count, deterministic algorithms), but its float rounding is the
+# CPU's: another CPU's kernels (AVX2 or AVX-512 paths of ATen, MKL, oneDNN) round differently, and 1500
+# optimizer steps carry the difference into every tensor. What holds across machines is the model it trains.
+CROSS_CPU_REWARD_BOUND = 0.02  # |eval reward of the retrained base - the shipped base's| on another CPU (seen: < 0.001)
+CROSS_CPU_LOSS_BOUND = 0.005  # |final EMA loss - the shipped file's| (seen: < 0.0001)
 
-@pytest.mark.slow
-def test_shipped_weights_reproduce_bit_for_bit(tmp_path):
-    from dataclasses import replace
 
-    from engine.toy.pretrain import CARD_DEFAULTS, pretrain
+def base_eval_reward(weights) -> float:
+    """toy-numbers' base eval reward as trainers/grpo.py measures step 0 (held-out prompts x 4 seeds, 10 ODE
+    steps, guidance 1)."""
+    from engine import Engine
+    from flywheel.loop import evaluate
 
-    shipped = ROOT / "engine/toy/weights/toy-numbers.safetensors"
-    args = replace(CARD_DEFAULTS["toy-numbers"], out=str(tmp_path / "toy-numbers.safetensors"), evaluate=False)
+    metrics, _ = evaluate(Engine(load_model("toy-numbers", path=str(weights))), rewards.RewardSet("number_alignment"),
+                          load_prompts("toy-numbers-heldout"), 4, {"steps": 10, "sampler": "ode", "guidance_scale": 1.0})
+    return metrics["eval/reward/number_alignment/mean"]
+
+
+def pretrain_restoring_torch_state(card: str, args):
+    """pretrain sets the process's threads, deterministic mode and global seed: give them back after."""
+    from engine.toy.pretrain import pretrain
+
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     rng = torch.get_rng_state()
     try:
-        rebuilt = pretrain("toy-numbers", args)
-    finally:  # pretrain sets the process's threads, deterministic mode and global seed: give them back
+        return pretrain(card, args)
+    finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_rng_state(rng)
+
+
+def test_pretraining_twice_on_one_machine_gives_the_same_file_bit_for_bit(tmp_path):
+    from dataclasses import replace
+
+    from engine.toy.pretrain import CARD_DEFAULTS
+
+    first, second, other_seed = (load_file(str(pretrain_restoring_torch_state("toy-numbers", replace(
+        CARD_DEFAULTS["toy-numbers"], seed=seed, steps=8, batch_size=16, out=str(tmp_path / f"{i}.safetensors"),
+        evaluate=False)))) for i, seed in enumerate((0, 0, 1)))
+    assert sorted(first) == sorted(second)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert not all(torch.equal(first[name], other_seed[name]) for name in first)  # the check can tell them apart
+
+
+@pytest.mark.slow
+def test_shipped_weights_reproduce_bit_for_bit_or_within_the_cross_cpu_bound(tmp_path):
+    from dataclasses import replace
+
+    from engine.toy.pretrain import CARD_DEFAULTS
+
+    shipped = ROOT / "engine/toy/weights/toy-numbers.safetensors"
+    args = replace(CARD_DEFAULTS["toy-numbers"], out=str(tmp_path / "toy-numbers.safetensors"), evaluate=False)
+    rebuilt = pretrain_restoring_torch_state("toy-numbers", args)
     ours, theirs = load_file(str(rebuilt)), load_file(str(shipped))
     assert sorted(ours) == sorted(theirs)
-    different = [name for name in theirs if not torch.equal(ours[name], theirs[name])]
-    assert not different, f"tensors not bit-identical to the shipped file: {different}"
+    assert all(ours[name].shape == theirs[name].shape and ours[name].dtype == theirs[name].dtype for name in theirs)
     with safe_open(str(rebuilt), framework="pt") as a, safe_open(str(shipped), framework="pt") as b:
-        assert a.metadata() == b.metadata()
+        ours_meta, theirs_meta = a.metadata(), b.metadata()
+    if all(torch.equal(ours[name], theirs[name]) for name in theirs):
+        assert ours_meta == theirs_meta  # the CPU the file was made on: bit for bit, losses included
+        return
+    # Another CPU: the same run (every argument, config and vocabulary), a model as good within the bounds.
+    losses = ("final_loss", "final_loss_ema")
+    assert {k: v for k, v in ours_meta.items() if k not in losses} == \
+        {k: v for k, v in theirs_meta.items() if k not in losses}
+    assert abs(float(ours_meta["final_loss_ema"]) - float(theirs_meta["final_loss_ema"])) <= CROSS_CPU_LOSS_BOUND
+    assert abs(base_eval_reward(rebuilt) - base_eval_reward(shipped)) <= CROSS_CPU_REWARD_BOUND

@@ -122,6 +122,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
 import torch
 
 from engine import Trajectory

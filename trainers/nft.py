@@ -120,6 +120,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
 import torch
 
 from engine import PromptEmbeds, Trajectory

@@ -150,6 +150,8 @@ class RunConfig:
     """where config, metrics, samples and checkpoints go"""
     seed: int = 0
     """seed of prompts, rollouts and the update's random draws"""
+    threads: int | None = None
+    """torch threads per CPU process (null/0: OMP_NUM_THREADS if set, else the cores divided among the processes)"""
     steps: int = 80
     """training steps (rollout + update)"""
     rewards: str = "digit_alignment:1.0"
@@ -218,6 +220,8 @@ def check_shared_sections(cfg) -> ConfigChecks:
                 "train.updates_per_rollout"):
         checks.require(key, lambda v: v >= 1, positive + " or null", allow_none=True)
     checks.require("seed", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("threads", lambda v: v >= 0, "must be an integer >= 0 or null (0/null: OMP_NUM_THREADS, else "
+                   "the cores divided among the processes)", allow_none=True)
     checks.require("max_staleness", lambda v: v >= 0, "must be an integer >= 0")
     checks.require("data.group_size", lambda v: v >= 2, "must be >= 2: advantages compare the samples of a group")
     sampler = cfg.sampling.sampler

@@ -82,8 +82,9 @@ class RecipeRun:
                                        project_dir=cfg.run_dir)
         self.dir: RunDir | None = None  # created by `resume`, once the model is built and checked
         if self.accelerator.device.type == "cpu":
-            # One thread per rank: ranks sharing the cores must not oversubscribe them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.accelerator.num_processes))
+            # threads=, else the user's OMP_NUM_THREADS or lowered count, else the cores shared among the ranks.
+            from flywheel.recipe.threads import set_rank_threads
+            set_rank_threads(cfg.threads, self.accelerator.num_processes)
         self.start_step, self.version, self.trainer_state = 0, 0, {}
         self.recipe_tensors: dict[str, torch.Tensor] = {}
         self.ema: WeightEMA | None = None  # train.ema's average, held by the main process (it evaluates and saves)

@@ -22,6 +22,10 @@ chance to unlink. The poll costs nothing measurable and notices within
 `PARENT_POLL_S`. SIGTERM or SIGINT sent to the engine process itself, or a
 `shutdown` call, unlinks its blocks and exits (status 128 + the signal's
 number after a signal), a rollout in flight included.
+
+It runs on the torch thread count of the process that starts it unless told
+otherwise: CPU kernels round differently at another count, so its rollouts
+equal a local Engine's bit for bit at equal thread counts on one machine.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from safetensors.torch import save as save_safetensors
 from engine import Engine, GenerationRequest, Trajectory
 from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.lora import add_lora
+from flywheel.openmp_env import passive_wait_by_default
 from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
 
 # Trajectory fields that travel as tensors (the optional ones only when present).
@@ -227,7 +232,8 @@ def serve(args: argparse.Namespace) -> None:
 
     if args.parent_pid is not None:  # started before the engine loads: an orphan must not load a model first
         exit_when_parent_dies(args.parent_pid, exit_orphaned)
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     engine = Engine.from_card(args.card, path=args.path, device=args.device, weight_version=args.weight_version,
                               compile=args.compile)
     engine.model.transformer.eval()
@@ -292,20 +298,25 @@ class EngineProcess:
         self._stop_when_dropped = weakref.finalize(self, _stop_process, proc)
 
     @classmethod
-    def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int = 1,
+    def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int | None = None,
               timeout_s: float = 120.0, lora: dict | None = None, weight_version: int = 0,
               compile: bool = False) -> "EngineProcess":
         """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout,
-        `compile` compiles its rollout forward (`Engine(compile=True)`)."""
+        `compile` compiles its rollout forward (`Engine(compile=True)`).
+
+        `threads`: its torch threads; by default this process's count, so that it rolls out bit for bit as an
+        Engine here would (CPU kernels round differently at another thread count)."""
         authkey = secrets.token_bytes(32)
+        threads = torch.get_num_threads() if threads is None else threads
         cmd = [sys.executable, "-m", "flywheel.sync.engine_process", "--card", card, "--device", device,
                "--threads", str(threads), "--weight-version", str(weight_version), "--parent-pid", str(os.getpid())] \
             + (["--path", path] if path else []) + (["--compile"] if compile else [])
         if lora:
             cmd += ["--lora-rank", str(lora["rank"]), "--lora-alpha", str(lora["alpha"]),
                     "--lora-targets", ",".join(lora["targets"])]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()})
+        env = {**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()}
+        passive_wait_by_default(env)  # its OpenMP threads sleep when idle, unless the user chose (flywheel.openmp_env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = proc.stdout.readline()
         if not line:
             proc.wait(timeout=timeout_s)
@@ -452,7 +463,7 @@ def main() -> None:
     parser.add_argument("--card", default="toy-digits")
     parser.add_argument("--path", default=None, help="local weights folder of the card")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own count)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights it starts with")
