@@ -5,9 +5,9 @@ module first. By default (GNU OpenMP, which torch's CPU wheels use) a thread
 that waits at the end of a parallel region spins for a while before it
 sleeps. On cores that another job shares, the spinning thread burns the time
 slice the thread it waits for needs: with two torch threads on two shared
-cores a toy rollout took 6-12x longer than with OMP_WAIT_POLICY=PASSIVE
-(see the README, "CPU threads"). A user who set any of the wait variables
-keeps their setting.
+cores a toy rollout took over 20x longer than with OMP_WAIT_POLICY=PASSIVE
+(`benchmarks/cpu_wait.py`; the README's "CPU threads"). A user who set any
+of the wait variables keeps their setting.
 """
 
 from __future__ import annotations
