@@ -249,11 +249,19 @@ def test_quick_defaults_and_what_the_flags_override():
     assert (quick.target, quick.eval_every, quick.stop_after_target, quick.min_judge) == (
         ttt.QUICK.target, ttt.QUICK.eval_every, ttt.QUICK.stop_after_target, ttt.QUICK.min_judge)
     assert f"steps={ttt.QUICK.steps}" in ttt.harness_overrides(0, 3, quick=True, overwrite=False)
+    assert quick.seeds == [0]  # --quick keeps one seed
     full = ttt.parse_args([])
-    assert (full.target, full.eval_every, full.stop_after_target, full.min_judge) == (0.8, 5, None, 0.8)
+    assert (full.target, full.eval_every, full.stop_after_target, full.min_judge) == (0.8, 5, 2, 0.8)
+    assert full.seeds == [0, 1, 2]  # the full run: three seeds, each run ended 2 evaluations after its target
     assert not any(o.startswith("steps=") for o in ttt.harness_overrides(0, 5, quick=False, overwrite=False))
     given = ttt.parse_args(["--quick", "--target", "0.5", "--stop-after-target", "2", "--min-judge", "0.4"])
     assert (given.target, given.stop_after_target, given.min_judge) == (0.5, 2, 0.4)
+    assert ttt.parse_args(["--no-stop"]).stop_after_target is None
+    assert ttt.parse_args(["--seeds", "3,1"]).seeds == [3, 1] and ttt.parse_args(["--seed", "4"]).seeds == [4]
+    for bad in (["--seeds", "1,1"], ["--seeds", "a"], ["--seeds", "1", "--seed", "2"],
+                ["--no-stop", "--stop-after-target", "1"]):
+        with pytest.raises(SystemExit):
+            ttt.parse_args(bad)
 
 
 def test_the_plot_is_written(tmp_path):
@@ -275,7 +283,7 @@ def test_end_to_end_on_a_tiny_grpo_run(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml",
          "--out-dir", str(tmp_path / "runs"), "--json", str(out_json), "--eval-every", "1", "--target", "0.0",
-         "--stop-after-target", "1", "--", "steps=1000", "data.prompts_per_step=2", "data.group_size=2",
+         "--stop-after-target", "1", "--seed", "0", "--", "steps=1000", "data.prompts_per_step=2", "data.group_size=2",
          "sampling.steps=2", "sampling.eval_seeds=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -289,7 +297,7 @@ def test_end_to_end_on_a_tiny_grpo_run(tmp_path):
     assert out["samples_per_step"] == 4 and out["quick"] is False and out["card"] == "toy-digits"
     assert out["grpo_stopped_early"] is True
     assert (tmp_path / "time_to_target.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = read_metrics(tmp_path / "runs" / "grpo")  # a process ended mid-write may leave a partial last line
+    rows = read_metrics(tmp_path / "runs" / "seed_0" / "grpo")  # a process ended mid-write may leave a partial line
     assert 2 <= len(rows) < 1000 and rows[-1]["step"] < 1000  # ended early, after the step-1 evaluation
     assert all("eval/reward/mean" in r for r in rows)
     assert out["grpo_final_reward"] == pytest.approx(rows[-1]["eval/reward/mean"])
@@ -298,3 +306,130 @@ def test_end_to_end_on_a_tiny_grpo_run(tmp_path):
                             "--out-dir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 2 and "holds an earlier run" in again.stderr
+
+
+# ---- over seeds: median, spread, and the worst seed's judge ------------------------------------------------
+
+TYP = "eval/judge/number_typicality/mean"
+
+
+def seed_rows(cross_step, cross_wall, judge, typicality, diversity_key="eval/diversity"):
+    """Evaluations at steps 0, 5, 10, 15; the reward first reaches 0.8 at `cross_step` (5 or 10) at `cross_wall`.
+
+    The base diversity is 0.2 (in the step-0 evaluation for eval/diversity; for the training rollouts'
+    `diversity`, in the step-1 row: the base weights' rollouts); at the crossing it is 0.1 (half the base)."""
+    base = {"step": 0, "time/wall_s": 0.0, "eval/reward/mean": 0.2, SVC: 0.25, TYP: 0.3}
+    rows = [base]
+    if diversity_key == "eval/diversity":
+        base["eval/diversity"] = 0.2
+    else:
+        rows.append({"step": 1, "time/wall_s": 1.0, "diversity": 0.2})
+    for step in (5, 10, 15):
+        reward = 0.85 if step >= cross_step else 0.6
+        row = {"step": step, "time/wall_s": cross_wall * step / cross_step, "eval/reward/mean": reward,
+               SVC: judge if step == cross_step else 0.5, TYP: typicality if step == cross_step else 0.05,
+               diversity_key: 0.1 if step == cross_step else 0.15}
+        rows.append(row)
+    return rows
+
+
+# recipe -> per seed (crossing step, wall time at the crossing, judge there, typicality there)
+FABRICATED = {
+    "grpo": [(10, 120.0, 0.85, 0.4), (10, 100.0, 0.9, 0.5), (10, 140.0, 0.82, 0.45)],
+    # nft is the fastest, but its judge at the target is 0.723 on seed 1: not eligible (the issue's case).
+    "nft": [(5, 10.0, 0.85, 0.3), (5, 12.0, 0.723, 0.2), (5, 8.0, 0.9, 0.35)],
+    "awm": [(5, 20.0, 0.81, 0.5), (10, 40.0, 0.88, 0.6), (5, 25.0, 0.86, 0.55)],
+}
+
+
+@pytest.fixture
+def fabricated(tmp_path):
+    """{seed: [TargetResult per recipe]} read back from fabricated run directories, as the benchmark reads them."""
+    results = {}
+    for seed in (0, 1, 2):
+        results[seed] = []
+        for recipe, per_seed in FABRICATED.items():
+            step, wall, judge, typ = per_seed[seed]
+            key = "diversity" if recipe == "awm" else "eval/diversity"  # awm logs only the rollouts' diversity
+            run = write_run(tmp_path / f"seed_{seed}" / recipe, seed_rows(step, wall, judge, typ, key), recipe=recipe)
+            results[seed].append(ttt.time_to_target(run, 0.8, samples_per_step=128, recipe=recipe, seed=seed))
+    return results
+
+
+def test_values_at_target_include_typicality_and_diversity_relative_to_the_base(fabricated):
+    nft1 = fabricated[1][1]
+    assert (nft1.recipe, nft1.seed, nft1.steps_to_target, nft1.time_to_target_s) == ("nft", 1, 5, 12.0)
+    assert nft1.judge_at_target == 0.723 and nft1.typicality_at_target == 0.2  # the crossing row's, not later ones
+    assert nft1.diversity_base == 0.2 and nft1.diversity_rel_at_target == pytest.approx(0.5)
+    awm1 = fabricated[1][2]  # the training rollouts' diversity: its base is step 1's (the base weights' rollouts)
+    assert awm1.diversity_base == 0.2 and awm1.diversity_rel_at_target == pytest.approx(0.5)
+
+
+def test_the_ranking_counts_a_recipe_only_if_its_judge_holds_on_every_seed(fabricated):
+    per_recipe = ttt.by_recipe(fabricated)
+    assert ttt.eligible(per_recipe["grpo"], 0.8) and ttt.eligible(per_recipe["awm"], 0.8)
+    assert not ttt.eligible(per_recipe["nft"], 0.8)  # seed 1: 0.723 < 0.8
+    best, speedup, worst = ttt.rank_over_seeds(per_recipe, 0.8)
+    # awm's times 20, 40, 25 -> median 25; grpo's 120, 100, 140 -> median 120: 4.8x.
+    # Per seed: 120/20 = 6, 100/40 = 2.5, 140/25 = 5.6 -> the worst seed's 2.5.
+    assert best == "awm" and speedup == pytest.approx(4.8) and worst == pytest.approx(2.5)
+    # With a bar nft clears on every seed, it wins: median 10 -> 12x, worst seed 100/12.
+    assert ttt.rank_over_seeds(per_recipe, 0.7) == ("nft", pytest.approx(12.0), pytest.approx(100 / 12))
+
+
+def test_seed_json_has_the_median_spread_and_worst_seed_keys(fabricated):
+    out = ttt.results_json(fabricated, target=0.8, min_judge=0.8)
+    assert (out["awm_time_to_target_s_median"], out["awm_time_to_target_s_min"], out["awm_time_to_target_s_max"]) \
+        == (25.0, 20.0, 40.0)
+    assert out["awm_time_to_target_s"] == 25.0  # the plain key is the median
+    assert (out["awm_steps_to_target_median"], out["awm_steps_to_target_min"], out["awm_steps_to_target_max"]) \
+        == (5, 5, 10)
+    assert out["nft_judge_at_target_seeds"] == [0.85, 0.723, 0.9] and out["nft_judge_at_target_min"] == 0.723
+    assert out["nft_typicality_at_target_seeds"] == [0.3, 0.2, 0.35] and out["nft_typicality_at_target_min"] == 0.2
+    assert out["grpo_typicality_at_target_min"] == 0.4
+    assert out["awm_diversity_rel_at_target_min"] == pytest.approx(0.5)
+    assert out["nft_judge_ok"] is False and out["awm_judge_ok"] is True
+    assert out["eligible_recipes"] == ["grpo", "awm"] and out["best_recipe"] == "awm"
+    assert out["best_speedup_over_grpo"] == pytest.approx(4.8)
+    assert out["best_speedup_over_grpo_worst_seed"] == pytest.approx(2.5)
+    assert out["best_judge_at_target"] == 0.81  # the best recipe's worst seed
+    assert out["seeds"] == [0, 1, 2] and out["best_speedup_over_grpo_at_least"] is None
+    json.loads(json.dumps(out, allow_nan=False))
+
+
+def test_a_seed_that_never_reaches_the_target_makes_a_recipe_ineligible_and_its_median_can_stay_finite(tmp_path):
+    results = {}
+    for seed, (grpo_step, nft_step) in enumerate([(10, 5), (10, None), (10, 5)]):
+        results[seed] = []
+        for recipe, step in (("grpo", grpo_step), ("nft", nft_step)):
+            rows = (seed_rows(step, 10.0 * step, 0.9, 0.5) if step is not None
+                    else [{"step": s, "time/wall_s": float(s), "eval/reward/mean": 0.5, SVC: 0.9} for s in (0, 5, 10)])
+            run = write_run(tmp_path / f"{seed}" / recipe, rows, recipe=recipe)
+            results[seed].append(ttt.time_to_target(run, 0.8, 4, recipe=recipe, seed=seed))
+    out = ttt.results_json(results, 0.8, 0.8)
+    assert out["nft_time_to_target_s_seeds"] == [50.0, "inf", 50.0]
+    assert out["nft_time_to_target_s_median"] == 50.0 and out["nft_time_to_target_s_max"] == "inf"
+    assert out["nft_judge_at_target_min"] is None and out["nft_judge_ok"] is False  # the missing seed counts
+    assert out["best_recipe"] == "grpo" and out["best_speedup_over_grpo"] == 1.0
+
+
+def test_spread_and_lowest():
+    assert ttt.spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert ttt.spread([1.0, 3.0]) == (2.0, 1.0, 3.0)
+    assert ttt.spread([10.0, math.inf, 20.0]) == (20.0, 10.0, math.inf)
+    assert ttt.spread([None, 4.0]) == (4.0, 4.0, 4.0) and ttt.spread([None]) == (None, None, None)
+    assert ttt.lowest([0.9, 0.7]) == 0.7 and ttt.lowest([0.9, None]) is None and ttt.lowest([]) is None
+
+
+def test_the_seed_table_and_the_banded_plot(fabricated, tmp_path):
+    table = ttt.results_table(fabricated, 0.8)
+    awm = next(line for line in table.splitlines() if line.startswith("awm "))
+    assert "25.0s [20.0s-40.0s]" in awm and "0.81/0.88/0.86" in awm and awm.rstrip().endswith("yes")
+    nft = next(line for line in table.splitlines() if line.startswith("nft "))
+    assert "0.85/0.72/0.90" in nft and nft.rstrip().endswith("no")
+    runs = {recipe: [Run.load(tmp_path / f"seed_{seed}" / recipe) for seed in (0, 1, 2)] for recipe in FABRICATED}
+    curve = ttt.seed_curves(runs["awm"], "eval/reward/mean")
+    # step 10: rewards 0.85 (seeds 0, 2) and 0.85 (seed 1 crosses there); step 5: 0.85, 0.6, 0.85
+    assert curve[1][0] == 5 and curve[1][2:] == (0.85, 0.6, 0.85)
+    out = ttt.plot_time_to_target(runs, fabricated, 0.8, 0.8, tmp_path / "plot.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
