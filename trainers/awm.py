@@ -95,7 +95,9 @@ rollout batch into one step.
 Defaults and the toy task: every train key is the released GenEval/OCR setting
 (learning rate 3e-4, K = 6, ghuber p = 0.25, advantage_max 1, kl_beta 0.003,
 the KL-EMA anchor with beta 1 and decay ramp 0.001 up to 0.3, global_std), and
-nothing was changed for the toy task: the no-argument run (80 steps, full
+nothing was changed for the toy task but the length (40 steps, was 80: see
+docs/tuning_awm.md for the run with the loss averaged over every sample). The
+earlier no-argument run (80 steps, the loss averaged over usable rows, full
 fine-tune of toy-digits, 8 prompts x 16 samples, 10 ODE steps, guidance 1)
 measured eval reward 0.481 -> 0.788 (step 10), 0.904 (20), 0.964 (40),
 0.978 (60), 0.986 (80), with the digit_svc judge 0.572 -> 0.857 (20), 0.929
@@ -199,6 +201,8 @@ class AWMConfig(OptimConfig):
 class Config(RunConfig):
     run_dir: str = "runs/awm-toy"
     """where config, metrics, samples and checkpoints go"""
+    steps: int = 40
+    """training steps (rollout + update); 40 stops while typicality is at its best (docs/tuning_awm.md)"""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     # AWM trains on clean samples, not on per-step log-probabilities: the deterministic sampler will do.
