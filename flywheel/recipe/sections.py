@@ -175,6 +175,8 @@ class RunConfig:
     """experiment tracker (wandb runs offline when no account is configured)"""
     project: str = "flywheel"
     """tracker project name"""
+    eval_judges: str = ""
+    """scorers that only evaluate (eval/judge/<name>/mean), never reward: comma-separated names, e.g. vlm_judge"""
 
 
 def resolve_config(config_class: type, argv: list[str]):
@@ -240,6 +242,11 @@ def check_shared_sections(cfg) -> ConfigChecks:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
         checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    for name in [n.strip() for n in cfg.eval_judges.split(",") if n.strip()]:
+        from rewards.registry import available
+
+        if name not in available():
+            checks.fail(f"eval_judges names {name!r}, which is not a registered scorer; known: {', '.join(available())}")
     for key in ("data.prompts", "data.eval_prompts"):
         try:
             items = load_prompts(config_value(cfg, key))

@@ -46,6 +46,7 @@ from flywheel.runs.rundir import RunDir, atomic_write_text
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker
 from flywheel.video import is_video, middle_frame, write_mp4, write_wav
 from rewards.judges import judges_for_card
+from rewards.registry import get as get_scorer
 
 RUN_INFO_FILENAME = "run.json"
 # Checkpointed tensors of a recipe's own (a sampling policy, an EMA) travel beside the trained weights
@@ -166,7 +167,7 @@ class RecipeRun:
                              f"at {rollouts.flywheel.sampler.position(self.start_step)}: data.prompts or "
                              "data.prompts_per_step changed since it was saved")
         self.rollouts = rollouts
-        self.judges = judges_for_card(cfg.model.card) if self.is_main else {}
+        self.judges = {**judges_for_card(cfg.model.card), **eval_judges(cfg.eval_judges)} if self.is_main else {}
         self.watch = HackingWatch()  # reward rising while the judge falls, overall or in one class
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
@@ -376,3 +377,8 @@ def _progress(name: str, enabled: bool, start: int, total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc=name, disable=not enabled, dynamic_ncols=True)
+
+
+def eval_judges(names: str) -> dict:
+    """The scorers named in `eval_judges` (comma-separated), built to evaluate only, by name."""
+    return {name: get_scorer(name) for name in (n.strip() for n in names.split(",")) if name}
