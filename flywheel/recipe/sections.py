@@ -145,8 +145,9 @@ class RunConfig:
     """training steps (rollout + update)"""
     rewards: str = "digit_alignment:1.0"
     """reward spec: name:weight,name:weight (remote:http://host:port[:weight] for a served reward)"""
-    rewards_mode: Literal["weighted_sum", "sum_of_advantages"] = "weighted_sum"
-    """advantages of the weighted sum of raw scores, or the weighted sum of per-reward group advantages"""
+    rewards_mode: Literal["weighted_sum", "sum_of_advantages", "gdpo"] = "weighted_sum"
+    """advantages of the weighted sum of raw scores, the weighted sum of per-reward group advantages, or gdpo
+    (that sum normalised over the batch)"""
     reward_timeout_s: float = 60.0
     """remote rewards: wall-clock bound (s) of one HTTP call to a remote:<url> server, connect to last byte"""
     reward_budget_s: float = 120.0
@@ -229,6 +230,9 @@ def check_shared_sections(cfg) -> ConfigChecks:
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
     for key in ("reward_timeout_s", "reward_budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
+    if cfg.rewards_mode == "gdpo" and cfg.train.global_std:
+        checks.fail("train.global_std=true does nothing with rewards_mode=gdpo, which normalises over the batch "
+                    "already: set one of them")
     checks.require("train.weight_decay", lambda v: v >= 0, "must be >= 0")
     checks.require("train.adam_betas", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
                    "must be two numbers in [0, 1)")
