@@ -172,8 +172,9 @@ class RunConfig:
     """run dir or checkpoint dir to continue from"""
     overwrite: bool = False
     """start a fresh run in a run dir that holds an earlier run, deleting that run's files"""
-    tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
-    """experiment tracker (wandb runs offline when no account is configured)"""
+    tracker: str = "wandb"
+    """experiment trackers, one or several: wandb, tensorboard, trackio, mlflow (e.g. wandb,trackio), or none
+    (wandb runs offline when no account is configured)"""
     project: str = "flywheel"
     """tracker project name"""
     eval_judges: str = ""
@@ -246,6 +247,12 @@ def check_shared_sections(cfg) -> ConfigChecks:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
         checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    try:
+        from flywheel.runs.tracking import tracker_names
+
+        tracker_names(cfg.tracker)
+    except ValueError as e:
+        checks.fail(str(e))
     for name in [n.strip() for n in cfg.eval_judges.split(",") if n.strip()]:
         from rewards.registry import available
 

@@ -43,7 +43,7 @@ from flywheel.recipe.sections import eval_request_kwargs
 from flywheel.runs.checkpoint import load_checkpoint, load_trainable, save_checkpoint
 from flywheel.runs.config import config_to_dict, save_config
 from flywheel.runs.rundir import RunDir, atomic_write_text
-from flywheel.runs.tracking import log_images, log_videos, prepare_tracker
+from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names
 from flywheel.video import is_video, middle_frame, write_mp4, write_wav
 from rewards.judges import judges_for_card
 from rewards.registry import get as get_scorer
@@ -67,11 +67,11 @@ class RecipeRun:
         self.cfg, self.recipe = cfg, recipe
         self._tracker_kwargs = prepare_tracker(cfg.tracker, Path(cfg.run_dir))
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                                       log_with=None if cfg.tracker == "none" else cfg.tracker,
+                                       log_with=tracker_names(cfg.tracker) or None,
                                        project_dir=cfg.run_dir)
         # A run dir belongs to one run: a fresh run refuses a used one unless told to overwrite it.
         self.dir = RunDir(cfg.run_dir, mode="resume" if cfg.resume else "overwrite" if cfg.overwrite else "new",
-                          tracker_dirs=(cfg.project,), is_main_process=self.is_main)
+                          tracker_dirs=(cfg.project, "mlruns"), is_main_process=self.is_main)
         self.accelerator.wait_for_everyone()
         if self.accelerator.device.type == "cpu":
             # One thread per rank: ranks sharing the cores must not oversubscribe them.
@@ -172,7 +172,7 @@ class RecipeRun:
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
                 self.watch.update(earlier, earlier["step"])
-        if cfg.tracker != "none":
+        if tracker_names(cfg.tracker):
             accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)),
                                       init_kwargs=self._tracker_kwargs)
         started = time.perf_counter() - self.wall_offset
