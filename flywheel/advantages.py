@@ -106,9 +106,11 @@ def reward_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float]
     """
     if mode == "weighted_sum":
         return group_advantages(total, group_ids, valid, eps=eps, clip=clip, global_std=global_std)
+    if mode == "gdpo":  # per-scorer validity (its scores' NaNs), see gdpo_advantages
+        return gdpo_advantages(scores, weights, group_ids, clip=clip)
     if mode != "sum_of_advantages":
         raise ValueError(f"reward combination mode {mode!r} is not known; valid modes: weighted_sum, "
-                         "sum_of_advantages")
+                         "sum_of_advantages, gdpo")
     adv = torch.zeros(total.shape[0], dtype=torch.float32, device=total.device)
     usable = torch.zeros_like(valid, dtype=torch.bool)
     for name, weight in weights.items():
@@ -137,3 +139,64 @@ def distributed_reward_advantages(batch, local_group_ids: torch.Tensor, eps: flo
                                     all_gather_cat(local_group_ids.long()), mode=batch.mode, eps=eps, clip=clip,
                                     global_std=global_std)
     return adv[rank * n:(rank + 1) * n], usable[rank * n:(rank + 1) * n]
+
+
+GDPO_STD_FLOOR = 1e-6
+
+
+def gdpo_group_normalise(scores: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, n_groups: int,
+                         floor: float = GDPO_STD_FLOOR) -> torch.Tensor:
+    """(r - group mean) / max(group population std, floor) over the valid rows of each group; 0 elsewhere.
+
+    Float64: the later batch normalisation divides by a std that can be small.
+    """
+    w = valid.double()
+    r = torch.where(valid, scores.double(), torch.zeros_like(scores, dtype=torch.float64))
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, w).clamp(min=1)
+    mean = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, r) / count
+    sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
+    std = torch.sqrt(sq / count).clamp(min=floor)
+    return torch.where(valid, (r - mean[group]) / std[group], torch.zeros_like(r))
+
+
+def gdpo_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
+                    clip: float | None = None, floor: float = GDPO_STD_FLOOR) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [N], usable [N]) by GDPO (Group reward-Decoupled normalisation Policy Optimization).
+
+    1. Each scorer's scores are normalised within each group: (r - mean) / max(std, floor),
+       population std over the rows it scored (Flow-Factory's floor is 1e-6).
+    2. The normalised scores are summed with the weights.
+    3. The sum is normalised over the batch: (s - mean) / max(std, floor) over the rows kept.
+
+    A scorer's NaN rows (it failed, or does not apply to that sample) are left out of its own
+    group statistics and add 0 to the sum, which is what a scorer with no spread in a group adds;
+    a row that no scorer scored gets no advantage. Flow-Factory has no such rows: its reward
+    processor asserts that every reward scored every sample. A group in which no scorer's scores
+    vary carries no signal: its rows are not usable and their advantage is exactly 0 (as in
+    `group_advantages`), though the batch normalisation would shift them off 0.
+    """
+    names = list(weights)
+    if not names:
+        raise ValueError("gdpo needs at least one scorer")
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    combined = torch.zeros(group.shape[0], dtype=torch.float64, device=group.device)
+    scored_any = torch.zeros(group.shape[0], dtype=torch.bool, device=group.device)
+    spread = torch.zeros_like(scored_any)
+    for name in names:
+        ok = torch.isfinite(scores[name]).to(group.device)
+        values = scores[name].to(group.device)
+        combined += weights[name] * gdpo_group_normalise(values, group, ok, n_groups, floor)
+        scored_any |= ok
+        spread |= ok & group_has_spread(torch.where(ok, values, torch.zeros_like(values)).float(), group, ok,
+                                        n_groups)
+    kept = combined[scored_any]
+    if kept.numel():
+        mean = kept.mean()
+        std = kept.std(correction=0).clamp(min=floor)
+        combined = (combined - mean) / std
+    adv = combined.float()
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    usable = scored_any & spread
+    return torch.where(usable, adv, torch.zeros_like(adv)), usable

@@ -16,7 +16,9 @@ logger = logging.getLogger(__name__)
 # weighted_sum: advantages of sum_k w_k·r_k (one group normalisation);
 # sum_of_advantages: sum_k w_k·A_k with each reward normalised in its group first, so a reward
 # with a large raw scale cannot drown the others (Flow-Factory / MixGRPO style).
-MODES = ("weighted_sum", "sum_of_advantages")
+# gdpo: each reward normalised in its group, the weighted sum normalised over the batch (GDPO; Flow-Factory's
+# default); a sample a scorer did not score trains on the others (flywheel.advantages.gdpo_advantages).
+MODES = ("weighted_sum", "sum_of_advantages", "gdpo")
 
 
 class RewardSet:

@@ -463,6 +463,11 @@ register("pickscore", _lazy("rewards.clip", "PickScore"))
 register("aesthetic", _lazy("rewards.clip", "Aesthetic"))
 register("audio_loudness", _lazy("rewards.audio", "AudioLoudness"))
 register("av_onset_sync", _lazy("rewards.audio", "AvOnsetSync"))
+register("vlm_judge", _lazy("rewards.vlm_judge", "VlmJudge"))
+register("clip_score_video", _lazy("rewards.video", "clip_score_video"))
+register("pickscore_video", _lazy("rewards.video", "pickscore_video"))
+register("aesthetic_video", _lazy("rewards.video", "aesthetic_video"))
+register("hpsv3", _lazy("rewards.hpsv3", "HPSv3"))
 
 
 # Checks of a scorer's arguments that need no weights (a local folder's files), by scorer name: run before a

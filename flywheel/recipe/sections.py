@@ -156,8 +156,9 @@ class RunConfig:
     """training steps (rollout + update)"""
     rewards: str = "digit_alignment:1.0"
     """reward spec: name:weight,name:weight (remote:http://host:port[:weight] for a served reward)"""
-    rewards_mode: Literal["weighted_sum", "sum_of_advantages"] = "weighted_sum"
-    """advantages of the weighted sum of raw scores, or the weighted sum of per-reward group advantages"""
+    rewards_mode: Literal["weighted_sum", "sum_of_advantages", "gdpo"] = "weighted_sum"
+    """advantages of the weighted sum of raw scores, the weighted sum of per-reward group advantages, or gdpo
+    (that sum normalised over the batch)"""
     reward_timeout_s: float = 60.0
     """remote rewards: wall-clock bound (s) of one HTTP call to a remote:<url> server, connect to last byte"""
     reward_budget_s: float = 120.0
@@ -182,14 +183,17 @@ class RunConfig:
     """run dir or checkpoint dir to continue from"""
     overwrite: bool = False
     """start a fresh run in a run dir that holds an earlier run, deleting that run's files"""
-    tracker: Literal["wandb", "tensorboard", "none"] = "wandb"
-    """experiment tracker (wandb runs offline when no account is configured)"""
+    tracker: str = "wandb"
+    """experiment trackers, one or several: wandb, tensorboard, trackio, mlflow (e.g. wandb,trackio), or none
+    (wandb runs offline when no account is configured)"""
     project: str = "flywheel"
     """tracker project name"""
     reward_modules: list[str] = field(default_factory=list)
     """modules imported before the rewards are checked, for scorers they register (rewards.registry.register)"""
     reward_args: dict[str, Any] = field(default_factory=dict)
     """scorers' constructor arguments by spec name: reward_args.pickscore.path=/models/pickscore"""
+    eval_judges: str = ""
+    """scorers that only evaluate (eval/judge/<name>/mean), never reward: comma-separated names, e.g. vlm_judge"""
 
 
 def resolve_config(config_class: type, argv: list[str], recipe: str | None = None):
@@ -246,6 +250,9 @@ def check_shared_sections(cfg) -> ConfigChecks:
     checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
     for key in ("reward_timeout_s", "reward_budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
+    if cfg.rewards_mode == "gdpo" and cfg.train.global_std:
+        checks.fail("train.global_std=true does nothing with rewards_mode=gdpo, which normalises over the batch "
+                    "already: set one of them")
     checks.require("train.weight_decay", lambda v: v >= 0, "must be >= 0")
     checks.require("train.adam_betas", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
                    "must be two numbers in [0, 1)")
@@ -260,6 +267,17 @@ def check_shared_sections(cfg) -> ConfigChecks:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
         checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    try:
+        from flywheel.runs.tracking import tracker_names
+
+        tracker_names(cfg.tracker)
+    except ValueError as e:
+        checks.fail(str(e))
+    for name in [n.strip() for n in cfg.eval_judges.split(",") if n.strip()]:
+        from rewards.registry import available
+
+        if name not in available():
+            checks.fail(f"eval_judges names {name!r}, which is not a registered scorer; known: {', '.join(available())}")
     for key in ("data.prompts", "data.eval_prompts"):
         try:
             items = load_prompts(config_value(cfg, key))

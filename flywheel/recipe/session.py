@@ -52,9 +52,10 @@ from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trai
 from flywheel.runs.config import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
-from flywheel.runs.tracking import log_images, log_videos, prepare_tracker
+from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names
 from flywheel.video import is_video, middle_frame, sample_file_name, write_mp4, write_wav
 from rewards.judges import judges_for_card
+from rewards.registry import get as get_scorer
 
 # Checkpointed tensors of a recipe's own (a sampling policy, an EMA) travel beside the trained weights
 # under this prefix, and are handed back to the recipe on resume.
@@ -78,7 +79,7 @@ class RecipeRun:
         self.cfg, self.recipe = cfg, recipe
         self._tracker_kwargs = prepare_tracker(cfg.tracker, Path(cfg.run_dir))
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                                       log_with=None if cfg.tracker == "none" else cfg.tracker,
+                                       log_with=tracker_names(cfg.tracker) or None,
                                        project_dir=cfg.run_dir)
         self.dir: RunDir | None = None  # created by `resume`, once the model is built and checked
         if self.accelerator.device.type == "cpu":
@@ -108,7 +109,7 @@ class RecipeRun:
         refusal, run_dir = None, None
         try:
             run_dir = RunDir(cfg.run_dir, mode="resume" if cfg.resume else "overwrite" if cfg.overwrite else "new",
-                             tracker_dirs=(cfg.project,), is_main_process=self.is_main, lock=True)
+                             tracker_dirs=(cfg.project, "mlruns"), is_main_process=self.is_main, lock=True)
         except RunDirInUseError as e:
             refusal = e
         if self.accelerator.num_processes > 1:
@@ -239,7 +240,7 @@ class RecipeRun:
                               f"is at {rollouts.flywheel.sampler.position(self.start_step)}: the prompts of data.prompts "
                               "changed since it was saved")
         self.rollouts = rollouts
-        self.judges = judges_for_card(cfg.model.card) if self.is_main else {}
+        self.judges = {**judges_for_card(cfg.model.card), **eval_judges(cfg.eval_judges)} if self.is_main else {}
         self.watch = HackingWatch()  # reward rising while the judge falls, overall or in one class
         self.best = BestCheckpoint(self.dir.path) if self.is_main else None
         self.hacking_stop = HackingStop(cfg.train.stop_on_hacking, self.trainer_state)
@@ -249,7 +250,7 @@ class RecipeRun:
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
                 self.watch.update(earlier, earlier["step"])
-        if cfg.tracker != "none":
+        if tracker_names(cfg.tracker):
             accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)),
                                       init_kwargs=self._tracker_kwargs)
         started = time.perf_counter() - self.wall_offset
@@ -577,3 +578,8 @@ def _progress(name: str, enabled: bool, start: int, total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc=name, disable=not enabled, dynamic_ncols=True)
+
+
+def eval_judges(names: str) -> dict:
+    """The scorers named in `eval_judges` (comma-separated), built to evaluate only, by name."""
+    return {name: get_scorer(name) for name in (n.strip() for n in names.split(",")) if name}

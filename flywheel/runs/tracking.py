@@ -1,10 +1,16 @@
-"""Experiment tracking through accelerate's trackers (wandb by default, TensorBoard, or none).
+"""Experiment tracking through accelerate's trackers: wandb (the default), TensorBoard, trackio, MLflow, or none.
 
-wandb runs offline when no account is configured (no WANDB_API_KEY and no
-api.wandb.ai entry in ~/.netrc), so a first run never blocks on a login and
-its files land in the run directory for a later `wandb sync`; the run says so
-in one line, with that command. TensorBoard (accelerate's tracker) writes into
-`<run_dir>/<project>/` (`project` defaults to "flywheel").
+`tracker=` takes one name or several ("wandb,trackio"); every one gets the same
+metrics, config and sample grids. wandb runs offline when no account is
+configured (no WANDB_API_KEY and no api.wandb.ai entry in ~/.netrc), so a
+first run never blocks on a login and its files land in the run directory for
+a later `wandb sync`. trackio is local-first: it writes to $TRACKIO_DIR
+(default ~/.cache/huggingface/trackio, one place for all runs, which its
+dashboard `trackio show` compares). MLflow writes to $MLFLOW_TRACKING_URI when
+set, else to the run directory's mlruns/ (`mlflow ui --backend-store-uri
+<run>/mlruns`). TensorBoard (accelerate's tracker)
+writes into `<run_dir>/<project>/` (`project` defaults to "flywheel"). A wandb run
+that logs offline says so in one line, with the sync command.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import netrc
 import os
 from pathlib import Path
 
-TRACKERS = ("wandb", "tensorboard", "none")
+TRACKERS = ("wandb", "tensorboard", "trackio", "mlflow", "none")
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "trackio": ("trackio",), "mlflow": ("mlflow",)}
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +36,26 @@ def wandb_account_configured() -> bool:
         return False
 
 
+def tracker_names(tracker: str) -> list[str]:
+    """The trackers of a `tracker=` value ("wandb", "wandb,trackio", "none" -> []); ValueError naming a bad one."""
+    names = [n.strip() for n in str(tracker).split(",")]
+    bad = [n for n in names if n not in TRACKERS]
+    if bad or not names or ("none" in names and len(names) > 1) or len(set(names)) != len(names):
+        raise ValueError(f"tracker={tracker!r} is not valid: give one or more of {', '.join(TRACKERS[:-1])} "
+                         "separated by commas (each once), or none")
+    return [] if names == ["none"] else names
+
+
 def prepare_tracker(tracker: str, run_dir: Path) -> dict:
     """Environment and init kwargs for `Accelerator.init_trackers`; call before creating trackers."""
-    if tracker not in TRACKERS:
-        raise ValueError(f"tracker={tracker!r} is not known; valid trackers: {', '.join(TRACKERS)}")
-    if tracker == "tensorboard" and importlib.util.find_spec("tensorboard") is None \
-            and importlib.util.find_spec("tensorboardX") is None:
-        raise ModuleNotFoundError("tracker=tensorboard needs the tensorboard package: `pip install tensorboard`, "
-                                  "or use tracker=wandb / tracker=none")
-    if tracker == "wandb":
+    names = tracker_names(tracker)
+    for name in names:
+        if name in PACKAGES and not any(importlib.util.find_spec(p) for p in PACKAGES[name]):
+            raise ModuleNotFoundError(f"tracker={name} needs the {PACKAGES[name][0]} package: `pip install "
+                                      f"{PACKAGES[name][0]}` (or `pip install -e .[dashboards]`), or use "
+                                      "tracker=wandb / tracker=none")
+    kwargs: dict = {}
+    if "wandb" in names:
         reason = None
         if "WANDB_MODE" not in os.environ and not wandb_account_configured():
             os.environ["WANDB_MODE"] = "offline"
@@ -48,8 +66,19 @@ def prepare_tracker(tracker: str, run_dir: Path) -> dict:
             # WANDB_SILENT hides wandb's own notice of this: say it once, with the command that uploads the run.
             print(wandb_offline_line(run_dir, reason), flush=True)
         os.environ.setdefault("WANDB_SILENT", "true")
-        return {"wandb": {"dir": str(run_dir), "name": run_dir.name}}
-    return {}
+        kwargs["wandb"] = {"dir": str(run_dir), "name": run_dir.name}
+    if "trackio" in names:
+        kwargs["trackio"] = {"name": run_dir.name, "embed": False, "auto_log_gpu": False, "auto_log_cpu": False}
+    if "mlflow" in names:
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            import mlflow
+
+            # MLflow 3 keeps its file store in maintenance mode behind this switch; a database backend
+            # (sqlite:///...) needs sqlalchemy, which mlflow-skinny does not bring: set MLFLOW_TRACKING_URI for one.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((Path(run_dir).resolve() / "mlruns").as_uri())
+        kwargs["mlflow"] = {"run_name": run_dir.name}
+    return kwargs
 
 
 # WANDB_MODE values in which wandb writes the run locally only ("dryrun" is wandb's older name for offline).
@@ -82,6 +111,17 @@ def log_images(accelerator, name: str, images: list, step: int) -> None:
 
             for i, im in enumerate(images):
                 tracker.writer.add_image(f"{name}/{i}", np.asarray(im), step, dataformats="HWC")
+        elif tracker.name == "trackio":
+            import trackio
+
+            tracker.log({f"{name}/{i}" if len(images) > 1 else name: trackio.Image(im)
+                         for i, im in enumerate(images)}, step=step)
+        elif tracker.name == "mlflow":
+            import mlflow
+
+            for i, im in enumerate(images):  # an image series per key: MLflow's UI steps through it
+                mlflow.log_image(im, key=f"{name}/{i}".replace("/", "_") if len(images) > 1 else
+                                 name.replace("/", "_"), step=step)
 
 
 def log_videos(accelerator, name: str, paths: list, step: int, fps: int = 16) -> None:
@@ -94,7 +134,16 @@ def log_videos(accelerator, name: str, paths: list, step: int, fps: int = 16) ->
     plays mono). `fps` is unused: the file carries its frame rate (kept for callers).
     """
     for tracker in accelerator.trackers:
-        if tracker.name == "wandb":
+        if tracker.name == "trackio":
+            import trackio
+
+            tracker.log({f"{name}/{i}": trackio.Video(str(p)) for i, p in enumerate(paths)}, step=step)
+        elif tracker.name == "mlflow":
+            import mlflow
+
+            for p in paths:
+                mlflow.log_artifact(str(p), artifact_path=f"{name}/step_{step:06d}")
+        elif tracker.name == "wandb":
             import wandb
 
             # No fps argument: for a file wandb ignores it and warns on every call.
