@@ -324,7 +324,7 @@ class RecipeRun:
                               recipe_state() if recipe_state is not None else {})
                 progress.update(1)
                 progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}",
-                                     kl=f"{row.get('kl', 0.0):.2e}", v=version,
+                                     **({"kl": f"{row['kl']:.2e}"} if "kl" in row else {}), v=version,
                                      **({"skipped": skipped} if skipped else {}),
                                      **({"HACKING?": self.watch.last.short} if self.watch.last.short else {}))
                 if stopping:
