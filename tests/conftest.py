@@ -26,6 +26,12 @@ def toy_engine(toy_model):
     return Engine(toy_model)
 
 
+_THREADS = torch.get_num_threads()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+    # A test that lowers torch's threads must not change the next one's numbers (recipes keep a lowered count).
+    torch.set_num_threads(_THREADS)

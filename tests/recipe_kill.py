@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def kill_after_checkpoint(recipe: str, run_dir: Path, args: list[str], step: int = 2, timeout_s: float = 300) -> None:
     """Run `python trainers/<recipe>.py run_dir=<run_dir> *args` and kill -9 it when step_<step> is saved."""
     cmd = [sys.executable, str(ROOT / "trainers" / f"{recipe}.py"), f"run_dir={run_dir}", *args]
+    # The child runs on this process's thread count: the tests compare it bit for bit with runs made here, and
+    # CPU matmuls round differently at other thread counts (recipes honour OMP_NUM_THREADS).
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     deadline = time.monotonic() + timeout_s
     while not (run_dir / "checkpoints" / f"step_{step:06d}").exists() and time.monotonic() < deadline:
         assert proc.poll() is None, "the run ended before it could be killed"
