@@ -6,6 +6,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Idle OpenMP threads sleep instead of spinning (flywheel/openmp_env.py, which the recipes import before torch):
+# the suite starts recipe and engine processes beside this one, and a spinning thread takes their cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
