@@ -29,6 +29,9 @@ SOURCES = {
     "ocr": ["rewards/ocr.py"], "digit_alignment": ["rewards/digits.py"], "number_alignment": ["rewards/digits.py"],
     "jpeg_compressibility": ["rewards/jpeg.py"], "jpeg_incompressibility": ["rewards/jpeg.py"],
     "audio_loudness": ["rewards/audio.py"], "av_onset_sync": ["rewards/audio.py"],
+    "clip_score_video": ["rewards/video.py", "rewards/clip.py"], "pickscore_video": ["rewards/video.py", "rewards/clip.py"],
+    "aesthetic_video": ["rewards/video.py", "rewards/clip.py"], "hpsv3": ["rewards/hpsv3.py"],
+    "vlm_judge": ["rewards/vlm_judge.py"],
 }
 TOY_CARDS = {"toy-digits", "toy-numbers"}
 
@@ -78,7 +81,8 @@ def test_every_card_and_builtin_reward_has_one_row_and_every_extra_exists(pyproj
     from engine import list_cards
 
     rows = install_table()
-    named = set(rows) - {"rollout.backend=ray", "flywheel.scale", "tracker=tensorboard"}
+    named = set(rows) - {"rollout.backend=ray", "flywheel.scale", "tracker=tensorboard", "tracker=trackio",
+                         "tracker=mlflow"}
     assert named == (set(list_cards()) - TOY_CARDS) | set(rewards.available())
     assert set(SOURCES) == named
     extras = pyproject["optional-dependencies"]
