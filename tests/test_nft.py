@@ -116,16 +116,17 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
 
 
 def test_rows_carry_the_versions_of_the_sampling_policy_and_the_soft_update(tmp_path):
-    # eta = min(0.3·i, 0.5) after step i (0-based): the sampling policy lags the trained one from step 2 on.
+    # eta = min(0.3·(i + 1), 0.5) after step i (0-based; the released code's schedule, one step later than
+    # min(0.3·i, 0.5)): the sampling policy lags the trained one from the first soft update on.
     _, rows = run(tmp_path, "keys", *SMALL, "steps=3", "eval_every=3", "train.eta_rate=0.3",
                   "train.timesteps_per_sample=2")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["weight_version"] for r in rows] == [0, 0, 1, 2]  # the version that made each step's rollouts
-    assert [r["nft/eta"] for r in rows[1:]] == [0.0, 0.3, 0.5]
+    assert [r["nft/eta"] for r in rows[1:]] == [0.3, 0.5, 0.5]
     # Step 1 rolls out the trained weights and takes one optimizer step after all its forwards: v_theta = v_old.
     assert rows[1]["nft/old_deviation"] == 0.0
-    # Step 2 rolls out a copy of the trained weights (eta 0): equal again. Step 3's is 0.3·old + 0.7·new.
-    assert rows[2]["nft/old_deviation"] == 0.0 and rows[3]["nft/old_deviation"] > 0.0
+    # Step 1's soft update already keeps 0.3 of the old policy (eta 0.3): from step 2 on, v_old lags v_theta.
+    assert rows[2]["nft/old_deviation"] > 0.0 and rows[3]["nft/old_deviation"] > 0.0
     for key in ("loss", "grad_norm", "nft/r_mean", "nft/trained_samples", "reward/mean", "sync/total_s"):
         assert all(key in r for r in rows[1:]), key
     assert rows[1]["nft/trained_samples"] == 32.0  # every sample of 4 x 8 has a valid reward
@@ -150,7 +151,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
     assert resumed["run_dir"] == str(interrupted)
     rows = read_metrics(interrupted / "metrics.jsonl")
     assert without_timings(rows) == without_timings(straight)
-    assert [r["nft/eta"] for r in rows[1:]] == [0.0, 0.4, 0.5, 0.5, 0.5]  # min(0.4·i, eta_max = 0.5)
+    assert [r["nft/eta"] for r in rows[1:]] == [0.4, 0.5, 0.5, 0.5, 0.5]  # min(0.4·(i + 1), eta_max = 0.5)
     state = json.loads((interrupted / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
     assert state == json.loads((tmp_path / "straight" / "checkpoints" / "step_000005" / "trainer_state.json")
                                .read_text())
