@@ -45,9 +45,9 @@ from aiohttp import web
 
 from engine.admission import AdmissionController, AdmissionError
 from engine.async_engine import AsyncEngine, UnknownCardError
-from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
+from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, read_body,
                                 warn_if_exposed)
-from engine.server_flags import FlagParser, check_bind, check_port, check_positive, flag_error
+from engine.server_flags import FlagParser, check_limits_and_address, check_positive, flag_error
 from engine.types import MAX_STEPS, SAMPLERS, GenerationRequest
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -449,12 +449,7 @@ def check_flags(args: argparse.Namespace) -> ServerLimits:
                         ("--budget-bytes", args.budget_bytes)):
         check_positive(value, flag)
     check_positive(args.max_wait_ms, "--max-wait-ms", integer=False, allow_zero=True)
-    try:
-        limits = from_args(args)
-    except ValueError as e:
-        flag_error(f"--max-body-bytes/--max-inflight-bytes/--header-timeout-s/--body-timeout-s: {e}")
-    check_port(args.port)
-    check_bind(args.host, args.port)
+    limits = check_limits_and_address(args)
     return limits
 
 

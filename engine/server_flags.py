@@ -54,3 +54,17 @@ def check_bind(host: str, port: int, flag: str = "--host/--port") -> None:
             sock.bind(address)
         except OSError as e:
             flag_error(f"{flag} {host}:{port}: cannot listen there ({e.strerror or e})")
+
+
+def check_limits_and_address(args: argparse.Namespace):
+    """The body/time limits of `engine.http_limits.add_limit_args` and the --host/--port a server binds, checked
+    as every other flag (one `error:` line, exit 2); returns the limits."""
+    from engine.http_limits import from_args
+
+    try:
+        limits = from_args(args)
+    except ValueError as e:
+        flag_error(f"--max-body-bytes/--max-inflight-bytes/--header-timeout-s/--body-timeout-s: {e}")
+    check_port(args.port)
+    check_bind(args.host, args.port)
+    return limits

@@ -28,9 +28,9 @@ import threading
 
 from aiohttp import web
 
-from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, from_args, read_body,
+from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, read_body,
                                 warn_if_exposed)
-from engine.server_flags import FlagParser, check_bind, check_port, flag_error
+from engine.server_flags import FlagParser, check_limits_and_address, flag_error
 from rewards.registry import REMOTE, available, check_scorer, get, import_modules
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
@@ -163,12 +163,7 @@ def check_flags(args: argparse.Namespace) -> tuple[ServerLimits, dict]:
         check_scorer(args.reward, **kwargs)
     except (ValueError, OSError) as e:
         flag_error(f"--reward {args.reward} --kwargs {args.kwargs}: {e}")
-    try:
-        limits = from_args(args)
-    except ValueError as e:
-        flag_error(f"--max-body-bytes/--max-inflight-bytes/--header-timeout-s/--body-timeout-s: {e}")
-    check_port(args.port)
-    check_bind(args.host, args.port)
+    limits = check_limits_and_address(args)
     return limits, kwargs
 
 
