@@ -97,14 +97,14 @@ def test_allowed_keys_take_effect_and_are_recorded_and_a_killed_runs_lock_does_n
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["steps"] == 2 and saved["train"]["learning_rate"] == 0.1 and saved["resume"] is None
     assert saved["resume_overrides"] == [{"at_step": 1, "set": {"steps": 2, "train.learning_rate": 0.1},
-                                          "was": {"steps": 3, "train.learning_rate": 0.0003}}]
+                                          "was": {"steps": 3, "train.learning_rate": 0.0006}}]
     assert load_config(Config, run / "config.yaml").train.learning_rate == 0.1  # the record is skipped on read
-    assert ("resume at step 1: steps=2 (was 3), train.learning_rate=0.1 (was 0.0003); recorded in "
+    assert ("resume at step 1: steps=2 (was 3), train.learning_rate=0.1 (was 0.0006); recorded in "
             f"{run / 'config.yaml'} under resume_overrides") in capfd.readouterr().err
-    # The optimizer stepped at the new rate: AdamW's param group in the step-2 checkpoint (step 1's kept 3e-4).
+    # The optimizer stepped at the new rate: AdamW's param group in the step-2 checkpoint (step 1's kept the default 6e-4).
     groups = lambda step: json.loads((run / "checkpoints" / f"step_{step:06d}" / "optimizer.json").read_text())
     assert [g["lr"] for g in groups(2)["param_groups"]] == [0.1]
-    assert [g["lr"] for g in groups(1)["param_groups"]] == [0.0003]
+    assert [g["lr"] for g in groups(1)["param_groups"]] == [0.0006]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
 
 

@@ -120,7 +120,7 @@ def test_cli_reward_choice_trains_the_toy_flywheel_to_raise_it(tmp_path):
     run_dir = tmp_path / "jpeg"
     cmd = [sys.executable, str(ROOT / "trainers" / "grpo.py"), "rewards=jpeg_compressibility:1.0",
            f"run_dir={run_dir}", "tracker=none", "steps=10", "data.prompts_per_step=4", "data.group_size=8",
-           "train.timestep_fraction=0.5", "sampling.steps=6", "train.learning_rate=3e-3", "train.log_kl=false",
+           "train.timestep_fraction=0.5", "sampling.steps=6", "train.learning_rate=3e-3", "train.kl_beta=0", "train.log_kl=false",
            "sampling.eval_seeds=1", "eval_every=1000", "sample_every=1000", "save_every=1000",
            "overlap_scoring=true"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
