@@ -241,7 +241,8 @@ def real_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("real_runs")
     common = ["eval_every=1", "save_every=2", "sample_every=2", "data.prompts_per_step=2", "data.group_size=4",
-              "sampling.eval_seeds=1", "sampling.steps=4", "tracker=none", "train.log_kl=false", "steps=2"]
+              "sampling.eval_seeds=1", "sampling.steps=4", "tracker=none", "train.kl_beta=0", "train.log_kl=false",
+              "steps=2"]
     grpo_main([f"run_dir={root / 'a'}", *common])
     grpo_main([f"run_dir={root / 'b'}", *common, "train.learning_rate=1e-3"])
     return root / "a", root / "b"
@@ -270,6 +271,7 @@ def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_pa
             "recipe": json.loads(info.read_text())["recipe"] if info.exists() else "?",
             "card": "toy-digits", "steps_done": 2, "steps_configured": 2,
             "reward_final": evals[-1][1], "reward_final_step": 2, "reward_best": best, "reward_best_step": best_step,
+            "best_checkpoint_step": best_step,  # best/: the best evaluation, none of them flagged by the watch
             "judge": "digit_svc", "judge_final": rows[-1]["eval/judge/digit_svc/mean"],
             "judge_at_best_reward": rows[best_step]["eval/judge/digit_svc/mean"],
             "diversity_key": "eval/diversity" if "eval/diversity" in rows[-1] else "diversity",
