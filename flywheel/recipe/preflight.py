@@ -125,14 +125,18 @@ def check_run_dir(cfg, checks: ConfigChecks) -> None:
             checks.fail(f"run_dir={str(cfg.run_dir)!r}: {e}")
 
 
-def check_rewards(cfg, checks: ConfigChecks) -> None:
-    """The reward keys (`rewards.registry.check_spec`: modules, the spec's syntax and weights, known scorers,
-    reward_args), then what needs more than names: each scorer's local folder (scorers that registered a check,
-    e.g. the CLIP family) and every `remote:` server answering /health."""
-    problems = check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules)  # imports reward_modules first
-    for problem in problems:
+def check_reward_keys(cfg, checks: ConfigChecks) -> None:
+    """The reward keys by themselves (`rewards.registry.check_spec`: modules, the spec's syntax and weights,
+    known scorers, reward_args)."""
+    for problem in check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):  # imports reward_modules first
         checks.fail(problem)
-    if problems:
+
+
+def check_rewards(cfg, checks: ConfigChecks) -> None:
+    """What the reward keys need beyond their names (once `check_reward_keys` passes; it reports otherwise):
+    each scorer's local folder (scorers that registered a check, e.g. the CLIP family) and every `remote:`
+    server answering /health."""
+    if check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):
         return
     scorer_kwargs = resolve_args(cfg.rewards, cfg.reward_args)
     # Ray reward actors on a cluster elsewhere read their folders there: only the names are checked here.

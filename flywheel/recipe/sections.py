@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from engine import get_card, list_cards
 from flywheel.prompts import load_prompts
-from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_rewards,
-                                       check_run_dir, warn_prompts_per_step)
+from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_reward_keys,
+                                       check_rewards, check_run_dir, warn_prompts_per_step)
 from flywheel.recipe.workflow import check_workflow_keys
 from flywheel.runs.checks import ConfigChecks, config_value
 from flywheel.runs.config import CONFIG_RELATIVE, ConfigError, parse_config
@@ -287,6 +287,7 @@ def check_shared_sections(cfg) -> ConfigChecks:
             check_dataset_images(cfg, key, items, checks)
             if key == "data.prompts":
                 warn_prompts_per_step(cfg, len(items))
+    check_reward_keys(cfg, checks)
     check_bounds(cfg, checks)
     check_minibatches(cfg, checks)
     check_environment(cfg, checks)
