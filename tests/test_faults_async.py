@@ -38,7 +38,10 @@ GONE_WITHIN_S = 10.0  # the engine polls its parent every 0.2 s; the rest is sla
 # staged in buckets as for an engine on an accelerator), then keeps syncing and rolling out until a
 # signal ends it. It has no cleanup of its own: whatever the signal, the engine must go.
 TRAINER = r"""
-import json, sys
+import json, signal, sys
+# A trainer started from a shell has Python's SIGINT handler; an ignored SIGINT is inherited across exec, and
+# the test process may have come to ignore it (a library earlier in the suite): this child must not.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from engine import GenerationRequest, load_model
 from flywheel.sync.engine_process import EngineProcess
 from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController

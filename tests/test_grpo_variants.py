@@ -423,8 +423,10 @@ def test_kill_and_resume_continues_the_windows_and_the_guard(tmp_path):
 @pytest.mark.parametrize("option", [["train.variant=mixgrpo", "train.window_shift_every=8"], ["train.variant=fast"],
                                     ["train.guard=true", "train.timestep_fraction=0.5"]], ids=["mixgrpo", "fast", "guard"])
 def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch, option):
-    """The honest control of tests/test_grpo.py, for each option (Guard trains half the steps, as test_grpo does)."""
-    steps = ["steps=24", "eval_every=24"]
+    """The honest control of tests/test_grpo.py, for each option (Guard trains half the steps, as test_grpo does).
+    Without the KL penalty the default adds (test_grpo runs the default with it): the variants' own learning,
+    and no reference forward per step."""
+    steps = ["steps=24", "eval_every=24", "train.kl_beta=0"]
     real, _ = run(tmp_path, "real", *steps, *option)
     negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps, *option)
