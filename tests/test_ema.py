@@ -277,18 +277,10 @@ def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe)
 def test_the_trained_lora_and_the_average_are_exported_side_by_side(tmp_path, capfd):
     """run_dir/lora (a stock pipeline's load_lora_weights) is the trained adapter, run_dir/lora_ema the average
     (what Flow-GRPO saves), and the final lines say which is which."""
-    import engine.families.tiny as tiny
+    from recipe_kill import tiny_sd3_lora_ema_args
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red cat\na blue dog\n")
     run_dir = tmp_path / "run"
-    grpo_main([f"run_dir={run_dir}", "model.card=sd3", f"model.path={tiny.build_tiny_sd3(tmp_path / 'sd3')}",
-               "tracker=none", "steps=2", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
-               "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
-               "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "rewards=jpeg_compressibility:1.0",
-               "eval_every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
-               "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "train.ema=true",
-               "train.ema_update_every=1", "train.ema_decay=0.5"])
+    grpo_main([*tiny_sd3_lora_ema_args(tmp_path, run_dir), "train.ema_update_every=1", "train.ema_decay=0.5"])
     trained, average = split(checkpoint(run_dir, 2))
     # peft's "<module>.lora_A.default.weight" is diffusers' "transformer.<module>.lora_A.weight".
     as_exported = {"transformer." + k.replace(".default", ""): k for k in average}

@@ -166,18 +166,11 @@ def test_the_issues_sd3_lora_with_an_ema_every_8_steps_exports_the_trained_adapt
     adapter (it moved), lora_ema/ the untouched average (every lora_B zero), and the run says so."""
     from safetensors.torch import load_file
 
-    import engine.families.tiny as tiny
+    from recipe_kill import tiny_sd3_lora_ema_args
     from trainers.grpo import main
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red cat\na blue dog\n")
     run_dir = tmp_path / "run"
-    main([f"run_dir={run_dir}", "model.card=sd3", f"model.path={tiny.build_tiny_sd3(tmp_path / 'sd3')}",
-          "tracker=none", "steps=2", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
-          "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
-          "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "rewards=jpeg_compressibility:1.0",
-          "eval_every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
-          "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "train.ema=true"])
+    main(tiny_sd3_lora_ema_args(tmp_path, run_dir))
     lora_b = lambda folder: [t for k, t in load_file(str(run_dir / folder / "pytorch_lora_weights.safetensors"))
                              .items() if "lora_B" in k]
     assert any(t.any() for t in lora_b("lora"))
