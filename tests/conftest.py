@@ -9,6 +9,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # Idle OpenMP threads sleep instead of spinning (flywheel/openmp_env.py, which the recipes import before torch):
 # the suite starts recipe and engine processes beside this one, and a spinning thread takes their cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist each worker shares the cores with the others: one thread each (and for the recipe and
+# engine processes a test starts) keeps them from taking each other's time slices.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

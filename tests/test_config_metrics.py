@@ -1,0 +1,125 @@
+"""Every shipped config that runs on a CPU logs the same metrics.jsonl, bit for bit, as when its golden file
+was recorded: 3 steps and an evaluation, every key but the wall-clock ones (time/*, *_s).
+
+The golden rows are the contract a refactor keeps: a change that moves a number, renames a key or drops one
+fails here, naming the config, the step and the key. A change meant to move numbers re-records them:
+
+    OMP_NUM_THREADS=1 python tests/test_config_metrics.py --record [config ...]
+
+and says why in its commit. The runs are shrunk (2 prompts x 4 samples, one evaluation seed) so that all of
+them fit the CI budget; every algorithm, sampler and model key of the config is kept. Configs that need a
+model folder of their own (SD3, FLUX, Qwen-Image, Wan, LTX-2) are not run here: tests/test_families*.py cover
+them on tiny models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "config_metrics.json"
+OVERRIDES = ["steps=3", "eval_every=3", "sample_every=3", "save_every=3", "data.prompts_per_step=2",
+             "data.group_size=4", "sampling.eval_seeds=1", "tracker=none", "threads=1"]
+# Keys renamed on purpose since the goldens were recorded: old -> new (the values must still match).
+RENAMED: dict[str, str] = {}
+
+
+def cpu_configs() -> list[Path]:
+    """The shipped configs that name no model folder: those run on the built-in toy cards."""
+    import yaml
+
+    def on_toy_card(path: Path) -> bool:
+        model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+        return str(model.get("card", "toy-digits")).startswith("toy-") and not model.get("path")
+
+    return sorted(p for p in (ROOT / "configs").glob("*.yaml") if on_toy_card(p))
+
+
+def recipe_of(config: Path) -> Path:
+    """The recipe a config is launched with, from its `trainers/<recipe>.py` usage line."""
+    found = re.search(r"trainers/(\w+)\.py", config.read_text())
+    assert found, f"{config.name} names no trainers/<recipe>.py usage line"
+    return ROOT / "trainers" / f"{found.group(1)}.py"
+
+
+def cpu_capability() -> str:
+    """Which of ATen's CPU kernel paths this machine takes: another one rounds differently (test_toy_numbers)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def run_config(config: Path, run_dir: Path) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(recipe_of(config)), "--config", str(config), *OVERRIDES,
+                           f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{config.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [deterministic(row) for row in rows]
+
+
+def deterministic(row: dict) -> dict:
+    """A metrics row without its wall-clock figures: time/* and every *_s key (seconds: sync, busy time)."""
+    return {RENAMED.get(k, k): v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_s"))}
+
+
+def golden() -> dict:
+    return json.loads(GOLDEN.read_text())
+
+
+def test_the_goldens_cover_every_cpu_config():
+    assert sorted(golden()["configs"]) == sorted(p.name for p in cpu_configs())
+    assert len(cpu_configs()) >= 10  # the toy configs of every recipe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", cpu_configs(), ids=lambda p: p.stem)
+def test_config_logs_its_golden_metrics(config, tmp_path):
+    recorded = golden()
+    expected = recorded["configs"][config.name]
+    got = run_config(config, tmp_path / "run")
+    assert [row["step"] for row in got] == [row["step"] for row in expected]
+    for want, have in zip(expected, got):
+        want = deterministic(want)
+        assert sorted(have) == sorted(want), (f"{config.name} step {want['step']}: keys differ: missing "
+                                             f"{sorted(set(want) - set(have))}, new {sorted(set(have) - set(want))}")
+        if cpu_capability() == recorded["cpu_capability"]:
+            differ = {k: (want[k], have[k]) for k in want if have[k] != want[k]}
+        else:  # another CPU's kernels round differently: the same run within a rounding bound
+            differ = {k: (want[k], have[k]) for k in want if not _close(want[k], have[k])}
+        assert not differ, f"{config.name} step {want['step']}: {differ}"
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, (int, float)):
+        return abs(a - b) <= 1e-4 * max(1.0, abs(a))
+    return a == b
+
+
+def record(names: list[str]) -> None:
+    import tempfile
+
+    data = golden() if GOLDEN.exists() else {"configs": {}}
+    data["cpu_capability"] = cpu_capability()
+    data["overrides"] = OVERRIDES
+    for config in cpu_configs():
+        if names and config.name not in names and config.stem not in names:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            data["configs"][config.name] = run_config(config, Path(tmp) / "run")
+        print(f"recorded {config.name}: {len(data['configs'][config.name])} rows", flush=True)
+    data["configs"] = {k: data["configs"][k] for k in sorted(data["configs"])}
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--record"]:
+        sys.exit("usage: python tests/test_config_metrics.py --record [config ...]")
+    record(sys.argv[2:])
