@@ -33,6 +33,13 @@ def toy_engine(toy_model):
     return Engine(toy_model)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker per core, at most 4. Several tests start recipe runs of two
+    processes and engine or Ray processes of their own, so more workers than cores only queue for them
+    (PYTEST_XDIST_AUTO_NUM_WORKERS overrides)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 _THREADS = torch.get_num_threads()
 
 
