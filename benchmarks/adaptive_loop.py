@@ -41,7 +41,6 @@ with a `_steps<S>` suffix, and the run's settings.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 RECIPE_EVAL_STEPS = 10  # SamplingConfig.steps: the recipes' evaluation runs at their rollout steps
 REWARD_TOLERANCE = 0.01
@@ -166,8 +167,7 @@ def parse_floats(text: str) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, settings and step counts")
-    parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
+    add_report_args(parser, quick="fewer rounds, settings and step counts")
     parser.add_argument("--toy-steps", default=None, help="toy eval step counts, comma-separated (default 10,20)")
     parser.add_argument("--thresholds", default=None,
                         help="cache thresholds, comma-separated (default 0.05,0.07,0.1,0.15,0.2,0.3)")
@@ -221,20 +221,19 @@ def main() -> None:
                 result[f"sd3_{name}_{key}"] = value
             rows.append(("tiny sd3 10 steps", name, sd3[name]))
 
-    print(f"{'run':<18}{'setting':>9}{'speedup':>9}{'img/s':>9}{'calls':>7}{'steps/call':>11}{'reward':>9}"
-          f"{'drop':>9}{'max px':>9}{'mean px':>9}")
-    for run, name, row in rows:
-        reward = f"{row['reward']:>9.4f}{row['reward_drop']:>9.4f}" if "reward" in row else f"{'-':>9}{'-':>9}"
-        print(f"{run:<18}{name:>9}{row['speedup']:>9.2f}{row['images_per_s']:>9.1f}{row['steps_computed']:>7.2f}"
-              f"{row['call_ratio']:>11.2f}"
-              f"{reward}{row['max_pixel_diff']:>9.4f}{row['mean_pixel_diff']:>9.5f}")
+    print_table([Column("run", 18, align="<"), Column("setting", 9), Column("speedup", 9, ".2f"),
+                 Column("img/s", 9, ".1f"), Column("calls", 7, ".2f"), Column("steps/call", 11, ".2f"),
+                 Column("reward", 9, ".4f"), Column("drop", 9, ".4f"), Column("max px", 9, ".4f"),
+                 Column("mean px", 9, ".5f")],
+                [(run, name, row["speedup"], row["images_per_s"], row["steps_computed"], row["call_ratio"],
+                  row.get("reward"), row.get("reward_drop"), row["max_pixel_diff"], row["mean_pixel_diff"])
+                 for run, name, row in rows])
     for steps in steps_list:
         print(f"toy {steps} steps: plain reward {result[f'toy_steps{steps}_plain_reward']:.4f}, "
               f"{result[f'toy_steps{steps}_plain_images_per_s']:.1f} img/s; best speedup with reward drop <= 0.01: "
               f"{result[f'speedup_at_reward_drop_0_01_steps{steps}']:.2f}x, with |change| <= 0.01: "
               f"{result[f'speedup_at_reward_within_0_01_steps{steps}']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ async step can be no shorter than the trainer's 2-thread train time, than the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 
 def run(mode_overrides: list[str], steps: int, overrides: list[str]) -> dict:
@@ -66,8 +67,7 @@ def overlap_ceiling(sync: dict, single: dict, cores: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help="10 steps each (under a minute)")
-    parser.add_argument("--json", type=Path)
+    add_report_args(parser, quick="10 steps each (under a minute)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     args = parser.parse_args()
     steps = 10 if args.quick else args.steps
@@ -85,15 +85,15 @@ def main() -> None:
     result["cores"] = cores
     result["steps"] = steps
 
-    print(f"{'mode':<16}{'steps/s':>9}{'rollout s':>11}{'train s':>9}{'wall s':>8}{'train reward':>14}"
-          f"{'eval reward':>13}")
-    for mode, r in (("sync", sync), ("async", asynchronous), ("sync, 1 thread", single)):
-        print(f"{mode:<16}{r['steps_per_s']:>9.3f}{r['rollout_s']:>11.3f}{r['train_s']:>9.3f}{r['wall_s']:>8.1f}"
-              f"{r['final_train_reward']:>14.3f}{r['final_eval_reward']:>13.3f}")
+    print_table([Column("mode", 16, align="<"), Column("steps/s", 9, ".3f"), Column("rollout s", 11, ".3f"),
+                 Column("train s", 9, ".3f"), Column("wall s", 8, ".1f"), Column("train reward", 14, ".3f"),
+                 Column("eval reward", 13, ".3f")],
+                [(mode, r["steps_per_s"], r["rollout_s"], r["train_s"], r["wall_s"], r["final_train_reward"],
+                  r["final_eval_reward"]) for mode, r in (("sync", sync), ("async", asynchronous),
+                                                          ("sync, 1 thread", single))])
     print(f"async_speedup {result['async_speedup']:.2f}x (goal >= 1.3); the most any overlap could give on "
           f"{cores} cores: {result['async_speedup_ceiling']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

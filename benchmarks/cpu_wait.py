@@ -2,6 +2,11 @@
 
     python benchmarks/cpu_wait.py                 # 2 rounds, each variant in a fresh process
     python benchmarks/cpu_wait.py --hog           # with a 2-thread matmul job beside it (bounded, ends with it)
+    python benchmarks/cpu_wait.py --quick --json out.json   # one round
+
+The JSON is flat: `hog`, `rounds`, and for each variant (its name as a key: "2 threads, passive" ->
+`2_threads_passive`) `<variant>_wall_s` and `<variant>_cpu_s` (medians over the rounds) and
+`<variant>_wall_s_rounds` / `<variant>_cpu_s_rounds` (every round's).
 
 Each variant is a fresh interpreter (OpenMP reads its wait variables once, as torch loads) that rolls out
 6 x 16 toy-digits images of 10 steps and prints its wall and CPU seconds. Variants interleave round by
@@ -14,12 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (shared flags, table, JSON)
+
 VARIANTS = {  # name -> (torch threads, wait variables)
     "2 threads, spin (GNU default)": (2, {"GOMP_SPINCOUNT": "300000"}),
     "2 threads, spin 1000": (2, {"GOMP_SPINCOUNT": "1000"}),
@@ -61,13 +71,14 @@ def run_variant(threads: int, wait: dict, timeout_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant (default 2; --quick: 1)")
     parser.add_argument("--hog", action="store_true", help="run a 2-thread matmul job beside each variant")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one variant may take")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add_report_args(parser, quick="one round of every variant")
     args = parser.parse_args()
+    rounds = 1 if args.quick else args.rounds
     results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, (threads, wait) in VARIANTS.items():
             hog = subprocess.Popen([sys.executable, "-c", HOG, str(args.timeout)]) if args.hog else None
             try:
@@ -76,12 +87,28 @@ def main() -> None:
                 if hog is not None:
                     hog.kill()
                     hog.wait()
-    print(f"{'variant':32s} {'wall s (median)':>16s} {'cpu s (median)':>15s}")
+    flat = flat_results(results, args.hog)
+    print_table([Column("variant", 33, align="<"), Column("wall s (median)", 16, ".2f"),
+                 Column("cpu s (median)", 16, ".2f")],
+                [(name, flat[f"{variant_key(name)}_wall_s"], flat[f"{variant_key(name)}_cpu_s"]) for name in results])
+    write_json(args.json, flat)
+
+
+def variant_key(name: str) -> str:
+    """A variant's name as a JSON key prefix: "2 threads, spin (GNU default)" -> "2_threads_spin_gnu_default"."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def flat_results(results: dict[str, list[dict]], hog: bool) -> dict:
+    """The flat JSON object: per variant the medians over the rounds and every round's seconds."""
+    out: dict = {"hog": hog, "rounds": min(len(rows) for rows in results.values())}
     for name, rows in results.items():
-        print(f"{name:32s} {statistics.median(r['wall_s'] for r in rows):16.2f} "
-              f"{statistics.median(r['cpu_s'] for r in rows):15.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"hog": args.hog, "results": results}, indent=1) + "\n")
+        key = variant_key(name)
+        for measure in ("wall_s", "cpu_s"):
+            values = [r[measure] for r in rows]
+            out[f"{key}_{measure}"] = statistics.median(values)
+            out[f"{key}_{measure}_rounds"] = values
+    return out
 
 
 if __name__ == "__main__":

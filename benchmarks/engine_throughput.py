@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import add_report_args, print_metrics, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 
 def _requests(n: int, steps: int, sampler: str, offset: int = 0):
@@ -99,8 +100,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
-    parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
+    add_report_args(parser, quick="fewer rounds (under a minute)")
     parser.add_argument("--concurrency", type=int, default=32, help="concurrent requests and pool size")
     parser.add_argument("--batch", type=int, default=32, help="batch of the sampler timing")
     parser.add_argument("--steps", type=int, default=10, help="denoising steps")
@@ -140,11 +140,8 @@ def main() -> None:
         "run_to_completion_latency_p50_ms": 1000 * _percentile(rtc["latencies"], 0.5),
         "run_to_completion_latency_p99_ms": 1000 * _percentile(rtc["latencies"], 0.99),
     }
-    print(f"{'metric':<36}{'value':>12}")
-    for k, v in result.items():
-        print(f"{k:<36}{v:>12.4g}" if isinstance(v, float) else f"{k:<36}{v:>12}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    print_metrics(result, key_width=36)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

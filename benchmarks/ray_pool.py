@@ -22,7 +22,6 @@ trainer process, Ray's own processes and the replicas share them).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 from benchmarks.weight_sync import best_of  # noqa: E402 (min of repeats after a warm-up)
 from engine import Engine, GenerationRequest, load_model  # noqa: E402
 from flywheel.scale.ray_pool import RayEnginePool  # noqa: E402
@@ -91,8 +91,7 @@ def main() -> None:
     parser.add_argument("--large-mb", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-cpus", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, a smaller batch (about a minute)")
-    parser.add_argument("--json", type=Path)
+    add_report_args(parser, quick="fewer repeats, a smaller batch (about a minute)")
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     batch = 32 if args.quick else args.batch
@@ -110,12 +109,11 @@ def main() -> None:
           f"(x{result['speedup_2_replicas']:.2f})")
     print(f"pool_overhead_ms {result['pool_overhead_ms']:.2f} per request (goal <= 5); one single-request call "
           f"{result['call_overhead_ms']:.2f} ms over the local engine")
-    print(f"{'model':<7}{'MB':>8}{'sync 1 replica s':>18}{'sync 2 replicas s':>19}")
-    for name in ("toy", "large"):
-        print(f"{name:<7}{result[f'{name}_mb']:>8.1f}{result[f'{name}_sync_1_replicas_s']:>18.4f}"
-              f"{result[f'{name}_sync_2_replicas_s']:>19.4f}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    print_table([Column("model", 7, align="<"), Column("MB", 8, ".1f"), Column("sync 1 replica s", 18, ".4f"),
+                 Column("sync 2 replicas s", 19, ".4f")],
+                [(name, result[f"{name}_mb"], result[f"{name}_sync_1_replicas_s"], result[f"{name}_sync_2_replicas_s"])
+                 for name in ("toy", "large")])
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import rewards
-from rewards.remote import RemoteScorer
-from rewards.serve import ServerThread
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rewards  # noqa: E402
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared flags, table, JSON)
+from rewards.remote import RemoteScorer  # noqa: E402
+from rewards.serve import ServerThread  # noqa: E402
 
 
 def measure(paths: dict, images, prompts, metadata, repeats: int) -> tuple[dict, dict]:
@@ -50,8 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=64, help="images per batch")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels (RGB)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per path (best is reported)")
-    parser.add_argument("--json", default=None, help="write a flat JSON object of the figures here")
-    parser.add_argument("--quick", action="store_true", help="small batch, few repeats (well under a minute)")
+    add_report_args(parser, quick="small batch, few repeats (well under a minute)")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.repeats = min(args.batch, 16), 3
@@ -86,13 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
         out[key.replace("_images_per_s", "_vs_in_process")] = out[key] / base
 
     print(f"reward {args.reward}: batch {args.batch} x 3x{args.size}x{args.size}")
-    print(f"{'path':<22}{'images/s':>12}{'vs in-process':>16}")
-    for key in [k for k in out if k.endswith("_images_per_s")]:
-        path = key[: -len("_images_per_s")]
-        print(f"{path:<22}{out[key]:>12.1f}{out[key] / base:>16.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    print_table([Column("path", 22, align="<"), Column("images/s", 12, ".1f"), Column("vs in-process", 16, ".2f")],
+                [(key[: -len("_images_per_s")], out[key], out[key] / base)
+                 for key in [k for k in out if k.endswith("_images_per_s")]])
+    write_json(args.json, out)
     return out
 
 

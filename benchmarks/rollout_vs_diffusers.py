@@ -40,7 +40,6 @@ time order (RSS would also count pages the allocator keeps after a free).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,8 @@ from typing import Callable
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: never ask the hub
 PROMPT = "a photo of a red fox in the snow"
 SIDES = ("engine", "engine_eager", "pipeline")
@@ -264,9 +265,8 @@ def measure(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the flat result object here")
     parser.add_argument("--family", default="sd3", choices=sorted(FAMILIES), help="the model family (default sd3)")
-    parser.add_argument("--quick", action="store_true", help="one timing round (under a minute)")
+    add_report_args(parser, quick="one timing round (under a minute)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--large", action="store_true", help="12 layers, width 1536, 64x64 latents (for a GPU)")
@@ -301,15 +301,13 @@ def main() -> None:
         result[f"{prefix}speedup_round_max"] = max(ratios[side])
         result[f"{prefix}memory_over_diffusers"] = memory_ratio[side]
 
-    print(f"{'':20}{'images/s':>10}{'speedup':>9}{'peak MiB':>10}{'memory ratio':>14}")
-    for side in SIDES:
-        print(f"{LABELS[side]:<20}{images_per_s[side]:>10.2f}{speedup[side]:>9.2f}{mib[side]:>10.1f}"
-              f"{memory_ratio[side]:>14.2f}")
+    print_table([Column("", 20, align="<"), Column("images/s", 10, ".2f"), Column("speedup", 9, ".2f"),
+                 Column("peak MiB", 10, ".1f"), Column("memory ratio", 14, ".2f")],
+                [(LABELS[side], images_per_s[side], speedup[side], mib[side], memory_ratio[side]) for side in SIDES])
     print(f"({result['model']} {family.label}, {result['transformer_params'] / 1e6:.1f}M params, {args.device} "
           f"{args.dtype}, batch {args.batch}, {args.steps} steps, CFG {family.guidance}; speedup: median of "
           f"{args.rounds} paired rounds; memory: {result['memory_measure']})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

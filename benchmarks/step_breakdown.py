@@ -12,7 +12,6 @@ metrics.jsonl, skipping the first step (warm-up).
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -22,14 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import add_report_args, print_metrics, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
+
 PHASES = ("rollout", "reward", "train", "sync")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="training steps to time")
-    parser.add_argument("--quick", action="store_true", help="6 steps (under a minute)")
-    parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
+    add_report_args(parser, quick="6 steps (under a minute)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     args = parser.parse_args()
     steps = 6 if args.quick else args.steps
@@ -59,11 +59,8 @@ def main() -> None:
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["peak_rss_goal_mb"] = 2048
 
-    print(f"{'metric':<20}{'value':>12}")
-    for k, v in result.items():
-        print(f"{k:<20}{v:>12.4g}" if isinstance(v, float) else f"{k:<20}{v:>12}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    print_metrics(result, key_width=20)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

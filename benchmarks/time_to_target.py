@@ -101,7 +101,8 @@ sys.path.insert(0, str(ROOT))
 from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, RunDirError,  # noqa: E402
                                    import_pyplot, format_duration, format_value, judge_key, load_runs,
                                    render_table, summarize)
-from flywheel.runs.rundir import atomic_write_bytes, atomic_write_text  # noqa: E402
+from benchmarks.report import add_report_args, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
+from flywheel.runs.rundir import atomic_write_bytes  # noqa: E402
 
 DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard")
 # Entries that are options of another recipe's trainer: name -> trainers/<trainer>.py. A name that is not
@@ -686,14 +687,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path,
                         help="keep the run dirs and logs here (<out-dir>/<recipe>); default a temporary folder")
     parser.add_argument("--overwrite", action="store_true", help="reuse run dirs under --out-dir that hold a run")
-    parser.add_argument("--json", type=Path, help="write the results as a flat JSON object here")
     parser.add_argument("--plot", type=Path,
                         help="PNG of reward and judge vs wall time (default time_to_target.png beside --json, or in "
                              "the current directory)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK.steps} steps, eval every {QUICK.eval_every} on {QUICK.eval_seeds} seed a "
-                             f"prompt, target {QUICK.target}, stop after target {QUICK.stop_after_target}, "
-                             f"min judge {QUICK.min_judge} (under 3 minutes)")
+    add_report_args(parser,
+                    quick=f"{QUICK.steps} steps, eval every {QUICK.eval_every} on {QUICK.eval_seeds} seed a "
+                          f"prompt, target {QUICK.target}, stop after target {QUICK.stop_after_target}, "
+                          f"min judge {QUICK.min_judge} (under 3 minutes)")
     parser.add_argument("--stop-after-target", type=int, metavar="N",
                         help=f"end each run N evaluations after it reached the target (its final values are then "
                              f"those of the shortened run; default {FULL_STOP_AFTER_TARGET}, --quick: "
@@ -818,7 +818,7 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
              else ""))
     print(f"wrote {plot_time_to_target(runs, results, args.target, args.min_judge, args.plot)}")
     if args.json:
-        print(f"wrote {atomic_write_text(args.json, json.dumps(out, indent=2) + chr(10))}")
+        print(f"wrote {write_json(args.json, out)}")
     return out
 
 

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 from flywheel.sync.transport import SharedMemorySender, SharedWeightsWriter, save_weights_atomic  # noqa: E402
 
 # The receiver holds the tensors the way the engine process does: mapped into a
@@ -193,8 +194,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32, help="rollout batch of the pause comparison")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (under a minute)")
-    parser.add_argument("--json", type=Path)
+    add_report_args(parser, quick="fewer repeats (under a minute)")
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     torch.set_num_threads(1)
@@ -205,15 +205,14 @@ def main() -> None:
             result[f"{name}_{k}"] = v
     result.update({f"toy_{k}": v for k, v in measure_engine_sync(repeats, args.batch).items()})
 
-    print(f"{'model':<7}{'MB':>7}{'memcpy GB/s':>12}{'shm GB/s':>9}{'shm/memcpy':>11}{'+commit':>8}"
-          f"{'per-tensor':>11}{'buckets':>8}{'disk s':>8}{'vs disk':>8}{'+commit':>8}{'buckets':>8}")
-    for name in ("toy", "large"):
-        r = {k.removeprefix(name + "_"): v for k, v in result.items() if k.startswith(name + "_")}
-        print(f"{name:<7}{r['mb']:>7.1f}{r['memcpy_gb_s']:>12.2f}{r['shm_gb_s']:>9.2f}"
-              f"{r['transport_over_memcpy']:>11.2f}{r['with_commit_over_memcpy']:>8.2f}"
-              f"{r['per_tensor_over_memcpy']:>11.2f}{r['buckets_over_memcpy']:>8.2f}"
-              f"{r['disk_s']:>8.4f}{r['speedup_vs_disk']:>8.1f}{r['with_commit_speedup_vs_disk']:>8.1f}"
-              f"{r['buckets_speedup_vs_disk']:>8.1f}")
+    columns = [Column("model", 7, align="<"), Column("MB", 7, ".1f"), Column("memcpy GB/s", 12, ".2f"),
+               Column("shm GB/s", 9, ".2f"), Column("shm/memcpy", 11, ".2f"), Column("+commit", 8, ".2f"),
+               Column("per-tensor", 11, ".2f"), Column("buckets", 8, ".2f"), Column("disk s", 8, ".4f"),
+               Column("vs disk", 8, ".1f"), Column("+commit", 8, ".1f"), Column("buckets", 8, ".1f")]
+    keys = ("mb", "memcpy_gb_s", "shm_gb_s", "transport_over_memcpy", "with_commit_over_memcpy",
+            "per_tensor_over_memcpy", "buckets_over_memcpy", "disk_s", "speedup_vs_disk",
+            "with_commit_speedup_vs_disk", "buckets_speedup_vs_disk")
+    print_table(columns, [(name, *(result[f"{name}_{k}"] for k in keys)) for name in ("toy", "large")])
     print("(memcpy: one copy of a contiguous buffer of the same bytes; shm: the sender laid out like the engine's "
           "mapped block, one copy; +commit: with the version-bump round trip; per-tensor: a sender whose tensors "
           "live apart; buckets: the staged path for accelerator engines)")
@@ -221,8 +220,7 @@ def main() -> None:
           f"{result['toy_sync_transfer_s'] * 1e3:.2f} ms, commit {result['toy_sync_commit_s'] * 1e3:.2f} ms), pause cycle {result['toy_pause_s'] * 1e3:.2f} ms, "
           f"rollout step {result['toy_rollout_step_s'] * 1e3:.2f} ms -> pause_over_rollout_step "
           f"{result['toy_pause_over_rollout_step']:.3f}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

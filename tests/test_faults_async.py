@@ -3,7 +3,7 @@
 The engine process must never outlive its trainer (whatever signal ended it),
 no shared-memory segment of a dead run may stay in /dev/shm, a trainer whose
 engine process died gets an error saying so, and a resumed async run differs
-from an uninterrupted one exactly as the README states.
+from an uninterrupted one exactly as docs/getting-started.md states.
 """
 
 import gc
@@ -245,9 +245,9 @@ def async_run_and_resumed_copy(tmp_path: Path, *overrides: str) -> tuple[list[di
 
 
 def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_documented(tmp_path):
-    """README, async rollouts: up to the checkpoint the rows are the uninterrupted run's; the first step
-    after resume is rolled out with the checkpoint's weights (staleness 0) where the uninterrupted run
-    used the batch it prefetched with the previous weights (staleness 1), so from there the runs differ.
+    """docs/getting-started.md, resuming async rollouts: up to the checkpoint the rows are the uninterrupted
+    run's; the first step after resume is rolled out with the checkpoint's weights (staleness 0) where the
+    uninterrupted run used the batch it prefetched with the previous weights (staleness 1), so from there the runs differ.
     Weight versions name the same weights in both, and the staleness counts continue."""
     straight, resumed, checkpoint = async_run_and_resumed_copy(tmp_path)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
@@ -262,7 +262,7 @@ def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_docume
 
 
 def test_a_resumed_async_run_with_max_staleness_0_is_the_uninterrupted_run(tmp_path):
-    """README: where every lagging batch is regenerated anyway, losing the prefetch at the stop changes
+    """docs/getting-started.md: where every lagging batch is regenerated anyway, losing the prefetch at the stop changes
     nothing but the count of regenerated batches (the resumed run had no stale prefetch to throw away)."""
     straight, resumed, _ = async_run_and_resumed_copy(tmp_path, "max_staleness=0")
 

@@ -1,4 +1,4 @@
-"""The README's "What to install" table against pyproject.toml's extras and what each module imports.
+"""The "What to install" table of docs/models.md against pyproject.toml's extras and what each module imports.
 
 Every model card (but the toy ones) and every built-in reward has one row; the
 extras a row names exist; and the third-party packages the card's or reward's
@@ -37,9 +37,9 @@ TOY_CARDS = {"toy-digits", "toy-numbers"}
 
 
 def install_table() -> dict[str, set[str]]:
-    """README row name -> the extras its install cell names (empty for "nothing more")."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("**What to install.**")
+    """Table row name -> the extras its install cell names (empty for "nothing more")."""
+    text = (ROOT / "docs" / "models.md").read_text()
+    start = text.index("## What to install")
     lines = text[start:].splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("| for |"))
     rows = {}
@@ -87,7 +87,7 @@ def test_every_card_and_builtin_reward_has_one_row_and_every_extra_exists(pyproj
     assert set(SOURCES) == named
     extras = pyproject["optional-dependencies"]
     for name, wanted in rows.items():
-        assert wanted <= set(extras), f"{name}: README names extras {wanted - set(extras)} that pyproject lacks"
+        assert wanted <= set(extras), f"{name}: docs/models.md names extras {wanted - set(extras)} that pyproject lacks"
     assert rows["rollout.backend=ray"] == {"ray"} and "ray" in distributions(extras["ray"])
 
 

@@ -113,7 +113,7 @@ def test_flywheel_steps_on_the_pool_equal_the_local_engine(pool):
 
 
 def test_with_other_batch_shapes_the_pool_matches_the_local_engine_within_batch_invariance(pool):
-    """The bound the README states for a Ray run against a local one: the replicas run 3 rows each of a chunk
+    """The bound docs/scaling.md states for a Ray run against a local one: the replicas run 3 rows each of a chunk
     that the local engine runs as one batch of 6 (overlap_scoring's half of a step). CPU kernels may round
     differently at other batch shapes (on the machine these tests were written on: 6.6e-7 in the latents at
     these shapes, none at 32 against 64 rows), so the samples agree to float rounding, not always bit for bit;

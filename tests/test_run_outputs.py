@@ -95,7 +95,8 @@ def test_wandb_offline_says_so_once_with_the_sync_command(no_wandb_account, tmp_
 
 @pytest.mark.slow  # a one-step toy run with two evaluations: ~5 s of CPU, longer on a busy machine
 def test_tensorboard_writes_into_the_project_folder_of_the_run_dir(tmp_path, monkeypatch):
-    """README: tracker=tensorboard writes into <run_dir>/<project>/ (accelerate's tracker, named by `project`).
+    """docs/getting-started.md: tracker=tensorboard writes into <run_dir>/<project>/ (accelerate's tracker,
+    named by `project`).
 
     Without the tensorboard package a stand-in tensorboardX SummaryWriter records where it was opened and
     what was logged; with it, the real event files are looked for.

@@ -5,13 +5,8 @@
     python trainers/awm.py model.finetune=lora train.learning_rate=1e-3
 
 AWM trains on the policy's own clean samples x0 with the loss the model was
-pretrained with, conditional flow matching, and weights each sample by its
-group advantage A: a sample better than its group's mean is fitted more
-closely, a worse one is pushed away. The paper's argument is that
-Flow-GRPO/DDPO's per-step Gaussian likelihood is flow matching with a noisy
-target x_{t-dt}; conditioning on the clean sample x0 instead gives the
-same optimum with less variance, and the rollouts need no log-probabilities
-(any sampler, ODE included).
+pretrained with, conditional flow matching, weighted by each sample's group
+advantage A. The rollouts need no log-probabilities (any sampler, ODE included).
 
 Per rollout step, for each sample (x0, c, A) and each of K flow times t drawn
 for it (stratified, see `draw_times`), with fresh noise eps ~ N(0, I):
@@ -22,99 +17,32 @@ for it (stratified, see `draw_times`), with fresh noise eps ~ N(0, I):
         + kl_beta     · mean |v_theta - v_ref|^2      velocity MSE to the reference (base) policy
         + anchor_beta · mean |v_theta - v_ema|^2      velocity MSE to an EMA of the trained weights
 
-averaged over every sample of a minibatch, flat groups included (whose A is
-0: they add only to the two regularisers), as the released code does
-(`loss_average=usable` averages over the samples whose group has a spread of
-rewards instead), then over the K times and the accumulated minibatches of an
-optimizer step. w(l, t) reshapes the error (`weighted_error`): "uniform" is
-l itself, the plain flow-matching loss; "ghuber", the released configs' choice,
-is t/p·((l + d)^p - d^p), whose gradient t·(l + d)^(p-1)·dl/dtheta gives the
-samples the model already fits well more weight and the large-error ones less.
+averaged over every sample of a minibatch, flat groups included, as the released
+code (`loss_average=usable`: over usable samples), then over the K times. w is
+"uniform" (l itself) or "ghuber", t/p·((l + d)^p - d^p), the released choice.
 
-Where the numbers come from: the paper's text could not be read from here, so
-no equation numbers are quoted; every formula and default below was read from
-the authors' released code (github.com/scxue/advantage_weighted_matching,
-advantage_weighted_matching/scripts/train_sd3_awm.py: compute_log_prob_awm, the
-time_type branches and the loss; config/dgx_awm.py: the GenEval/OCR/PickScore
-SD3.5 settings; README.md "Key Parameters").
+Where the numbers come from: the paper's text could not be read from here, so no
+equation numbers are quoted; every formula and default was read from the authors'
+code (github.com/scxue/advantage_weighted_matching: scripts/train_sd3_awm.py,
+config/dgx_awm.py, README.md "Key Parameters").
 
 Deviations from that code, each on purpose:
-- The policy term is written A·w(l, t). The code writes the same error as a
-  log-probability lp = -w and optimises the PPO surrogate -A·exp(lp - lp_old)
-  with clip_range = 1, taking one optimizer step per rollout, so lp_old = lp and
-  the ratio is exactly 1: its gradient is A·grad w, the same as here. The
-  surrogate's value is the constant -A; A·w's is a number one can watch. No
-  ratio clip is offered: with several optimizer steps per rollout
-  (minibatch_size < samples per rank and gradient_accumulation_steps smaller
-  than the minibatch count) the later steps are off-policy without a trust
-  region, and the two regularisers are the only brakes.
-- Rollouts use the ODE sampler by default. The released GenEval and OCR
-  configs roll out with SA-Solver at noise level 0.4 (train.use_sa_solver,
-  sample.noise_level = 0.4; the PickScore config at noise 0). The engine has no
-  SA-Solver; since only the final sample x0 is trained on, any sampler works:
-  `sampling.sampler=sde sampling.noise_level=0.4` gives stochastic rollouts
-  (Flow-SDE, not SA-Solver, so the samples' distribution differs).
-- "schedule" times are drawn per minibatch (one t per stratum, shared by the
-  minibatch's rows), as the code's discrete modes draw them per micro-batch;
-  the noise is per row. "uniform" times are drawn per row, as the code's
-  uniform mode: each row gets one t from each stratum, the K strata in a random
-  order of its own.
-- The schedule strata are computed with integers, (i·span) // K, where the
-  code truncates float32 linspace values (the same cut points unless float
-  rounding moves one down by one index).
-- The KL "ELBO" weighting (division by 2·(0.7·sqrt(t/(1-t)))^2) is left out:
-  every released config uses "Uniform", the plain velocity MSE kept here.
-- Averaging: by default all three terms average over every sample of the
-  minibatch, as the code. With many flat groups that keeps the policy term's
-  weight next to the KL and anchor terms the code's; `loss_average=usable`
-  (this recipe's earlier default) averages over the usable samples only, which
-  makes the policy term N/N_usable times stronger relative to the
-  regularisers (2x with 3 of 6 samples flat).
-- The EMA anchor is updated once per `awm_update` (one rollout step), with
-  decay min(anchor_decay, anchor_decay_ramp·steps done). The code updates it
-  once per epoch with the optimizer-step count, the same thing when each
-  rollout makes one optimizer step, as all its configs do.
-- Times are drawn with a torch.Generator seeded from (run seed, step, rank), so
-  a resumed run draws the same times and noise as one that never stopped.
-- The code also keeps an EMA of the weights for evaluation and saving (its
-  train.ema: decay 0.99, moved every optimizer step, in config/dgx_awm.py).
-  Here that is every recipe's train.ema (flywheel/recipe/ema.py), off by
-  default so that the figures below stay those of the trained weights; add
-  train.ema=true train.ema_decay=0.99 train.ema_update_every=1 for the
-  code's. It is a second average, apart from the anchor's; both move with the
-  same `WeightEMA` math.
-- Rollouts lagging the trainer (async_rollouts) are refused: the loss has no
-  correction for samples of older weights.
+- A·w(l, t) instead of the PPO surrogate -A·exp(lp - lp_old) at clip range 1: the
+  same gradient with one optimizer step per rollout; no ratio clip is offered.
+- ODE rollouts by default (the code: SA-Solver at noise 0.4, which the engine lacks;
+  sampling.sampler=sde sampling.noise_level=0.4 gives Flow-SDE instead).
+- "schedule" times per minibatch, "uniform" times per row, as the code's modes;
+  strata cut with integers, (i·span) // K.
+- The KL "ELBO" weighting is left out (every released config uses "Uniform").
+- The anchor moves once per rollout step (the code: per epoch; the same with one
+  optimizer step per rollout).
+- Times come from a generator seeded by (run seed, step, rank).
+- The code's evaluation EMA is every recipe's train.ema (off by default; the
+  code's: train.ema=true train.ema_decay=0.99 train.ema_update_every=1).
+- Async rollouts are refused: the loss has no correction for older weights.
 
-In this recipe: rollouts use the ODE sampler by default (any sampler works: only
-the final sample x0 is trained on); the engine serves the trained module
-(colocated); with the toy task's 8 x 16 samples and minibatch_size 128 an update
-is one optimizer step, as in the released configs, which accumulate a whole
-rollout batch into one step.
-
-Defaults and the toy task: every train key is the released GenEval/OCR setting
-(learning rate 3e-4, K = 6, ghuber p = 0.25, advantage_max 1, kl_beta 0.003,
-the KL-EMA anchor with beta 1 and decay ramp 0.001 up to 0.3, global_std), and
-nothing was changed for the toy task but the length (40 steps, was 80: see
-docs/tuning_awm.md for the run with the loss averaged over every sample). The
-earlier no-argument run (80 steps, the loss averaged over usable rows, full
-fine-tune of toy-digits, 8 prompts x 16 samples, 10 ODE steps, guidance 1)
-measured eval reward 0.481 -> 0.788 (step 10), 0.904 (20), 0.964 (40),
-0.978 (60), 0.986 (80), with the digit_svc judge 0.572 -> 0.857 (20), 0.929
-(40), 0.941 (80); the same run with per-group std: 0.954 at 40, 0.985 at 80.
-Learning rate 1e-3 (per-group std) is faster (0.97 at step 20), then flat at
-0.967 to step 40. Wall time was not measured on a quiet machine: at load 7-9
-on the 2 shared cores the default run took 1178 s (14 s a step); at low load a
-step with K = 3 took 0.46 s (0.28 s training, 0.18 s rollout).
-
-toy-numbers (configs/toy_numbers_awm.yaml, the same keys; `python
-benchmarks/time_to_target.py`, eval every 5 steps, 2 quiet cores, seed 0): eval
-reward 0.198 -> 0.435 (step 10), 0.664 (20), 0.829 (30), 0.907 (50), 0.956 (120);
-number_svc judge 0.255 -> 0.767 at step 30 (below the benchmark's 0.8 bar), 0.81 at
-35, 0.873 at 120. Target 0.8 at step 30 in 18.1 s against GRPO's step 80 in 54.4 s.
-Seed 1: step 30 (0.810, judge 0.739). Not tuned further for this task: on earlier
-weights learning rate 1e-3 reached 0.80 at step 20 with judge 0.70, and kl_beta 0.03
-kept the judge near the reward but slowed it (0.70 at step 80).
+Usage, the deviations in full, logged metrics and the measured runs:
+docs/recipes/awm.md; the toy default's length: docs/tuning_awm.md.
 """
 
 from __future__ import annotations

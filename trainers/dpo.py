@@ -4,131 +4,45 @@
     python trainers/dpo.py --config configs/toy_numbers_dpo.yaml
     python trainers/dpo.py train.pairing=all_pairs train.pair_margin=0.1 train.beta=50
 
-Each step the trained policy samples G images per prompt (any sampler, the
-ODE by default: no log-probabilities are needed), the rewards rank each group,
-and the best and the worst sample of a group become a (winner, loser) pair
-(`pairing=all_pairs`: every i, j of a group with r_i - r_j > pair_margin).
-The loss asks the policy to fit the winner better than the reference policy
-does, by more than it fits the loser.
-
-The paper's loss (Eq. 14), for a pair (x0^w, x0^l) of one prompt c:
-
-    L = -log sigmoid( -beta·T·omega(lambda_t) · [ ||eps^w - eps_theta(x_t^w, t)||^2 - ||eps^w - eps_ref(x_t^w, t)||^2
-                                               - ||eps^l - eps_theta(x_t^l, t)||^2 + ||eps^l - eps_ref(x_t^l, t)||^2 ] )
-
-with t ~ U(0, T) and x_t^* drawn from the forward process q(x_t | x0^*). Here,
-in the rectified-flow form the whole project uses, for each pair and each of K
-flow times t drawn for it, with one eps ~ N(0, I) shared by winner and loser:
+Each step the trained policy samples G images per prompt (any sampler, the ODE
+by default), the rewards rank each group, and its best and worst sample become a
+(winner, loser) pair (`pairing=all_pairs`: every i, j with r_i - r_j >
+pair_margin). The paper's loss (Eq. 14), in the rectified-flow form, for each
+pair and each of K flow times t, one eps shared by winner and loser:
 
     x_t^w = (1 - t)·x0^w + t·eps,     x_t^l = (1 - t)·x0^l + t·eps          (same t, same eps)
     e_p(x) = mean over elements |v_p(x_t, t, c) - (eps - x0)|^2              p = theta (trained) or ref
     Delta  = (e_theta(w) - e_ref(w)) - (e_theta(l) - e_ref(l))
     L      = -log sigmoid(-beta·Delta)
 
-averaged over the pairs of a minibatch, then over the K times. -beta·Delta is
-the implicit reward margin of the pair: positive when the policy prefers the
-winner more than the reference does (`dpo/implicit_acc` is the fraction of
-pairs where it is).
+averaged over the pairs of a minibatch, then over the K times; -beta·Delta is
+the pair's implicit reward margin (`dpo/implicit_acc`: the fraction positive).
+The paper's beta·T·omega(lambda_t) is folded into `beta`; norms are element
+means. flow_grpo's and Flow-Factory's codes write -beta/2·Delta: their beta is
+2·this beta. The reference is the model before any update (the LoRA adapter
+switched off, or a frozen copy), and never moves.
 
-Scaling, stated exactly: the paper's beta·T·omega(lambda_t) (omega constant in
-its experiments) is folded into the one `beta` here, and the squared norms are
-means over the latent's elements, not sums. The flow-matching codes read (below)
-write -beta/2·Delta: their beta = 2·this beta (a flow_grpo-derived DPO config read
-sets beta = 100, which is 50 here; Flow-Factory's default 2000 is 1000 here).
-
-Reference policy: the model before any update (`build_policy(..., reference=True)`):
-the LoRA adapter switched off, or a frozen copy of the transformer for full
-fine-tuning. It never moves.
-
-What was read, facts only: the paper's Eq. 14; flow_grpo's online-DPO script
-(scripts/train_sd3_dpo.py of the flow_grpo refactor: velocity target eps - x0,
-per-row mean squared errors, -beta/2 scaling, one noise and one t for winner and
-loser "as in Diffusion-DPO", logit-normal flow times, int(0.99·T) of them per pair
-and step, best/worst of a group from its per-prompt tracker, SDE rollouts made by
-the "ref" adapter, which is copied from the learner every ref_update_step steps);
-Flow-Factory (src/flow_factory/trainers/dpo.py: best/worst pairing by advantage,
-one flow time per pair by default, logit-normal or uniform times, beta 2000).
+Read, facts only: the paper's Eq. 14; flow_grpo's scripts/train_sd3_dpo.py;
+Flow-Factory's src/flow_factory/trainers/dpo.py.
 
 Deviations, each on purpose:
-- Reference: fixed at the base model, as the paper (offline DPO). flow_grpo's
-  online variant copies the trained weights into the reference every
-  ref_update_step steps and samples with the reference; here the trained policy
-  samples (on-policy rollouts, like the other recipes) and the reference never moves.
-- Pairs are ranked by the total reward (the weighted sum of the scorers), not
-  by a group-normalised advantage: the same order within a group, and
-  `pair_margin` is then in reward units. `rewards_mode=sum_of_advantages` is
-  refused (its combined signal is not a reward to rank by).
-- A group whose valid rewards are all equal gives no pair (so does one whose
-  spread is within the margin); a masked (invalid) reward is never in a pair.
-  A group split across ranks (prompts_per_step·group_size / ranks not a multiple
-  of group_size) is paired within each rank's share.
-- Flow times: `time_sampling` "rollout_grid" (default) draws each of a pair's K
-  times from the rollout schedule's own times in (0, 1], independently;
-  "uniform" draws t ~ U(0, 1); "logit_normal" u = sigmoid(N(0, 1)) as the public
-  codes, mapped through the rollout schedule's time shift s, t = s·u / (1 + (s -
-  1)·u), as flow_grpo does by indexing the scheduler's 1000 shifted times with u
-  (SD3.5, s = 3: median t 0.75; here t is continuous, and s is read from the
-  rollout's times, `schedule_shift`; this recipe ignored the shift before, median
-  0.5 whatever the card). K = timesteps_per_pair = 2 by default (flow_grpo: 9 of a 10-step
-  rollout; Flow-Factory: 1).
-- Rollouts: the ODE by default (flow_grpo samples with the Flow-SDE); any
-  sampler works, since only the final samples are trained on.
-- Training uses the conditional velocity only (the public codes' training
-  forward has no guidance either), whatever guidance the rollouts used.
-- Randomness: times and noise come from a generator seeded by (seed, step,
-  rank), so a resumed run draws what an uninterrupted one did; no EMA of the
-  weights (flow_grpo's train.ema) is kept: evaluation samples the trained weights.
-- Several ranks: each rank forms its own pairs; every rank runs the same
-  number of minibatches (the largest rank's pair count, the others padded with
-  zero-weight pairs) so DDP's collectives line up, and a step in which no rank
-  has a pair takes no optimizer step (`dpo/no_pair` = 1). The loss is each
-  rank's mean over its own pairs, which DDP then averages over ranks (a rank
-  with no pair adds a zero gradient); `dpo/pairs` is the per-rank count,
-  averaged. `minibatch_size` counts pairs (2 rows each).
+- Reference fixed at the base model (flow_grpo copies the learner into it every
+  ref_update_step steps and samples with it); the trained policy samples.
+- Pairs ranked by the total reward, not an advantage (pair_margin in reward
+  units); rewards_mode=sum_of_advantages is refused.
+- Flat groups and masked rewards give no pair; a group split across ranks is
+  paired within each rank's share.
+- Flow times: "rollout_grid" (default) draws from the rollout's own times;
+  "uniform"; "logit_normal" mapped through the rollout schedule's shift, as
+  flow_grpo. K = timesteps_per_pair = 2 (flow_grpo: 9 of 10; Flow-Factory: 1).
+- ODE rollouts by default (flow_grpo: Flow-SDE); training uses the conditional
+  velocity only.
+- Times and noise come from a generator seeded by (seed, step, rank).
+- Several ranks run the same number of minibatches (zero-weight padding), so DDP's
+  collectives line up; a step with no pair on any rank takes no optimizer step.
 
-Defaults, and how they were chosen on the built-in toy task (toy-digits, 8 prompts x
-16 samples, ODE with 10 steps, guidance 1, full fine-tune, seed 0; held-out eval
-reward at guidance 1, base 0.481, judge digit_svc 0.572; one run each, on the
-loaded 2-core machines):
-
-- First try, flow_grpo's beta (100 in its -beta/2 form = 50 here) at lr 3e-4, K = 2,
-  best_worst: eval 0.674 (step 10), 0.692 (20), 0.754 (30), 0.781 (40), 0.808 (50),
-  0.853 (80), judge 0.849 at 80; the implicit margins of fresh pairs reached 3-8, so
-  most pairs sat in the flat part of the sigmoid.
-- all_pairs with pair_margin 0.5 at the same settings (about 350 pairs a step, six
-  optimizer steps of 64 pairs): train reward 0.40 -> 0.76 in 5 steps, but several
-  times the training forwards of best_worst; stopped there, not measured further.
-- Shipped: beta 10, lr 1e-3, best_worst, K = 2 grid times per pair. The no-argument
-  run (80 steps): eval 0.842 (10), 0.891 (20), 0.953 (30), 0.963 (40), 0.987 (50),
-  0.989 (60), 0.988 (70), 0.993 (80); judge 0.903 (10), 0.913 (20), 0.924 (30),
-  0.935 (40), 0.897 (50), 0.921 (60), 0.934 (70), 0.909 (80). Seed 1: eval 0.830,
-  0.894, 0.933, 0.939, 0.932, 0.967 (60), 0.977, 0.986 (80); judge 0.885 -> 0.943
-  (the same evaluation prompts and seeds). The velocity MSE to
-  the reference ("kl") grows to ~2.3 and the group diversity falls from 0.18 (base)
-  to ~0.08: the fixed reference holds the policy only weakly at beta 10.
-  Only 16 of the 128 samples of a step are trained on (8 pairs), so an update is
-  cheap next to the rollouts. Wall time was not measured on a quiet machine (a step
-  took 0.9-8 s, median 6 s, with the load of other jobs).
-- beta 25 (lr 1e-3, 80 steps): eval 0.774 (10), 0.847 (20), 0.906 (30), 0.901 (40),
-  0.992 (50), 0.984 (60), 0.980 (70), 0.964 (80); judge 0.854, 0.899, 0.882, 0.872,
-  0.945, 0.925, 0.946, 0.911; per-class hacking signals 5-7 from step 50 (beta 10:
-  5-9 from step 40). A stronger pull to the reference, not clearly a safer run here,
-  and 20 steps slower to 0.95.
-- The swapped-pair control (train.swap_pairs=true, same settings, 10 steps): eval
-  0.526 -> 0.145 (2 eval seeds), where the real run reaches 0.874.
-
-toy-numbers (configs/toy_numbers_dpo.yaml, GRPO's task and rollout budget, the same
-algorithm keys; shipped weights, base eval 0.198, judge number_svc 0.255): eval
-0.522 (step 10), 0.894 (20), 0.919 (30), 0.947 (40), 0.950 (50), 0.973 (60),
-0.969 (70), 0.972 (80); judge 0.456 (10), 0.830 (20), 0.815 (30), 0.852 (40),
-0.853 (50), 0.852 (60), 0.799 (70), 0.836 (80). Then
-0.949 (90), 0.969 (100), 0.974 (110), 0.974 (120); judge 0.795, 0.840, 0.842, 0.822.
-The judge stays ~0.13 under the reward from step 30 on, and the hacking watch
-flags classes from step 10 (14 per-class signals at step 120, e.g. number_typicality
-falling on class 64 while its reward rose): the overall judge rose, some classes'
-fell. The toy-digits default run shows the same, milder (9 class signals at step 80;
-the beta 50 run: 3). For comparison, GRPO's config reached 0.81 at step 80 (README) and
-DiffusionNFT's 0.95 at step 30 (trainers/nft.py).
+Usage, the deviations in full, logged metrics and the measured runs:
+docs/recipes/dpo.md; why the toy default still games its reward: docs/tuning_dpo.md.
 """
 
 from __future__ import annotations

@@ -1,116 +1,50 @@
 """Flow-GRPO (arXiv 2505.05470): group-relative policy optimisation of a flow-matching model.
 
     accelerate launch trainers/grpo.py                     # the built-in toy task
-    accelerate launch trainers/grpo.py --config configs/toy_grpo.yaml lr=1e-3
     python trainers/grpo.py model.finetune=lora rewards=digit_alignment:1.0,jpeg_compressibility:0.1
     python trainers/grpo.py train.variant=mixgrpo          # or fast; train.guard=true; train.flash_compress=0.4
 
 Each step: G samples for each of P prompts with the Flow-SDE sampler (per-step
 log-probs recorded), rewards, advantages normalised within each prompt's group
-over all ranks, then a PPO-clip update on the per-step probability ratios,
-with an optional KL penalty to the reference policy; every optimizer step
-syncs the new weights into the engine (colocated) and bumps the version.
-The recipe reads top to bottom: config, the loss, the windows, setup, the loop, save.
+over all ranks, then a PPO-clip update on the per-step probability ratios, with
+an optional KL penalty to the reference policy; every optimizer step syncs the
+new weights into the engine and bumps the version. The file reads top to
+bottom: config, the loss, the windows, setup, the loop, save.
 
-Defaults on the built-in toy task: full fine-tune, kl_beta 0.1 (exact Gaussian KL),
-learning rate 6e-4, 70 steps, chosen so that the no-argument run reaches the reward
-without the hacking watch firing, typicality falling back or the samples of a prompt
-collapsing into one (the sweep and its limits: docs/tuning_grpo.md). Flow-GRPO's
-pickscore_sd3 config (configs/sd3_pickscore.yaml) also keeps a KL penalty: LoRA with
-beta 0.01 in its KL form (`kl_form=flow_grpo`, the exact KL times |dt|).
-
-Trained steps (train.timestep_fraction): null, the default, trains the first
-int(0.99·T) of the T stochastic steps as Flow-GRPO's timestep_fraction 0.99 does (9
-of 10: the last step, t = 0.1 -> 0, is not trained); mixgrpo and fast train their
-whole window, as their code does. An explicit fraction trains round(f·T) random
-steps (timestep_selection=random, drawn anew each step) or the first int(f·T).
+The loss (Eq. 8), per sample and trained step, r = pi_theta / pi_old:
+    loss = max(-A·r, -A·clip(r, 1 - eps, 1 + eps)) + beta·KL(pi_theta || pi_ref)
+averaged over the usable samples; the Flow-SDE transition is Eq. 9. KL "exact"
+(default) is the Gaussian KL |mu - mu_ref|^2 / (2 std^2); "flow_grpo" is the
+released code's, the exact KL times |dt| (its issue #78). Async rollouts use
+decoupled PPO (AReaL, arXiv 2505.24298): the ratio against the update's
+proximal log-probs is clipped, a truncated importance weight corrects the lag.
+Trained steps: null trains the first int(0.99·T) stochastic steps, as the
+released timestep_fraction 0.99 (9 of 10); an explicit fraction trains
+round(f·T) random steps or the first int(f·T).
 
 Options (train.*), each independent of the others:
+- variant=mixgrpo (MixGRPO, arXiv 2507.21802; facts from the authors' code, the
+  paper's text was not readable here): ODE rollouts with an SDE window of w = 4
+  steps, the only ones trained, moving by s = 1 every tau = 25 training steps and
+  restarting at step 0. Deviations: the window is always w steps (the code's
+  shrinks near the end); population std + 1e-4 instead of torch's unbiased
+  .std() + 1e-8 (advantages sqrt(G/(G-1)) times the code's).
+- flash_compress=f (MixGRPO-Flash): the ODE steps after the window run
+  DPM-Solver++(2M) over max(1, int(n·f)) of the n steps left, through the
+  schedule's own points (the code keeps one fewer). Rollouts only.
+- variant=fast (Flow-GRPO-Fast, flow_grpo's *_fast pipelines): a random window of
+  w steps in the first half, ODE elsewhere; drawn per trajectory (the code: per
+  sampling call; train.window_per=step: per training step).
+- guard=true (GRPO-Guard, arXiv 2510.22319; formulas from public descriptions of
+  the release, see `grpo_step_loss`): the log-ratio re-centred and scaled per step
+  (RatioNorm), each step's term divided by |dt|; mu_old is recomputed, not stored.
 
-- variant=mixgrpo, MixGRPO (arXiv 2507.21802): the rollouts are ODE except in a
-  window of w steps, SDE there, and only the window is trained; the window
-  starts at s·floor(step/tau) and moves by s every tau training steps
-  (`mixgrpo_window`). Facts from the authors' code (github.com/Tencent-Hunyuan/
-  MixGRPO: fastvideo/utils/grpo_states.py, scripts/finetune/*.sh; the paper's
-  text could not be read from here, so no equation numbers): w = 4 of 25
-  steps, tau = 25 (20 for Flash), s = 1, and the window restarts at step 0 once
-  it has passed the end (--roll_back). Deviations: the code's window is cut at
-  index T - 2 and shrinks near the end (it is even empty at its last position);
-  here it is always w steps, the last start being T - w, and may cover the last
-  step; window_end=stay keeps the last position instead of restarting. The
-  released scripts also pass --init_same_noise (every sample of a prompt's
-  group starts from one initial noise): `sampling.same_noise_per_group=true`,
-  off by default. They normalise advantages by the unbiased group std + 1e-8
-  (torch's .std()); here every variant uses the population std + 1e-4 (Flow-
-  GRPO's np.std), so with G samples a group's advantages are sqrt(G/(G - 1))
-  times the code's before clipping (1.03x at G = 16).
-- flash_compress=f, MixGRPO-Flash: the ODE steps after the window run the
-  second-order multistep DPM-Solver++(2M), midpoint form (engine/sampling.py),
-  over max(1, int(n·f)) of the n steps left (released: f = 0.4; Flash*: 0.2).
-  Deviations: the code keeps int(max(n·f, 1)) schedule points (one step fewer,
-  none when that is 1); here the kept steps pass through the schedule's own
-  points at evenly spaced indices. Only rollouts change: evaluation is the
-  Euler ODE of every run, so curves compare.
-- variant=fast, Flow-GRPO-Fast (github.com/yifan123/flow_grpo, the *_fast
-  pipelines and config/grpo.py): a window of w steps (configs: 2 or 3) whose
-  start is uniform in [lo, hi - w] of sde_window_range = (0, T // 2); ODE before
-  and after; only the window is trained. The window is drawn per trajectory
-  (train.window_per=trajectory, the default) from (seed, step, global row): the
-  flywheel runs the rows of each window as one engine batch (sde_window is part
-  of the batch key), the joined Trajectory carries [B, T] noise levels, and each
-  step's forward runs on the rows trained at that step; each row's loss is the
-  mean over its own window's steps. Deviation: the code draws one window per
-  sampling call (a few prompts' images share it); train.window_per=step draws one
-  per training step, shared by all its trajectories and ranks (one batch, fewer
-  forwards). Both are functions of their indices alone, so resume and async
-  prefetching draw the same windows.
-- guard=true, GRPO-Guard (arXiv 2510.22319): RatioNorm and gradient
-  reweighting, see `grpo_step_loss`. The formulas are those of the authors'
-  release as reproduced in public reimplementations and verl-omni's
-  documentation of the paper (ratio exp(s·(log r + mean|mu - mu_old|²/(2s²))),
-  policy term / |dt|); the paper's text could not be read from here, so no
-  equation numbers are quoted. mu_old, which the trajectory does not hold, is
-  recomputed: it is the current means (no forward) until the first optimizer
-  step of an update, then the means computed before the update (one extra
-  no-grad forward per trained step, only when an update takes several
-  optimizer steps or rollouts are async). With one optimizer step per rollout
-  (the default) the PPO clip never acts and Guard reduces to weighting each
-  step's gradient by s_j/|dt_j|. The KL term is not reweighted.
+Every window is a function of (config, seed, step) alone, so async prefetching and
+resume draw the same ones. Flash is refused with async rollouts.
 
-Measured (2026-12-01, seed 0, one thread; runs are bit-reproducible, wall times
-from a quiet moment of the 2 shared cores), with the toy default before its tuning
-(kl_beta 0, lr 3e-4, 80 steps, all 10 steps trained), which the options' configs
-keep. toy-digits, that run plus one
-option (`python trainers/grpo.py train.<option>=...`, configs/toy_<option>.yaml),
-eval reward / digit_svc judge at steps 10, 20, ..., 80 (base 0.481 / 0.572):
-  plain GRPO   0.600 0.732 0.842 0.896 0.945 0.986 0.995 0.997 / judge 0.943 at 80; 79 s
-  mixgrpo      0.700 0.805 0.889 0.968 0.996 0.991 0.999 0.997 / judge 0.939; 42 s
-  fast         0.685 0.805 0.863 0.967 0.985 0.980 0.989 0.998 / judge 0.941; 37 s (2 threads)
-               (window per trajectory; one per step: 0.604 0.761 0.837 0.963 0.982 0.962
-               0.938 0.971 / judge 0.945; 31 s)
-  guard        0.683 0.825 0.919 0.961 0.981 0.993 1.000 1.000 / judge 0.932; 83 s
-  mixgrpo + flash_compress=0.4: 0.978 at 40, then 0.682 at 70 and 0.418 at 80
-  (judge 0.780): late windows leave 3 steps after them, compressed to one Euler
-  jump from t = 0.3, and the policy learns images that only that jump finishes;
-  the Euler evaluation falls. Flash is for long schedules (MixGRPO: 25 steps).
-The judge rises with the reward in every run; the hacking watch flags a falling
-typicality judge in one digit from step 30-40 in all of them, plain GRPO included.
-Training time per step: 0.78 s (GRPO, 10 steps trained), 0.82 (guard), 0.31
-(mixgrpo, 4), 0.17 (fast, 2); rollouts 0.18 s.
-toy-numbers (configs/toy_numbers_<option>.yaml: GRPO's task, budget and keys plus
-the option at its defaults), eval reward at 10, 20, ..., 120 (base 0.198 / judge 0.255;
-plain GRPO 0.256 0.316 0.364 0.453 0.542 0.635 0.724 0.808 at 80):
-  mixgrpo  0.325 0.459 0.595 0.770 0.887 0.911 0.942 0.939 0.938 0.941 0.955 0.954; judge 0.867 at 90, 0.835 at 120
-  fast     0.261 0.371 0.512 0.606 0.728 0.841 0.916 0.927 0.919 0.930 0.943 0.908; judge 0.854 at 90, 0.826 at 120
-           (one window per step: 0.308 0.409 0.527 0.614 0.722 0.811 0.877 0.889 0.889 0.888 0.926 0.942)
-  guard    0.307 0.394 0.516 0.651 0.788 0.882 0.912 0.928 0.941 0.959 0.958 0.956; judge 0.879 at 110, 0.860 at 120
-  (mixgrpo with window_shift_every=10 was slower: 0.697 at 40, 0.805 at 50.)
-
-The window of every step is a function of (config, seed, step) alone, set on
-the flywheel per step (`Flywheel.request_overrides`): async rollouts (the
-next step prefetched during this update) roll out their own step's window, and
-a resumed run draws the windows an uninterrupted one does. Flash is refused
-with async rollouts (the engine process has no Flash solver).
+Usage, every equation and deviation in full, logged metrics, the measured runs
+and Flow-GRPO's published settings (configs/sd3_pickscore.yaml): docs/recipes/grpo.md;
+the sweep behind the toy default: docs/tuning_grpo.md.
 """
 
 from __future__ import annotations

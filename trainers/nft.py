@@ -5,111 +5,40 @@
     python trainers/nft.py model.finetune=lora train.learning_rate=1e-3 train.kl_beta=1e-4
 
 Each step the sampling policy v_old (weights theta_old) generates G samples per
-prompt with any sampler (ODE by default: no per-step log-probs), the rewards
-become an optimality probability r in [0, 1] per sample, and the trained policy
-v_theta is fitted by flow matching on the clean samples x0, noised afresh:
-x_t = (1 - t)·x0 + t·eps, target u = eps - x0 (rectified flow, paper Sec. 2.1).
-Training is CFG-free: only the conditional velocity is used (Sec. 3.3). After
-the update theta_old moves toward theta by the soft update, and the engine
-serves it: the weight version names the sampling policy, and evaluation samples
-the trained one.
+prompt with any sampler (ODE by default), the rewards become an optimality
+probability r in [0, 1] per sample, and the trained policy v_theta is fitted by
+flow matching on the clean samples x0, noised afresh: x_t = (1 - t)·x0 + t·eps,
+target u = eps - x0 (Sec. 2.1). Training is CFG-free (Sec. 3.3). After the
+update theta_old moves toward theta by the soft update; the engine serves it.
 
-The paper, by equation (numbers of arXiv v2):
+The paper, by equation (arXiv v2):
+- r = 1/2 + 1/2·clip((r_raw - mean_group r_raw) / Z_c, -1, 1)   (Alg. 1, l. 4-5)
+- v+ = (1 - beta)·v_old + beta·v_theta,  v- = (1 + beta)·v_old - beta·v_theta   (Thm. 3.2)
+- L(theta) = E[ r·||v+ - u||^2 + (1 - r)·||v- - u||^2 ]   (Eq. 5; minimiser Eq. 6)
+- adaptive weighting: ||x_hat - x0||^2 / sg(mean|x_hat - x0|), x_hat = x_t - t·v (Sec. 3.3)
+- soft update theta_old <- eta_i·theta_old + (1 - eta_i)·theta, eta_i = min(0.001·i, 0.5)
+  (Alg. 1, l. 14; App. C)
 
-- Optimality probability (Algorithm 1, lines 4-5; Sec. 3.3 "Optimality Reward"):
-      r = 1/2 + 1/2·clip((r_raw - mean_group r_raw) / Z_c, -1, 1),
-  Z_c > 0 a normaliser, "which could take the form of a global reward std".
-- Implicit positive and negative policies, mixing coefficient beta (Theorem 3.2):
-      v+ = (1 - beta)·v_old + beta·v_theta,      v- = (1 + beta)·v_old - beta·v_theta.
-- The loss (Eq. 5):  L(theta) = E[ r·||v+ - u||^2 + (1 - r)·||v- - u||^2 ],
-  whose minimiser is v_theta* = v_old + (2 / beta)·Delta (Eq. 6), Delta the
-  reinforcement guidance of Eq. (4) (the direction from the negative to the
-  positive split of the sampling policy's data).
-- Adaptive loss weighting (Sec. 3.3): w(t)·||v - u||^2 of Eq. (1) is replaced
-  by the self-normalised x0 regression ||x_hat - x0||^2 / sg(mean|x_hat - x0|),
-  x_hat = x_t - t·v. Since x_hat - x0 = t·(v - u) this is t·||v - u||^2 / mean|v - u|
-  (per element mean): more weight at large t, which the paper finds stable (Fig. 9).
-- Soft update of the sampling policy (Algorithm 1, line 14):
-      theta_old <- eta_i·theta_old + (1 - eta_i)·theta,
-  eta_i = min(0.001·i, 0.5) by default (App. C); eta = 0 is fully on-policy and
-  unstable, eta -> 1 stable but slow (Fig. 8). For OCR the public code holds
-  eta at 0 for 75 steps, then raises it by 0.0075 a step up to 0.999.
-- Defaults (App. C, config/nft.py of NVlabs/DiffusionNFT): beta = 1 (0.1 for the
-  multi-reward and OCR runs), loss at the rollout's own sampling times, a
-  2nd-order ODE sampler with 10 steps, 48 groups x 24 samples, LoRA r = 32,
-  alpha = 64, learning rate 3e-4.
+Deviations from the paper's text (each follows the public code, NVlabs/DiffusionNFT,
+unless it says otherwise):
+1. Loss scale: (r·l+ + (1 - r)·l-) / beta, times adv_clip_max c; squared norms are
+   element means. The gradient at v_theta = v_old is then A times the weighted
+   flow-matching gradient, whatever beta and c are.
+2. Z_c = c·(std + 1e-4), the std of the step (global_std) or of the group.
+3. Each sample is trained at `timesteps_per_sample` random times of the rollout's
+   own grid (the code: 9 of 10); time_sampling=uniform is not in the paper.
+4. Masked rewards are left out; flat groups (r = 1/2) stay in unless
+   keep_flat_groups=false.
+5. KL: the paper is KL-free, the code adds 1e-4·mean||v_theta - v_ref||^2;
+   here kl_beta weighs that term and defaults to 0.
+6. Times and noise come from a generator seeded by (seed, step, rank).
+7. The code's EMA for evaluation is train.ema=true train.ema_update_every=1 (off
+   by default); not here: its fp16 autocast with a GradScaler.
+8. Rollouts with classifier-free guidance are refused (v_old must have sampled x0).
+9. The eta schedule counts training steps; the first soft update uses eta_1 = 0.001.
 
-Where this recipe deviates from the paper's text (each choice follows the public
-code unless it says otherwise):
-
-1. Loss scale. The per-sample loss is (r·l+ + (1 - r)·l-) / beta, and the
-   mean over samples is multiplied by `adv_clip_max` (c), as in the public code;
-   Eq. (5) has neither factor, and its squared norms are sums where the code
-   (and this recipe) takes means over the latent's elements (a constant factor). With r = 1/2 + A / (2c) for the clipped group
-   advantage A, the gradient at v_theta = v_old is then exactly A times the
-   gradient of the weighted flow-matching loss, whatever beta and c are: an
-   advantage-weighted flow-matching step at the start of every update.
-2. Z_c = c·(std + 1e-4): r = 1/2 + 1/2·clip(A / c, -1, 1) for the group
-   advantage A = (R - mean of the prompt's group) / (std + 1e-4) that the
-   flywheel computes over every rank, with the std of all the step's rewards
-   (`global_std`, as the public code's sample.global_std = True) or of the group.
-3. Flow times. Each sample is trained at `timesteps_per_sample` distinct
-   times of the rollout's own time grid, drawn at random per sample (App. C:
-   "exactly on the corresponding sampling timesteps"; the public code trains
-   int(0.99·T) of the T times, 9 of 10). `time_sampling=uniform` draws
-   t ~ U(0, 1] instead (not in the paper).
-4. Masked rewards. A sample whose reward the scorers masked has no r: it is
-   left out of the loss. Samples of a group whose valid rewards are all equal
-   (A = 0, r = 1/2) stay in by default, as in the public code: at r = 1/2 the
-   two branches pull v_theta toward v_old. `keep_flat_groups=false` drops them.
-5. KL. The paper is KL-free; the public code always adds 1e-4·mean||v_theta -
-   v_ref||^2 against the base model. Here `kl_beta` weighs that same term and
-   defaults to 0.
-6. Randomness. Times and noise come from a generator seeded from (seed, step,
-   rank), so a resumed run draws the same ones; the public code uses the global RNG.
-7. The public code's EMA of theta used for evaluation (decay 0.9, every optimizer
-   step) is `train.ema=true train.ema_update_every=1` (off by default, as for every
-   recipe); not here: its fp16 autocast with a GradScaler (this recipe trains in the
-   model's dtype).
-8. Guidance. Rollouts made with classifier-free guidance (guidance_scale != 1)
-   are refused: v_old must be the velocity of the policy that sampled x0.
-9. The eta schedule counts training steps (Algorithm 1's iterations i, one
-   rollout batch each), whatever the number of optimizer steps per batch (the
-   public code counts optimizer steps: the same with one per batch). As the
-   code, the soft update after the i-th step (i = 1, 2, ...) uses eta_i, so the
-   first one already uses 0.001 (this recipe used eta_0 = 0 there before).
-
-Defaults, and what was changed from the paper's for the built-in toy task (toy-digits,
-8 prompts x 16 samples, ODE with 10 steps, full fine-tune; held-out eval reward at
-guidance 1, base 0.48, judge digit_svc 0.57; measured on the 2-core machines, seed 0
-unless said):
-
-- learning_rate 5e-4 (paper 3e-4): 3e-4 gives 0.89-0.91 at step 30 and 0.93-0.95 at
-  40-70; 5e-4 gives 0.94 at 30, 0.97 at 40, 0.98 at 60-80 (seed 1: 0.95 at 20, 0.97 at
-  40, 0.99 at 50). 1e-3 reaches 0.96-0.97 by step 30, then swings between 0.93 and
-  0.98: the instability of a nearly on-policy run (paper Fig. 8).
-- timesteps_per_sample 2 (public code: 9 of 10): one or two times per sample learnt
-  alike per step here; two cost 2/9 of the training forwards of nine.
-- steps 50 (was 60): with the soft update that starts at eta 0.001, eval 0.966 at step 50
-  and 0.981 at 60, but eval/diversity (pixel std across a prompt's seeds) 0.069 at 50
-  and 0.061 at 60, under half the base's 0.131 (docs/tuning_nft.md). Before that
-  change, 60 steps gave 0.977 (seed 0) and 0.985 (seed 1), judge 0.57 -> 0.93.
-- The eta schedule is the paper's; it stays under 0.06 in 60 steps, so with one
-  optimizer step per rollout batch (minibatch_size 128 = the batch) v_theta is v_old
-  at nearly every forward, beta hardly matters, and each update is the
-  advantage-weighted flow-matching step of item 1. At lr 1e-3, a constant eta = 0.5
-  learnt slower (0.93 at step 60), so did four optimizer steps per batch
-  (minibatch_size 32: 0.91 at step 40), and 16 prompts x 8 samples fell back to 0.78.
-
-configs/toy_numbers_nft.yaml (toy-numbers, GRPO's rollout budget of 8 x 16) raises
-learning_rate to 1e-3. `python benchmarks/time_to_target.py` (eval every 5 steps, 2
-quiet cores, seed 0): eval reward 0.198 -> 0.480 (step 5), 0.748 (10), 0.879 (15),
-0.945 (30), 0.962 (60); number_svc judge 0.255 -> 0.811 at step 15, 0.860 at 60.
-Target 0.8 at step 15 in 4.3 s against GRPO's step 80 in 54.4 s. Seeds 1 and 2: first
->= 0.8 at step 15 too (0.828 and 0.889), judge there 0.723 and 0.814. Tried and not
-kept (seeds 0-2): kl_beta 0.1 (judge at target 0.78-0.79, final reward 0.90), kl_beta
-1.0 (never reaches 0.8: 0.46 at step 60), learning_rate 5e-4 (step 25, judge 0.815 and
-0.714 on seeds 0 and 1).
+Usage, the equations and deviations in full, logged metrics and the measured runs:
+docs/recipes/nft.md; the toy default's tuning: docs/tuning_nft.md.
 """
 
 from __future__ import annotations
