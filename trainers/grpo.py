@@ -467,6 +467,18 @@ def rollout_window(cfg: Config, step: int, row: int) -> tuple[int, int] | None:
     return cfg.sampling.sde_window
 
 
+def window_request(cfg: Config, step: int, row: int) -> dict:
+    """The request fields of trajectory `row`'s rollout at `step`: its SDE window, and (sampling.cache_threshold /
+    early_exit) the plain loop when that window reaches the last step: the adaptive loop skips only the ODE steps
+    after a window, and such a window leaves none."""
+    window = rollout_window(cfg, step, row)
+    fields = {"sde_window": window}
+    adaptive = cfg.sampling.cache_threshold > 0 or cfg.sampling.early_exit is not None
+    if adaptive and window[1] >= cfg.sampling.steps:
+        fields.update(cache_threshold=0.0, early_exit=None)
+    return fields
+
+
 def rows_at(trained: torch.Tensor, j: int) -> list[int]:
     """The rows (of a minibatch's [b, T] trained mask) trained at step j: the ones its forward runs on."""
     return trained[:, j].nonzero().flatten().tolist()
@@ -621,6 +633,10 @@ def check_window_keys(cfg: Config, checks) -> None:
         if tc.variant == "flow_grpo" and cfg.sampling.sde_window is None:
             checks.fail("train.flash_compress needs ODE steps after the SDE window: use train.variant=mixgrpo or "
                         "fast, or a sampling.sde_window that ends before the last step")
+        if cfg.sampling.cache_threshold > 0 or cfg.sampling.early_exit is not None:
+            checks.fail("train.flash_compress with sampling.cache_threshold / early_exit: both change the ODE steps "
+                        "after the window (Flash compresses them, the cache skips model calls on them); set "
+                        "train.flash_compress=null or sampling.cache_threshold=0 and early_exit=null")
         if cfg.async_rollouts:
             checks.fail("train.flash_compress with async_rollouts=true: the engine process has no Flash solver; "
                         "set async_rollouts=false or train.flash_compress=null")
@@ -677,7 +693,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformer, optimizer = run.prepare(policy, optimizer)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     if cfg.train.variant != "flow_grpo":  # the window of each step's rollouts, a function of the step alone
-        rollouts.flywheel.request_overrides = lambda step, row: {"sde_window": rollout_window(cfg, step, row)}
+        rollouts.flywheel.request_overrides = lambda step, row: window_request(cfg, step, row)
     rollouts.engine.flash_compress = cfg.train.flash_compress  # rollouts only: evaluation samples the ODE
     share_cores = cpu_core_sharing(rollouts.collector, run.accelerator)
 
