@@ -5,10 +5,15 @@ every seed.
     python benchmarks/time_to_target.py --quick                    # one seed, under 3 minutes (see QUICK below)
     python benchmarks/time_to_target.py --recipes grpo,nft --out-dir runs/ttt    # keep the run dirs
     python benchmarks/time_to_target.py --configs 'configs/toy_{recipe}.yaml' -- steps=40   # toy-digits
+    python benchmarks/time_to_target.py --cached         # also nft+cache, awm+cache, dpo+cache (cached rollouts)
 
 What runs: each recipe as its own process (`python trainers/<recipe>.py --config
-configs/toy_numbers_<recipe>.yaml ...`; the GRPO options mixgrpo, grpo_fast and
-grpo_guard run trainers/grpo.py with their own config), one after another so each has every
+configs/toy_numbers_<recipe>.yaml ...`; the GRPO options mixgrpo, grpo_fast,
+grpo_guard and dppo run trainers/grpo.py with their own config; `<recipe>+cache`, for
+the recipes that train no per-step log-probs (nft, awm, dpo: `--cached` adds one for
+each of them that runs, or name it in `--recipes`), runs the recipe's own config with
+its training rollouts through the adaptive loop, `sampling.cache_threshold=
+--cache-threshold`, default 0.15), one after another so each has every
 core, with its own documented default config for this task (how each was tuned
 is written in that file), the same `seed`, an evaluation every `--eval-every`
 steps, no tracker, and sample grids and checkpoints only at the end (harness
@@ -104,10 +109,15 @@ from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, R
 from benchmarks.report import add_report_args, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
 from flywheel.runs.rundir import atomic_write_bytes  # noqa: E402
 
-DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard")
+DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard", "dppo")
 # Entries that are options of another recipe's trainer: name -> trainers/<trainer>.py. A name that is not
 # here runs trainers/<name>.py. Each still has its own configs/toy_numbers_<name>.yaml.
-VARIANT_TRAINERS = {"mixgrpo": "grpo", "grpo_fast": "grpo", "grpo_guard": "grpo"}
+VARIANT_TRAINERS = {"mixgrpo": "grpo", "grpo_fast": "grpo", "grpo_guard": "grpo", "dppo": "grpo"}
+# `<recipe>+cache`: the recipe's config with cached training rollouts (sampling.cache_threshold), offered for the
+# recipes whose rollouts are ODE samples they train no per-step log-probs of (GRPO's steps are all stochastic).
+CACHED_SUFFIX = "+cache"
+DECOUPLED_RECIPES = ("nft", "awm", "dpo")
+DEFAULT_CACHE_THRESHOLD = 0.15  # the adaptive loop's toy eval: 1.89x images/s, reward within 0.01 (README)
 BASELINE = "grpo"
 DEFAULT_CONFIGS = "configs/toy_numbers_{recipe}.yaml"
 PREFERRED_JUDGE = "number_svc"  # toy-numbers' SVC judge; other cards: the run's first judge
@@ -421,9 +431,19 @@ def results_json(results: list[TargetResult] | dict[int, list[TargetResult]], ta
 # ---------------------------------------------------------------------------
 
 
+def base_recipe(recipe: str) -> str:
+    """The recipe an entry runs the config of: `nft` for `nft+cache`, else the entry itself."""
+    return recipe[:-len(CACHED_SUFFIX)] if recipe.endswith(CACHED_SUFFIX) else recipe
+
+
 def trainer_of(recipe: str) -> str:
     """The trainer module a benchmark entry runs: its own name, or the recipe it is an option of."""
-    return VARIANT_TRAINERS.get(recipe, recipe)
+    return VARIANT_TRAINERS.get(base_recipe(recipe), base_recipe(recipe))
+
+
+def recipe_overrides(recipe: str, cache_threshold: float) -> list[str]:
+    """What an entry adds to its recipe's config (before the user's overrides): the cache of `<recipe>+cache`."""
+    return [f"sampling.cache_threshold={cache_threshold}"] if recipe.endswith(CACHED_SUFFIX) else []
 
 
 def recipe_missing(recipe: str, config_path: Path) -> str | None:
@@ -439,7 +459,7 @@ def recipe_missing(recipe: str, config_path: Path) -> str | None:
 
 
 def config_path_for(pattern: str, recipe: str) -> Path:
-    path = Path(pattern.format(recipe=recipe))
+    path = Path(pattern.format(recipe=base_recipe(recipe)))
     return path if path.is_absolute() else ROOT / path
 
 
@@ -673,6 +693,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", help=f"comma-separated recipes (default: those of {','.join(DEFAULT_RECIPES)} "
                                           "that have a main() and a config)")
+    parser.add_argument("--cached", action="store_true",
+                        help=f"also run <recipe>{CACHED_SUFFIX} for each of {', '.join(DECOUPLED_RECIPES)} that runs: "
+                             "its config with cached training rollouts (sampling.cache_threshold)")
+    parser.add_argument("--cache-threshold", type=float, default=DEFAULT_CACHE_THRESHOLD,
+                        help=f"sampling.cache_threshold of the {CACHED_SUFFIX} entries (default "
+                             f"{DEFAULT_CACHE_THRESHOLD}), in (0, 1]")
     parser.add_argument("--target", type=float, help=f"eval reward to reach (default 0.8; --quick: {QUICK.target})")
     parser.add_argument("--min-judge", type=float,
                         help=f"judge at target a recipe needs to count as best (default 0.8; --quick: "
@@ -725,6 +751,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--seeds must name distinct integers >= 0")
     else:
         args.seeds = [args.seed] if args.seed is not None else [QUICK_SEED] if args.quick else list(FULL_SEEDS)
+    if not 0 < args.cache_threshold <= 1:
+        parser.error(f"--cache-threshold must be in (0, 1] (0 would be the plain loop), got {args.cache_threshold}")
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1, got {args.eval_every}")
     if args.stop_after_target is not None and args.stop_after_target < 0:
@@ -739,8 +767,14 @@ def choose_recipes(args: argparse.Namespace) -> list[tuple[str, Path]]:
     asked = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
     chosen = []
     for recipe in asked or DEFAULT_RECIPES:
-        if not re.fullmatch(r"[a-z0-9_]+", recipe):
-            raise BenchmarkError(f"--recipes: {recipe!r} is not a recipe name (trainers/<name>.py)")
+        if not re.fullmatch(r"[a-z0-9_]+(\+cache)?", recipe):
+            raise BenchmarkError(f"--recipes: {recipe!r} is not a recipe name (trainers/<name>.py, or "
+                                 f"<name>{CACHED_SUFFIX})")
+        if recipe.endswith(CACHED_SUFFIX) and base_recipe(recipe) not in DECOUPLED_RECIPES:
+            raise BenchmarkError(f"--recipes {recipe}: cached rollouts are for the recipes that train no per-step "
+                                 f"log-probs ({', '.join(DECOUPLED_RECIPES)}); a GRPO rollout skips model calls "
+                                 "only after its SDE window (set sampling.sde_window and sampling.cache_threshold "
+                                 "in its config instead)")
         path = config_path_for(args.configs, recipe)
         missing = recipe_missing(recipe, path)
         if missing and asked:
@@ -749,6 +783,9 @@ def choose_recipes(args: argparse.Namespace) -> list[tuple[str, Path]]:
             print(f"skipping {recipe}: {missing}")
             continue
         chosen.append((recipe, path))
+    if args.cached:
+        chosen += [(recipe + CACHED_SUFFIX, path) for recipe, path in list(chosen) if recipe in DECOUPLED_RECIPES
+                   and (recipe + CACHED_SUFFIX, path) not in chosen]
     if not chosen:
         raise BenchmarkError(f"no recipe to run: none of {', '.join(DEFAULT_RECIPES)} has a trainer with a main() "
                              f"and a config matching {args.configs}")
@@ -764,9 +801,12 @@ def seed_dir(out_dir: Path, seed: int) -> Path:
 
 def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     recipes = choose_recipes(args)
-    overrides = {seed: harness_overrides(seed, args.eval_every, args.quick, args.overwrite) + list(args.overrides)
-                 for seed in args.seeds}
-    configs = {recipe: resolve_recipe_config(recipe, path, overrides[args.seeds[0]]) for recipe, path in recipes}
+    # Per seed and entry: the harness's, the entry's own (its cache), then the user's, so the user's win.
+    overrides = {seed: {recipe: harness_overrides(seed, args.eval_every, args.quick, args.overwrite)
+                        + recipe_overrides(recipe, args.cache_threshold) + list(args.overrides)
+                        for recipe, _ in recipes} for seed in args.seeds}
+    configs = {recipe: resolve_recipe_config(recipe, path, overrides[args.seeds[0]][recipe])
+               for recipe, path in recipes}
     settings = {recipe: comparable_settings(cfg) for recipe, cfg in configs.items()}
     check_agreement(settings)
     for seed in args.seeds:
@@ -779,7 +819,8 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     if args.check_only:
         print("the configs agree: " + ", ".join(f"{k}={v}" for k, v in first.items()))
         for recipe, _ in recipes:
-            print(f"  {recipe}: {configs[recipe].steps} steps")
+            cache = configs[recipe].sampling.cache_threshold
+            print(f"  {recipe}: {configs[recipe].steps} steps" + (f", sampling.cache_threshold={cache:g}" if cache else ""))
         print(f"  seeds: {','.join(map(str, args.seeds))}")
         return {}
 
@@ -792,7 +833,7 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         for recipe, path in recipes:
             print(f"running {recipe} seed {seed} ({path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}, "
                   f"{configs[recipe].steps} steps) ...", flush=True)
-            seconds, early = run_recipe(recipe, path, folder / recipe, overrides[seed], folder / f"{recipe}.log",
+            seconds, early = run_recipe(recipe, path, folder / recipe, overrides[seed][recipe], folder / f"{recipe}.log",
                                         stop_after)
             process_s[recipe].append(seconds)
             stopped[recipe].append(early)

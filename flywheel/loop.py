@@ -192,6 +192,9 @@ class Flywheel:
                                                                     all_gather_cat(usable.to(torch.uint8)))),
                    "diversity": group_diversity(trajectory.images, group_ids),
                    "weight_version": trajectory.weight_version, **rewards.metrics()}
+        if trajectory.steps_computed is not None and any(r.adaptive for r in requests):
+            # sampling.cache_threshold / early_exit: the model calls per rollout the adaptive loop made
+            metrics["rollout/model_calls"] = float(trajectory.steps_computed.float().mean())
         return RolloutBatch(trajectory, rewards, advantages.to(trajectory.latents.device),
                             usable.to(trajectory.latents.device), group_ids, metrics)
 

@@ -235,6 +235,32 @@ def test_grpo_options_run_grpo_with_their_own_config(tmp_path, capsys):
         ttt.resolve_recipe_config("grpo_fast", ROOT / "configs" / "toy_grpo_fast.yaml", ["train.variant=nosuch"])
 
 
+def test_dppo_is_a_grpo_option_in_the_default_ranking():
+    assert "dppo" in ttt.DEFAULT_RECIPES and ttt.trainer_of("dppo") == "grpo"
+    cfg = ttt.resolve_recipe_config("dppo", ttt.config_path_for(ttt.DEFAULT_CONFIGS, "dppo"), [])
+    assert cfg.train.policy_loss == "dppo"
+
+
+def test_cached_entries_run_their_recipes_config_with_the_cache(tmp_path, capsys):
+    args = ttt.parse_args(["--recipes", "grpo,nft,dpo", "--cached"])
+    chosen = ttt.choose_recipes(args)
+    assert [r for r, _ in chosen] == ["grpo", "nft", "dpo", "nft+cache", "dpo+cache"]
+    assert dict(chosen)["nft+cache"] == dict(chosen)["nft"] == ROOT / "configs" / "toy_numbers_nft.yaml"
+    assert ttt.trainer_of("nft+cache") == "nft" and ttt.base_recipe("awm+cache") == "awm"
+    assert ttt.recipe_overrides("awm+cache", 0.2) == ["sampling.cache_threshold=0.2"]
+    assert ttt.recipe_overrides("awm", 0.2) == []
+    cfg = ttt.resolve_recipe_config("dpo+cache", dict(chosen)["dpo"], ttt.recipe_overrides("dpo+cache", 0.15))
+    assert cfg.sampling.cache_threshold == 0.15 and cfg.sampling.sampler == "ode"
+    # Named directly, without --cached; GRPO's rollouts are refused (every step stochastic).
+    assert [r for r, _ in ttt.choose_recipes(ttt.parse_args(["--recipes", "awm+cache"]))] == ["awm+cache"]
+    with pytest.raises(ttt.BenchmarkError, match="grpo\\+cache: cached rollouts are for the recipes that train"):
+        ttt.choose_recipes(ttt.parse_args(["--recipes", "grpo+cache"]))
+    with pytest.raises(SystemExit):
+        ttt.parse_args(["--cached", "--cache-threshold", "0"])
+    assert ttt.main(["--recipes", "grpo,awm", "--cached", "--check-only", "--out-dir", str(tmp_path / "runs")]) == 0
+    assert "awm+cache: 120 steps, sampling.cache_threshold=0.15" in capsys.readouterr().out
+
+
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
     args = ttt.parse_args(["--recipes", "grpo,nosuch", "--configs", "configs/toy_{recipe}.yaml"])
     with pytest.raises(ttt.BenchmarkError, match="nosuch.*trainers/nosuch.py does not exist"):

@@ -61,6 +61,7 @@ from engine.loop import guided_velocity
 from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_std
 from flywheel.cli import run_main
 from flywheel.loop import RolloutBatch
+from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.policy import build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,
@@ -124,6 +125,13 @@ class GRPOConfig(OptimConfig):
     guard: bool = False
     """GRPO-Guard (arXiv 2510.22319): ratio normalisation (the per-step bias and scale of the log-ratio removed)
     and 1/|dt| gradient reweighting of each step's policy term; its ratios are small: use a smaller clip_range"""
+    policy_loss: Literal["clip", "dppo"] = "clip"
+    """"clip": PPO's ratio clip (clip_range); "dppo": Flow-DPPO (arXiv 2606.11025, flywheel/recipe/dppo.py), no
+    clip: a sample-step's gradient is dropped once its exact Gaussian KL to the behaviour policy passes
+    dppo_kl_threshold in the direction of its advantage (acts only when an update takes several optimizer steps)"""
+    dppo_kl_threshold: float = 1e-5
+    """policy_loss=dppo: the trust region's bound on the per-step KL (mean over the latent's elements) to the
+    behaviour policy (verl-omni's default kl_mask_threshold; Flow-Factory's is 1e-6)"""
 
 
 @dataclass
@@ -207,6 +215,13 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     KL of two Gaussians with the same std: |mu - mu_ref|^2 / (2 std^2) per element
     ("exact"), or Flow-GRPO's form, which divides by 2 sigma_t^2 where the
     transition's variance is sigma_t^2·|dt| (its issue #78): the exact KL times |dt|.
+
+    Flow-DPPO (`cfg.policy_loss == "dppo"`, flywheel/recipe/dppo.py): the PPO-clip
+    term is replaced by -A·r·M, M dropping a sample once its exact KL to the
+    behaviour policy, mean(|mu - mu_old|^2)/(2 s^2), passes `cfg.dppo_kl_threshold`
+    in the direction of its advantage. mu_old is `old_mean` as for Guard (None: the
+    current means, KL 0, nothing dropped); with async rollouts it and the ratio are
+    the proximal policy's, and the importance weight corrects for the lag.
     """
     log_prob, mean, std, cond, uncond_cond = step_policy(model, transformer, traj, j, cfg.cfg_in_train)
     t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
@@ -222,11 +237,16 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
         is_weight = torch.ones_like(ratio)
     else:
         is_weight = torch.exp(proximal - behaviour).clamp(max=cfg.importance_cap)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
     average = usable.float() / usable.float().sum().clamp(min=1.0)
     weight = average if weight is None else weight
-    loss = (is_weight * torch.maximum(unclipped, clipped) * weight).sum()
+    if cfg.policy_loss == "dppo":
+        mean_old = mean.detach() if old_mean is None else old_mean
+        kl_old = gaussian_kl(mean.detach(), mean_old, std**2)
+        loss, keep = dppo_loss(ratio, advantages, kl_old, cfg.dppo_kl_threshold, is_weight * weight)
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
+        loss = (is_weight * torch.maximum(unclipped, clipped) * weight).sum()
     if cfg.guard:
         loss = loss / (t - t_next)
 
@@ -246,13 +266,18 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     stats = {
         "loss": loss.detach(),
         "ratio/mean": (ratio.detach() * average).sum(),
-        "clipfrac": ((deviation > cfg.clip_range).float() * average).sum(),
         # Exactly 0 on the first minibatch of a step: the rollout's (or proximal) weights, recomputed.
         "ratio/max_dev": (deviation * usable).max(),
         # Trainer-vs-rollout log-prob gap: 0 on-policy, the policy's drift when rollouts lag.
         "logprob_gap/max": ((log_prob.detach() - behaviour).abs() * usable).max(),
         "is_weight/mean": (is_weight * average).sum(),
     }
+    if cfg.policy_loss == "dppo":  # the fraction of usable samples the mask dropped, and their KL to mu_old
+        stats["dppo/masked_frac"] = ((~keep).float() * average).sum()
+        stats["dppo/kl_old"] = (kl_old * average).sum()
+        stats["dppo/kl_old/max"] = (kl_old * usable).max()
+    else:
+        stats["clipfrac"] = ((deviation > cfg.clip_range).float() * average).sum()
     if ref_velocity is not None:  # measured (train.kl_beta > 0 or train.log_kl); otherwise no "kl" key, not a 0
         stats["kl"] = kl.detach()
     if cfg.guard:
@@ -376,6 +401,18 @@ def rollout_window(cfg: Config, step: int, row: int) -> tuple[int, int] | None:
     return cfg.sampling.sde_window
 
 
+def window_request(cfg: Config, step: int, row: int) -> dict:
+    """The request fields of trajectory `row`'s rollout at `step`: its SDE window, and (sampling.cache_threshold /
+    early_exit) the plain loop when that window reaches the last step: the adaptive loop skips only the ODE steps
+    after a window, and such a window leaves none."""
+    window = rollout_window(cfg, step, row)
+    fields = {"sde_window": window}
+    adaptive = cfg.sampling.cache_threshold > 0 or cfg.sampling.early_exit is not None
+    if adaptive and window[1] >= cfg.sampling.steps:
+        fields.update(cache_threshold=0.0, early_exit=None)
+    return fields
+
+
 def rows_at(trained: torch.Tensor, j: int) -> list[int]:
     """The rows (of a minibatch's [b, T] trained mask) trained at step j: the ones its forward runs on."""
     return trained[:, j].nonzero().flatten().tolist()
@@ -427,11 +464,11 @@ def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer
     per_row = trained.sum(1)
     grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
     minibatches = grads.minibatches(len(traj))
-    # The policy before any optimizer step: async's proximal policy, and Guard's mu_old once the weights move
-    # within the update (before that, the current means are mu_old exactly).
+    # The policy before any optimizer step: async's proximal policy, and Guard's and DPPO's mu_old once the
+    # weights move within the update (before that, the current means are mu_old exactly).
     several_steps = len(minibatches) > grads.accumulation
     start = (start_of_update_steps(model, transformer, traj, minibatches, trained, tc.cfg_in_train)
-             if cfg.async_rollouts or (tc.guard and several_steps) else None)
+             if cfg.async_rollouts or ((tc.guard or tc.policy_loss == "dppo") and several_steps) else None)
     for m, rows in enumerate(minibatches):
         sub, mask = traj.select(rows), trained[rows]
         adv, usable = batch.advantages[rows], batch.usable[rows]
@@ -481,6 +518,7 @@ def validate_config(cfg: Config) -> None:
         checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
                     "train.kl_form=exact")
     check_window_keys(cfg, checks)
+    check_dppo_keys(cfg, checks)
     if cfg.train.guard and card_flag(cfg.model.card, "audio"):
         checks.fail(f"train.guard=true with model.card={cfg.model.card}: GRPO-Guard rescales each step by its one "
                     "transition std, and a joint audio+video card has one per modality (its video-only path "
@@ -493,6 +531,33 @@ def validate_config(cfg: Config) -> None:
     checks.raise_if_any()
 
 
+def check_dppo_keys(cfg: Config, checks) -> None:
+    """train.policy_loss=dppo's keys: a threshold >= 0, and no key of the other loss set (it would be ignored)."""
+    tc, defaults = cfg.train, GRPOConfig()
+    checks.require("train.dppo_kl_threshold", lambda v: v >= 0,
+                   "must be >= 0 (the bound on the per-step KL to the behaviour policy)")
+    if tc.policy_loss == "dppo":
+        if tc.clip_range != defaults.clip_range:
+            checks.fail(f"train.clip_range={tc.clip_range} with train.policy_loss=dppo: DPPO has no ratio clip, "
+                        "so it would be ignored; set train.dppo_kl_threshold instead, or train.policy_loss=clip")
+        if tc.guard:
+            checks.fail("train.guard=true with train.policy_loss=dppo: GRPO-Guard rescales PPO's clipped ratio and "
+                        "DPPO has no clip; choose one (train.guard=false or train.policy_loss=clip)")
+    elif tc.dppo_kl_threshold != defaults.dppo_kl_threshold:
+        checks.fail(f"train.dppo_kl_threshold={tc.dppo_kl_threshold} with train.policy_loss={tc.policy_loss}: the "
+                    "threshold is DPPO's and would be ignored; set train.policy_loss=dppo, or leave it unset")
+
+
+def dppo_mask_can_act(cfg: Config, world_size: int) -> bool:
+    """Whether an update takes several optimizer steps (or lags, async), the only case where DPPO's KL to the
+    behaviour policy can be above 0: with one step per rollout every sample is on-policy when it is trained."""
+    rows = cfg.data.prompts_per_step * cfg.data.group_size // max(1, world_size)
+    minibatches = -(-rows // cfg.train.minibatch_size)
+    per_step = (minibatches // cfg.train.updates_per_rollout if cfg.train.updates_per_rollout
+                else cfg.train.gradient_accumulation_steps)
+    return cfg.async_rollouts or minibatches > per_step
+
+
 def check_window_keys(cfg: Config, checks) -> None:
     """The keys of the mixgrpo and fast variants (their windows must fit the rollout's steps) and of Flash."""
     tc = cfg.train
@@ -502,6 +567,10 @@ def check_window_keys(cfg: Config, checks) -> None:
         if tc.variant == "flow_grpo" and cfg.sampling.sde_window is None:
             checks.fail("train.flash_compress needs ODE steps after the SDE window: use train.variant=mixgrpo or "
                         "fast, or a sampling.sde_window that ends before the last step")
+        if cfg.sampling.cache_threshold > 0 or cfg.sampling.early_exit is not None:
+            checks.fail("train.flash_compress with sampling.cache_threshold / early_exit: both change the ODE steps "
+                        "after the window (Flash compresses them, the cache skips model calls on them); set "
+                        "train.flash_compress=null or sampling.cache_threshold=0 and early_exit=null")
         if cfg.async_rollouts:
             checks.fail("train.flash_compress with async_rollouts=true: the engine process has no Flash solver; "
                         "set async_rollouts=false or train.flash_compress=null")
@@ -547,13 +616,18 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="grpo")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="grpo")
+    if cfg.train.policy_loss == "dppo" and not dppo_mask_can_act(cfg, run.accelerator.num_processes):
+        print("warning: train.policy_loss=dppo with one optimizer step per rollout: every sample is trained on-policy "
+              "(KL 0 to the behaviour policy), so the mask never acts and the loss is the unclipped policy gradient; "
+              "lower train.minibatch_size (or set train.updates_per_rollout > 1) for a trust region that acts",
+              file=sys.stderr, flush=True)
     policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0 or cfg.train.log_kl)
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     if cfg.train.variant != "flow_grpo":  # the window of each step's rollouts, a function of the step alone
-        rollouts.flywheel.request_overrides = lambda step, row: {"sde_window": rollout_window(cfg, step, row)}
+        rollouts.flywheel.request_overrides = lambda step, row: window_request(cfg, step, row)
     rollouts.engine.flash_compress = cfg.train.flash_compress  # rollouts only: evaluation samples the ODE
     share_cores = cpu_core_sharing(rollouts.collector, run.accelerator)
 

@@ -89,6 +89,13 @@ class SamplingConfig:
     eval_cache_threshold: float = 0.0
     """evaluate with the adaptive loop (engine/adaptive.py): skip the model while a sample's velocity is estimated
     to change by less than this (relative); 0 = the plain loop. Metrics rows then carry eval/model_calls"""
+    cache_threshold: float = 0.0
+    """training rollouts through the adaptive loop (engine/adaptive.py), as eval_cache_threshold: every step of an
+    ODE rollout (nft, awm, dpo: they train no per-step log-probs), only the ODE steps after the SDE window of a
+    GRPO rollout (its trained steps stay exact); 0 = the plain loop. Metrics rows then carry rollout/model_calls"""
+    early_exit: float | None = None
+    """training rollouts: stop calling the model for a sample once its predicted image would change by less than
+    this until t = 0 (the adaptive loop's early exit, on the same steps as cache_threshold); null = never"""
     height: int | None = None
     """image / video height in pixels; None uses the card's native size"""
     width: int | None = None
@@ -241,6 +248,7 @@ def check_shared_sections(cfg) -> ConfigChecks:
         checks.require(key, lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
     checks.require("sampling.eval_cache_threshold", lambda v: 0 <= v <= 1,
                    "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
+    check_rollout_cache_keys(cfg, checks)
     checks.require("sampling.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
     checks.require("sampling.sde_window", lambda w: 0 <= w[0] < w[1] <= cfg.sampling.steps,
                    f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
@@ -344,6 +352,28 @@ def check_audio_keys(cfg, checks: ConfigChecks) -> None:
                    "must be in [0, 10] or null (0 = deterministic audio steps)", allow_none=True)
 
 
+def check_rollout_cache_keys(cfg, checks) -> None:
+    """sampling.cache_threshold / early_exit: in range, and on steps the adaptive loop may skip. A stochastic
+    rollout may skip only the ODE steps after its SDE window; a recipe that places the windows itself (GRPO's
+    mixgrpo and fast variants) turns the cache off for a window that reaches the last step."""
+    sampling = cfg.sampling
+    checks.require("sampling.cache_threshold", lambda v: 0 <= v <= 1,
+                   "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
+    checks.require("sampling.early_exit", lambda v: 0 < v <= 1,
+                   "must be in (0, 1] (the predicted image's relative change still to come), or null for none",
+                   allow_none=True)
+    adaptive = sampling.cache_threshold > 0 or sampling.early_exit is not None
+    places_windows = getattr(cfg.train, "variant", "flow_grpo") != "flow_grpo"
+    window_end = sampling.sde_window[1] if sampling.sde_window is not None else sampling.steps
+    if adaptive and sampling.sampler != "ode" and not places_windows and window_end >= sampling.steps:
+        checks.fail(f"sampling.cache_threshold / early_exit with sampling.sampler={sampling.sampler} and "
+                    f"sampling.sde_window={None if sampling.sde_window is None else list(sampling.sde_window)}: a "
+                    "stochastic rollout skips model calls only on the ODE steps after its SDE window (a trained "
+                    "step's log-prob needs its own call), and this window leaves none; set an sde_window ending "
+                    "before sampling.steps, sampler=ode (recipes that train no per-step log-probs: nft, awm, dpo), "
+                    "or cache_threshold=0 and early_exit=null")
+
+
 def audio_request_kwargs(sampling: SamplingConfig) -> dict:
     """The audio fields of a request: none without sound, so video-only cards see unchanged requests."""
     if not sampling.audio:
@@ -359,6 +389,8 @@ def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
                   **audio_request_kwargs(sampling))
     if sampling.audio:
         kwargs["audio_noise_level"] = sampling.audio_noise_level
+    if sampling.cache_threshold > 0 or sampling.early_exit is not None:  # the plain loop's requests otherwise
+        kwargs.update(cache_threshold=sampling.cache_threshold, early_exit=sampling.early_exit)
     return kwargs
 
 
@@ -367,4 +399,4 @@ def eval_request_kwargs(sampling: SamplingConfig) -> dict:
     window: the rollouts' window may not fit sampling.eval_steps, and an ODE has none)."""
     return {"sampler": "ode", "guidance_scale": sampling.eval_guidance_scale,
             "steps": sampling.eval_steps or sampling.steps, "sde_window": None, "audio_noise_level": None,
-            "cache_threshold": sampling.eval_cache_threshold}
+            "cache_threshold": sampling.eval_cache_threshold, "early_exit": None}
