@@ -87,7 +87,11 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
     ref_velocity = None
     if mc.finetune == "lora":
         check_lora_targets(cfg, transformer, lora_targets(cfg))
-        add_lora(transformer, mc.lora_rank, mc.lora_alpha, lora_targets(cfg), init=mc.lora_init)
+        # peft draws A from torch's global generator, which no recipe seeds: seeded here from the run's seed,
+        # a LoRA run starts from the same adapter every time (and the caller's generator is left as it was).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            add_lora(transformer, mc.lora_rank, mc.lora_alpha, lora_targets(cfg), init=mc.lora_init)
         if reference:
             def ref_velocity(x, t, cond, uncond_cond=None, g=1.0):  # the base model = adapter switched off
                 with adapters_disabled(transformer):
