@@ -38,10 +38,11 @@ PIPELINE = "Flux2KleinPipeline"
 COMPONENTS = {"transformer": "model", "vae": "model", "scheduler": "scheduler", "text_encoder": "model",
               "tokenizer": "tokenizer"}
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length: every prompt is padded to it
-# The joint (double-stream) blocks' attention on both streams, and the single-stream blocks' fused
-# QKV+MLP input and output projections.
+# The joint (double-stream) blocks' attention on both streams, and the single-stream blocks' fused QKV+MLP
+# input projection. (Their output projection is `attn.to_out`, a name that also ends the double-stream
+# blocks' to_out ModuleList, which peft cannot adapt: it is left out.)
 LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj", "attn.to_out"]
+                "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj"]
 
 
 def empirical_mu(image_seq_len: int, steps: int) -> float:
