@@ -76,19 +76,20 @@ def pipeline_latents(card, pipe, noise, steps, guidance):
 
     flux2-klein: the pipeline takes only "" as a negative prompt text, so the negatives go in as its own
     embeddings; its latent output is the VAE's (de-normalised, patches unfolded), compared as such.
-    z-image: the pipeline's guidance_scale is the engine's minus 1.
+    z-image: the pipeline's guidance_scale is the engine's minus 1. Every pipeline gets copies of the prompt
+    lists: ZImagePipeline writes its chat template into the list it is given.
     """
     with torch.no_grad():
         if card == "flux2-klein":
-            negative = pipe.encode_prompt(NEGATIVES, device="cpu")[0]
-            return pipe(prompt=PROMPTS, negative_prompt_embeds=negative, latents=noise, num_inference_steps=steps,
+            negative = pipe.encode_prompt(list(NEGATIVES), device="cpu")[0]
+            return pipe(prompt=list(PROMPTS), negative_prompt_embeds=negative, latents=noise, num_inference_steps=steps,
                         guidance_scale=guidance, output_type="latent", **SIZES[card]).images
         if card == "z-image":
-            return pipe(prompt=PROMPTS, negative_prompt=NEGATIVES, latents=noise, num_inference_steps=steps,
-                        guidance_scale=guidance - 1.0, output_type="latent", **SIZES[card]).images
+            return pipe(prompt=list(PROMPTS), negative_prompt=list(NEGATIVES), latents=noise,
+                        num_inference_steps=steps, guidance_scale=guidance - 1.0, output_type="latent", **SIZES[card]).images
         size = SIZES[card]
-        return pipe(prompt=PROMPTS, negative_prompt=NEGATIVES, latents=noise, num_inference_steps=steps,
-                    guidance_scale=guidance, output_type="latent", height=size["height"], width=size["width"],
+        return pipe(prompt=list(PROMPTS), negative_prompt=list(NEGATIVES), latents=noise,
+                    num_inference_steps=steps, guidance_scale=guidance, output_type="latent", height=size["height"], width=size["width"],
                     num_frames=size["frames"]).frames
 
 
@@ -231,7 +232,7 @@ def test_z_image_captions_keep_only_real_tokens(models):
     with torch.no_grad():
         cond = model.encode_prompts(PROMPTS)
         alone = model.encode_prompts(PROMPTS[1:2])
-        rows = model.pipe._encode_prompt(prompt=PROMPTS, device="cpu")
+        rows = model.pipe._encode_prompt(prompt=list(PROMPTS), device="cpu")
     assert cond.embeds.shape[1] == model.max_sequence_length and cond.mask.dtype == torch.bool
     assert cond.mask.sum(1).tolist() == [r.shape[0] for r in rows] and len({r.shape[0] for r in rows}) == 3
     n = rows[1].shape[0]
@@ -280,11 +281,14 @@ def test_model_experts_is_refused_on_a_one_transformer_card(tmp_path):
 # ---- LoRA runs ----------------------------------------------------------------------------------
 
 def grpo_args(card, folder, run_dir, prompts, *extra):
+    """A 3-step LoRA run; Wan2.2 rolls out 4 steps (flow times 1, .973, .923 on the high-noise expert, .8 on
+    the low-noise one; 2 steps would stay above the boundary)."""
     size = SIZES[card]
     frames = [f"sampling.frames={size['frames']}"] if "frames" in size else []
+    steps = STEPS if card == "wan2.2-t2v" else 2
     return [f"run_dir={run_dir}", f"model.card={card}", f"model.path={folder}", "tracker=none", "steps=3",
             f"data.prompts={prompts}", f"data.eval_prompts={prompts}", "data.prompts_per_step=2", "data.group_size=2",
-            "sampling.steps=2", "sampling.eval_seeds=1", "sampling.eval_steps=2", "eval_every=1000",
+            f"sampling.steps={steps}", "sampling.eval_seeds=1", "sampling.eval_steps=2", "eval_every=1000",
             "sample_every=1000", "rewards=jpeg_compressibility:1.0", "model.finetune=lora", "model.lora_rank=4",
             "model.lora_alpha=8", f"sampling.height={size['height']}", f"sampling.width={size['width']}", *frames,
             *extra]

@@ -123,18 +123,22 @@ def build_tiny_z_image(folder: str | Path, seed: int = 0, scheduler=None) -> Pat
 
 # ---- Wan2.2 T2V (two experts) --------------------------------------------------------------------
 
-def tiny_wan_transformer(seed: int):
+def tiny_wan_transformer(seed: int, num_layers: int = 1, heads: int = 2, head_dim: int = 12):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-                                 out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1,
-                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+                                 in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=2 * heads * head_dim,
+                                 num_layers=num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                 rope_max_seq_len=32).eval()
 
 
-def tiny_wan22_pipeline(seed: int = 0, scheduler=None, boundary_ratio: float = 0.875):
+def tiny_wan22_pipeline(seed: int = 0, scheduler=None, boundary_ratio: float = 0.875, num_layers: int = 1,
+                        heads: int = 2, head_dim: int = 12):
     """The two-expert WanPipeline of `build_tiny_wan22`: `transformer` (high noise) and `transformer_2`
-    (low noise), different random weights, switching at `boundary_ratio` (Wan2.2 T2V-A14B's 0.875)."""
+    (low noise), different random weights, switching at `boundary_ratio` (Wan2.2 T2V-A14B's 0.875). The
+    experts' depth and width (heads·head_dim, head_dim a multiple of 6 for the 3-axis rotary) are for
+    benchmarks."""
     from diffusers import AutoencoderKLWan, WanPipeline
 
     torch.manual_seed(seed)
@@ -144,7 +148,8 @@ def tiny_wan22_pipeline(seed: int = 0, scheduler=None, boundary_ratio: float = 0
     tokenizer.model_max_length = 512  # as the released folders' UMT5 tokenizers declare: the pipeline's length
     return WanPipeline(tokenizer=tokenizer, text_encoder=t5_encoder(32, umt5=True, seed=seed + 1), vae=vae,
                        scheduler=scheduler or wan_unipc_scheduler(flow_shift=12.0),
-                       transformer=tiny_wan_transformer(seed + 2), transformer_2=tiny_wan_transformer(seed + 3),
+                       transformer=tiny_wan_transformer(seed + 2, num_layers, heads, head_dim),
+                       transformer_2=tiny_wan_transformer(seed + 3, num_layers, heads, head_dim),
                        boundary_ratio=boundary_ratio)
 
 

@@ -86,15 +86,26 @@ class WanExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 return_dict: bool = False, **kwargs):
+        out = self._routed(hidden_states, timestep, encoder_hidden_states, **kwargs)
+        if torch.is_grad_enabled() and not out.requires_grad:
+            # Every row ran a frozen expert (model.experts trains the other one): the output is tied to the
+            # trained weights with weight 0, so a loss over it backpropagates zeros instead of failing.
+            trained = [p for p in self.parameters() if p.requires_grad]
+            if trained:
+                out = out + 0.0 * sum(p.reshape(-1)[0] for p in trained)
+        return (out,)
+
+    def _routed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                **kwargs) -> torch.Tensor:
         high = self.expert_of(timestep)
         n_high = int(high.sum())  # the host read that picks the experts
         args = dict(return_dict=False, **kwargs)
         if n_high == high.numel():
-            return (self.high(hidden_states=hidden_states, timestep=timestep,
-                              encoder_hidden_states=encoder_hidden_states, **args)[0],)
+            return self.high(hidden_states=hidden_states, timestep=timestep,
+                             encoder_hidden_states=encoder_hidden_states, **args)[0]
         if n_high == 0:
-            return (self.low(hidden_states=hidden_states, timestep=timestep,
-                             encoder_hidden_states=encoder_hidden_states, **args)[0],)
+            return self.low(hidden_states=hidden_states, timestep=timestep,
+                            encoder_hidden_states=encoder_hidden_states, **args)[0]
         rows_high, rows_low = high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)
         out_high = self.high(hidden_states=hidden_states[rows_high], timestep=timestep[rows_high],
                              encoder_hidden_states=encoder_hidden_states[rows_high], **args)[0]
@@ -102,7 +113,7 @@ class WanExperts(nn.Module):
                            encoder_hidden_states=encoder_hidden_states[rows_low], **args)[0]
         out = out_high.new_empty((hidden_states.shape[0], *out_high.shape[1:]))
         out[rows_high], out[rows_low] = out_high, out_low
-        return (out,)
+        return out
 
 
 class Wan22Model(WanModel):
