@@ -374,3 +374,40 @@ def test_nft_lora_run_changes_the_adapter(folders, prompts_file, tmp_path, card)
         assert any(k.startswith("low.") for k in trained)
         assert sorted(p.name for p in (run_dir / "lora").glob("*.safetensors")) == [
             "transformer_2_lora_weights.safetensors"]
+
+
+def test_weight_sync_carries_both_experts(folders):
+    """The trained tensors of both experts (`high.*`, `low.*`) load into another engine's copy by name, and it
+    then generates what the trainer's model does."""
+    trainer, served = (load_model("wan2.2-t2v", path=str(folders["wan2.2-t2v"])) for _ in range(2))
+    for model in (trainer, served):
+        add_lora(model.transformer, 4, 8, get_card("wan2.2-t2v").defaults["lora_targets"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in trainer.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    tensors = {n: p.detach() for n, p in trainer.transformer.named_parameters() if "lora_" in n}
+    assert {n.split(".")[0] for n in tensors} == {"high", "low"}
+    engine = Engine(served)
+    before = engine.generate(requests("wan2.2-t2v", STEPS, 1.0)).latents[:, -1]
+    assert engine.load_weights(tensors, version=1)["tensors"] == len(tensors)
+    after = engine.generate(requests("wan2.2-t2v", STEPS, 1.0)).latents[:, -1]
+    expected = Engine(trainer).generate(requests("wan2.2-t2v", STEPS, 1.0)).latents[:, -1]
+    assert (after - expected).abs().max() <= 1e-6 and (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("experts, trained", [("high", {"high"}), ("low", {"low"}), (None, {"high", "low"})])
+def test_model_experts_chooses_the_trained_weights(folders, tmp_path, experts, trained):
+    """Full fine-tuning too: only the chosen experts' weights are trainable (the card's default: both)."""
+    from flywheel.recipe.policy import build_policy
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    args = [f"run_dir={tmp_path / 'run'}", "model.card=wan2.2-t2v", f"model.path={folders['wan2.2-t2v']}",
+            "model.finetune=full", "train.log_kl=false"]
+    cfg = parse_config(Config, args + ([f"model.experts={experts}"] if experts else []))
+    policy = build_policy(cfg, torch.device("cpu"), reference=False)
+    assert {n.split(".")[0] for n, _ in policy.named_params} == trained
+    frozen = [n for n, p in policy.transformer.named_parameters() if not p.requires_grad]
+    assert all(n.split(".")[0] not in trained for n in frozen) and (bool(frozen) == (len(trained) == 1))
