@@ -52,6 +52,12 @@ def models(folders):
     return {card: load_model(card, path=str(folders[card])) for card in CARDS}
 
 
+@pytest.fixture(scope="session")
+def stock(folders):
+    """Each card's stock pipeline, loaded once for the tests that leave it unchanged (no LoRA loaded)."""
+    return {card: stock_pipeline(card, folders[card]) for card in CARDS}
+
+
 def stock_pipeline(card, folder):
     import diffusers
 
@@ -159,13 +165,13 @@ def test_latent_shapes_and_size_errors(models):
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 @pytest.mark.parametrize("card", CARDS)
-def test_engine_ode_equals_the_stock_pipeline(folders, models, card, guidance):
+def test_engine_ode_equals_the_stock_pipeline(stock, models, card, guidance):
     """Non-square, 3 prompts with different negatives, mixed seeds; the pipeline starts from the engine's noise."""
     model = models[card]
     traj = Engine(model).generate(requests(card, STEPS, guidance))
     noise = draw_noise(SEEDS, model.latent_shape(SIZES[card]["height"], SIZES[card]["width"],
                                                  SIZES[card].get("frames")))
-    expected = pipeline_latents(card, stock_pipeline(card, folders[card]), noise, STEPS, guidance).float()
+    expected = pipeline_latents(card, stock[card], noise, STEPS, guidance).float()
     got = engine_latents(card, model, traj)
     assert got.shape == expected.shape and got.shape[0] == 3
     assert (got - expected).abs().max() <= 1e-5
@@ -181,12 +187,12 @@ def test_guidance_changes_the_output(models):
         assert (plain - guided).abs().max() > 1e-3, card
 
 
-def test_flux2_klein_decode_and_schedule_are_the_pipelines(folders, models):
+def test_flux2_klein_decode_and_schedule_are_the_pipelines(stock, models):
     """decode undoes the batch-norm statistics and the 2x2 patches as the pipeline's end does; the Euler
     schedule is the scheduler's sigmas for linspace(1, 1/T, T) shifted by the empirical mu."""
     from engine.families.flux2_klein import empirical_mu
 
-    model, pipe = models["flux2-klein"], stock_pipeline("flux2-klein", folders["flux2-klein"])
+    model, pipe = models["flux2-klein"], stock["flux2-klein"]
     latents = draw_noise((5, 6), (16, 6, 10))
     with torch.no_grad():
         images = model.decode(latents)
