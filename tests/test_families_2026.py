@@ -417,3 +417,25 @@ def test_model_experts_chooses_the_trained_weights(folders, tmp_path, experts, t
     assert {n.split(".")[0] for n, _ in policy.named_params} == trained
     frozen = [n for n, p in policy.transformer.named_parameters() if not p.requires_grad]
     assert all(n.split(".")[0] not in trained for n in frozen) and (bool(frozen) == (len(trained) == 1))
+
+
+@pytest.mark.slow
+def test_wan22_lora_trains_under_ddp_with_two_processes(folders, prompts_file, tmp_path):
+    """Two ranks (DDP on CPU): a forward on one expert leaves the other's adapter unused, which DDP refuses
+    ("parameters that were not used in producing loss") unless the idle expert gets its zero gradient."""
+    import os
+
+    run_dir = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29549",
+           str(ROOT / "trainers" / "grpo.py"),
+           *grpo_args("wan2.2-t2v", folders["wan2.2-t2v"], run_dir, prompts_file, "train.log_kl=false")]
+    cmd[cmd.index("steps=3")] = "steps=2"
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    trained = load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+    for expert in ("high", "low"):
+        assert max(v.abs().max() for k, v in trained.items() if k.startswith(expert + ".") and "lora_B" in k) > 0

@@ -18,7 +18,8 @@ in place of the transformer:
 - A LoRA (or full fine-tuning) covers the experts the config trains:
   `model.experts` = both (the default), high or low. Weight sync and
   checkpoints carry the module's trained tensors (`high.*`, `low.*` names),
-  so both experts travel when both train.
+  so both experts travel when both train. Under DDP the expert a forward did not run
+  gets an explicit zero gradient (DDP waits for every trained parameter's).
 - The pipeline's `guidance_scale_2` (the low-noise expert's own CFG scale)
   defaults to `guidance_scale`; the engine uses one scale for both experts,
   that default.
@@ -86,26 +87,31 @@ class WanExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 return_dict: bool = False, **kwargs):
-        out = self._routed(hidden_states, timestep, encoder_hidden_states, **kwargs)
-        if torch.is_grad_enabled() and not out.requires_grad:
-            # Every row ran a frozen expert (model.experts trains the other one): the output is tied to the
-            # trained weights with weight 0, so a loss over it backpropagates zeros instead of failing.
-            trained = [p for p in self.parameters() if p.requires_grad]
-            if trained:
-                out = out + 0.0 * sum(p.reshape(-1)[0] for p in trained)
+        out, used = self._routed(hidden_states, timestep, encoder_hidden_states, **kwargs)
+        if torch.is_grad_enabled():
+            # Trained weights this forward did not use get an explicit zero gradient when no trained weight
+            # was used at all (every row on a frozen expert: the loss would have nothing to backpropagate)
+            # and under DDP, which waits for a gradient of every trained parameter on every rank.
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if not out.requires_grad or distributed:
+                idle = [p for name in EXPERTS if name not in used
+                        for p in getattr(self, name).parameters() if p.requires_grad]
+                if idle:
+                    out = out + 0.0 * sum(p.reshape(-1)[0] for p in idle)
         return (out,)
 
     def _routed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                **kwargs) -> torch.Tensor:
+                **kwargs) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """The output of every row from its expert, and the experts that ran."""
         high = self.expert_of(timestep)
         n_high = int(high.sum())  # the host read that picks the experts
         args = dict(return_dict=False, **kwargs)
         if n_high == high.numel():
             return self.high(hidden_states=hidden_states, timestep=timestep,
-                             encoder_hidden_states=encoder_hidden_states, **args)[0]
+                             encoder_hidden_states=encoder_hidden_states, **args)[0], ("high",)
         if n_high == 0:
             return self.low(hidden_states=hidden_states, timestep=timestep,
-                            encoder_hidden_states=encoder_hidden_states, **args)[0]
+                            encoder_hidden_states=encoder_hidden_states, **args)[0], ("low",)
         rows_high, rows_low = high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)
         out_high = self.high(hidden_states=hidden_states[rows_high], timestep=timestep[rows_high],
                              encoder_hidden_states=encoder_hidden_states[rows_high], **args)[0]
@@ -113,7 +119,7 @@ class WanExperts(nn.Module):
                            encoder_hidden_states=encoder_hidden_states[rows_low], **args)[0]
         out = out_high.new_empty((hidden_states.shape[0], *out_high.shape[1:]))
         out[rows_high], out[rows_low] = out_high, out_low
-        return out
+        return out, EXPERTS
 
 
 class Wan22Model(WanModel):
