@@ -1,14 +1,15 @@
 """Rollout throughput and peak memory: the engine (Flow-SDE with log-probs) vs a family's stock diffusers pipeline.
 
-    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image,ltx2}] [--quick] [--json out.json]
+    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image,ltx2,wan2.2-t2v}] [--quick] [--json out.json]
     python benchmarks/rollout_vs_diffusers.py --device cuda --dtype bfloat16 --large --json gpu.json
 
 Both run the same random model of the family (`FAMILIES`: SD3 by default, 4
 layers, width 128, 32x32 latents; --large: 12 layers, width 1536, 64x64
 latents; Qwen-Image the same depths and widths; LTX-2 the same depths, 64x64
-pixels and 9 frames with sound, --large 256x256), batch 8, 10 steps, the
+pixels and 9 frames with sound, --large 256x256; Wan2.2 two experts of the same depths, width 96 (--large
+1536), 32x32 pixels and 9 frames, --large 128x128), batch 8, 10 steps, the
 family's CFG (SD3 4.5; Qwen-Image's true CFG 4.0 with its norm rescale; LTX-2
-3.0 on both modalities, STG, modality isolation and rescale off as in the engine),
+3.0 on both modalities, STG, modality isolation and rescale off as in the engine; Wan2.2 4.0 on both experts),
 decode included, prompt embeddings precomputed for both (the engine's from its
 cache, the pipeline's passed as prompt_embeds; Qwen-Image's cut to the longest
 prompt with their mask, as its encode_prompt pads, while the engine pads every
@@ -190,6 +191,34 @@ def ltx2_call(pipe, cond, uncond, noise, steps, guidance, pixels):
     return videos.permute(0, 2, 1, 3, 4)  # "pt" videos are [B, F, C, H, W]
 
 
+WAN22_FRAMES = 9  # 3 latent frames (the causal VAE's 4x temporal compression)
+
+
+def wan22_setup(sizes, device, dtype):
+    """Wan2.2's two experts (the same depth and width each), an Euler scheduler at T2V-A14B's shift 12 on
+    both sides (UniPC would also call the model once per step; Euler keeps the sides' step maths alike)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from engine.families.common import prepare_pipeline
+    from engine.families.tiny_2026 import tiny_wan22_pipeline
+    from engine.families.wan22 import Wan22Model
+
+    builder = {k: v for k, v in sizes.items() if k != "pixels"}
+    pipe = tiny_wan22_pipeline(seed=0, scheduler=FlowMatchEulerDiscreteScheduler(shift=12.0), **builder)
+    pipe = prepare_pipeline(pipe, device, dtype)
+    return pipe, Wan22Model(pipe, dtype, dict(pipe.scheduler.config)), sizes["pixels"]
+
+
+def wan22_call(pipe, cond, uncond, noise, steps, guidance, pixels):
+    """CFG on the engine's UMT5 embeddings; each step on the expert its timestep picks (the pipeline's own
+    switch); returns the videos [B, 3, F, H, W]."""
+    dtype = pipe.transformer.dtype
+    videos = pipe(prompt_embeds=cond.embeds.to(dtype), negative_prompt_embeds=uncond.embeds.to(dtype), latents=noise,
+                  num_inference_steps=steps, guidance_scale=guidance, height=pixels, width=pixels,
+                  num_frames=WAN22_FRAMES, output_type="pt").frames
+    return videos.permute(0, 2, 1, 3, 4)  # "pt" videos are [B, F, C, H, W]
+
+
 FAMILIES = {
     "sd3": Family("sd3", "SD3", 4.5, 0.7, small=dict(num_layers=4, heads=4, head_dim=32, sample_size=32),
                   large=dict(num_layers=12, heads=24, head_dim=64, sample_size=64), setup=sd3_setup, call=sd3_call),
@@ -201,6 +230,10 @@ FAMILIES = {
                    small=dict(num_layers=4, heads=4, head_dim=32, audio_heads=4, audio_head_dim=16, pixels=64),
                    large=dict(num_layers=12, heads=24, head_dim=64, audio_heads=16, audio_head_dim=64, pixels=256),
                    setup=ltx2_setup, call=ltx2_call, request=dict(frames=LTX2_FRAMES, audio=True)),
+    "wan2.2-t2v": Family("wan2.2-t2v", "Wan2.2 T2V (two experts)", 4.0, 0.7,
+                         small=dict(num_layers=4, heads=4, head_dim=24, pixels=32),
+                         large=dict(num_layers=12, heads=24, head_dim=64, pixels=128),
+                         setup=wan22_setup, call=wan22_call, request=dict(frames=WAN22_FRAMES)),
 }
 
 

@@ -3,10 +3,15 @@
 Routes
     POST /v1/generate   JSON in: {"prompt": str, "seed": int, "n": int, and any GenerationRequest
                         field (steps, sampler, noise_level, guidance_scale, negative_prompt,
-                        sde_window, height, width, frames, card), "return_latents": bool,
+                        sde_window, height, width, frames, card, audio, audio_guidance_scale,
+                        audio_noise_level), "image": base64 PNG (the source image or first frame of
+                        an image-conditioned card, e.g. wan2.1-i2v; at most --max-image-bytes
+                        decoded and --max-image-pixels), "return_latents": bool,
                         "return_log_probs": bool}
                         JSON out: {"card", "weight_version", "seeds", "images": [base64 PNG],
-                        "tensors": base64 safetensors of latents / log_probs / timesteps (on request)}
+                        "tensors": base64 safetensors of latents / log_probs / timesteps (on request),
+                        and with "audio": true (cards with sound: ltx2) "audio": [base64 16-bit PCM
+                        WAV per sample] and "audio_sample_rate" (Hz)}
                         A "card" that names a served workflow (engine.workflows) runs it: JSON out
                         {"workflow", "weight_versions": {card: version}, "seeds", "images" (the final
                         output), "intermediates": {stage path: images} with "return_intermediates": true}
@@ -63,6 +68,11 @@ DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024**2  # a thousand full-size bodies being received at once
 DEFAULT_HEADER_TIMEOUT_S = 20.0
 DEFAULT_BODY_TIMEOUT_S = 20.0  # bodies are small JSON (64 KiB by default)
+# An uploaded "image": its decoded PNG bytes and its pixels (width x height). A body carrying one must also
+# fit --max-body-bytes (base64 is 4/3 of the bytes): raise that limit to serve image-conditioned cards.
+DEFAULT_MAX_IMAGE_BYTES = 8 * 1024**2
+DEFAULT_MAX_IMAGE_PIXELS = 2048 * 2048
+IMAGE_LIMITS_KEY = web.AppKey("image_limits", tuple)
 MAX_SEED = 2**63 - 1
 MAX_VERSION = 2**63 - 1  # weight versions travel as int64 in checkpoints and tensors
 
@@ -85,12 +95,16 @@ _FIELDS = {
     "return_log_probs": ((bool,), "true or false"),
     "return_intermediates": ((bool,), "true or false (workflows: every stage's images)"),
     "metadata": ((dict,), "a JSON object"),
+    "image": ((str,), "a base64 PNG string (the source image or first frame of an image-conditioned card)"),
+    "audio": ((bool,), "true or false (cards with sound, e.g. ltx2: return the audio too)"),
+    "audio_guidance_scale": ((int, float), "a number or null"),
+    "audio_noise_level": ((int, float), "a number or null"),
     # The adaptive (cached) loop of ODE requests (engine/adaptive.py): 0 = the plain loop.
     "cache_threshold": ((int, float), "a number >= 0"),
     "early_exit": ((int, float), "a number > 0 or null"),
     "cache_order": ((int,), "0 or 1"),
 }
-_NULLABLE = {"sde_window", "height", "width", "frames", "early_exit"}
+_NULLABLE = {"sde_window", "height", "width", "frames", "early_exit", "audio_guidance_scale", "audio_noise_level"}
 
 
 class BadRequest(ValueError):
@@ -105,8 +119,64 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message, "status": status}, status=status)
 
 
-def parse_generate(body: object, default_card: str, max_images: int) -> tuple[list[GenerationRequest], dict]:
-    """The requests of a /v1/generate body and its output options; BadRequest naming the field."""
+def decode_image_field(value: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+                       max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    """The PIL image (RGB) of a base64 PNG "image" field; BadRequest naming the field and the limit it breaks.
+
+    The byte limit is checked on the base64 length before decoding, the pixel limit on the PNG header
+    before any pixel is decompressed (a small file cannot inflate into a huge image)."""
+    import binascii
+
+    from PIL import Image
+
+    if len(value) > 4 * ((max_bytes + 2) // 3):
+        raise BadRequest(f"field 'image' is over the limit: at most {max_bytes} bytes of PNG (base64 "
+                         f"{4 * ((max_bytes + 2) // 3)} characters), got {len(value)} characters")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("field 'image' must be a base64 PNG string; it is not valid base64") from None
+    if len(raw) > max_bytes:
+        raise BadRequest(f"field 'image' is over the limit: at most {max_bytes} bytes of PNG, got {len(raw)}")
+    try:
+        image = Image.open(io.BytesIO(raw))
+        fmt, (width, height) = image.format, image.size
+    except Exception as exc:  # PIL raises several kinds for bytes that are not an image
+        raise BadRequest(f"field 'image' must be a base64 PNG; the bytes are not an image ({type(exc).__name__})"
+                         ) from None
+    if fmt != "PNG":
+        raise BadRequest(f"field 'image' must be a base64 PNG, got a {fmt} image")
+    if width * height > max_pixels:
+        raise BadRequest(f"field 'image' is over the limit: at most {max_pixels} pixels, got {width}x{height} = "
+                         f"{width * height}")
+    try:
+        return image.convert("RGB")
+    except Exception as exc:  # a truncated or corrupt PNG fails when its pixels are read
+        raise BadRequest(f"field 'image': the PNG cannot be decoded ({type(exc).__name__}: {exc})") from None
+
+
+def wav_base64(audio: torch.Tensor, sample_rate: int) -> str:
+    """One clip [channels, samples] in [-1, 1] as a base64 16-bit PCM WAV file."""
+    import wave
+
+    pcm = (torch.nan_to_num(audio.detach().to("cpu", torch.float64), nan=0.0).clamp(-1.0, 1.0) * 32767).round()
+    frames = pcm.to(torch.int16).T.contiguous().numpy().astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(frames.shape[1])
+        out.setsampwidth(2)
+        out.setframerate(int(sample_rate))
+        out.writeframes(frames.tobytes())
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def parse_generate(body: object, default_card: str, max_images: int,
+                   image_limits: tuple[int, int] = (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS)
+                   ) -> tuple[list[GenerationRequest], dict]:
+    """The requests of a /v1/generate body and its output options; BadRequest naming the field.
+
+    An uploaded "image" is decoded and checked here (options["image"]: a PIL image); the requests carry no
+    image path yet: `generate` writes the upload to a file of its own for the card to read."""
     if not isinstance(body, dict):
         raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - set(_FIELDS))
@@ -136,7 +206,7 @@ def parse_generate(body: object, default_card: str, max_images: int) -> tuple[li
         if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window):
             raise BadRequest(f"field 'sde_window' must be a [start, end] pair of integers, got {window}")
     kwargs = {k: v for k, v in body.items()
-              if k not in ("n", "seed", "return_latents", "return_log_probs", "return_intermediates")}
+              if k not in ("n", "seed", "return_latents", "return_log_probs", "return_intermediates", "image")}
     if window is not None:
         kwargs["sde_window"] = tuple(window)
     kwargs.setdefault("card", default_card)
@@ -147,7 +217,8 @@ def parse_generate(body: object, default_card: str, max_images: int) -> tuple[li
         raise BadRequest(str(exc)) from None
     options = {"latents": bool(body.get("return_latents", False)),
                "log_probs": bool(body.get("return_log_probs", False)),
-               "intermediates": bool(body.get("return_intermediates", False))}
+               "intermediates": bool(body.get("return_intermediates", False)),
+               "image": None if body.get("image") is None else decode_image_field(body["image"], *image_limits)}
     return requests, options
 
 
@@ -187,18 +258,44 @@ async def _read_json(request: web.Request) -> object:
 async def generate(request: web.Request) -> web.Response:
     engine: AsyncEngine = request.app[ENGINE_KEY]
     body = await _read_json(request)
-    requests, options = parse_generate(body, request.app[CARD_KEY], request.app[MAX_IMAGES_KEY])
+    requests, options = parse_generate(body, request.app[CARD_KEY], request.app[MAX_IMAGES_KEY],
+                                       request.app[IMAGE_LIMITS_KEY])
     if engine.is_workflow(requests[0].card):
+        if options["image"] is not None:
+            raise BadRequest(f"field 'image' is for image-conditioned cards; {requests[0].card!r} is a workflow")
         return await _generate_workflow(engine, requests, options)
-    engine.engine(requests[0].card)  # an unknown id is a 404 listing the cards and workflows, whatever else is wrong
+    card_engine = engine.engine(requests[0].card)  # an unknown id is a 404 listing the cards and workflows
     if options["intermediates"]:
         raise BadRequest(f"field 'return_intermediates' is for workflows; {requests[0].card!r} is a card")
-    trajectories = await engine.generate(requests)
+    conditioned = getattr(card_engine.model, "image_conditioned", False)
+    if options["image"] is None and conditioned:
+        raise BadRequest(f"field 'image' is required: card {requests[0].card!r} is conditioned on a source image "
+                         f"(a base64 PNG)")
+    if options["image"] is not None and not conditioned:
+        raise BadRequest(f"field 'image': card {requests[0].card!r} takes no source image; only image-conditioned "
+                         f"cards (image-to-video, editing) do")
+    upload = None
+    try:
+        if options["image"] is not None:  # the cards read a local file: the upload gets one of its own
+            import dataclasses
+            import tempfile
+
+            upload = tempfile.TemporaryDirectory(prefix="flywheel-upload-")
+            path = os.path.join(upload.name, "image.png")
+            await asyncio.to_thread(options["image"].save, path, format="PNG")
+            requests = [dataclasses.replace(r, image=path) for r in requests]
+        trajectories = await engine.generate(requests)
+    finally:
+        if upload is not None:
+            upload.cleanup()
     images = torch.cat([t.images for t in trajectories])
     out = {"card": requests[0].card, "weight_version": trajectories[0].weight_version,
            "seeds": [r.seed for r in requests], "images": _encode_images(images),
            # Model calls per image (fewer than the steps when the adaptive loop skipped some).
            "steps_computed": [int(n) for t in trajectories for n in t.steps_computed.tolist()]}
+    if requests[0].audio:  # a card with sound: each sample's waveform beside its video
+        out["audio"] = [wav_base64(clip, t.audio_sample_rate) for t in trajectories for clip in t.audio]
+        out["audio_sample_rate"] = int(trajectories[0].audio_sample_rate)
     if options["latents"] or options["log_probs"]:
         from safetensors.torch import save
 
@@ -391,20 +488,23 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
               header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+              max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> web.Application:
     """The aiohttp application serving `engine`.
 
     `max_body_bytes` bounds one request body (413), `max_inflight_bytes` the bodies of all
     requests being received at once (503 while full). `header_timeout_s`: a connection that has
     not sent complete request headers by then is closed (aiohttp's keepalive timer also runs from
     the moment a connection opens, so it is the header bound); `body_timeout_s`: a body not
-    received by then is answered 408.
+    received by then is answered 408. `max_image_bytes` / `max_image_pixels` bound an uploaded "image"
+    (its PNG bytes, its width x height).
     """
     limits = ServerLimits(max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s)
     app = web.Application(middlewares=[errors], **limits.app_kwargs())
     app[ENGINE_KEY] = engine
     app[TOKEN_KEY] = token or ""
     app[MAX_IMAGES_KEY] = max_images
+    app[IMAGE_LIMITS_KEY] = (max_image_bytes, max_image_pixels)
     app[INFLIGHT_KEY] = InflightBudget(limits)
     app[LORA_BASE_KEY] = {}
     app[WEIGHTS_LOCK_KEY] = asyncio.Lock()
@@ -449,6 +549,8 @@ def check_flags(args: argparse.Namespace) -> ServerLimits:
                         ("--budget-bytes", args.budget_bytes)):
         check_positive(value, flag)
     check_positive(args.max_wait_ms, "--max-wait-ms", integer=False, allow_zero=True)
+    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels)):
+        check_positive(value, flag)
     limits = check_limits_and_address(args)
     return limits
 
@@ -469,6 +571,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--max-concurrency", type=int, default=2)
     parser.add_argument("--budget-bytes", type=int, default=8 * 1024**3, help="admission memory budget")
+    parser.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                        help="largest uploaded 'image' (PNG bytes; the body must fit --max-body-bytes too)")
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="largest uploaded 'image' in pixels (width x height)")
     add_limit_args(parser, ServerLimits(DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_HEADER_TIMEOUT_S,
                                         DEFAULT_BODY_TIMEOUT_S))
     args = parser.parse_args(argv)
@@ -487,7 +593,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = AsyncEngine(engines, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                          max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes),
                          workflows=args.workflow)
-    app = build_app(engine, default_card=args.card, token=args.token, **limits.as_kwargs())
+    app = build_app(engine, default_card=args.card, token=args.token, max_image_bytes=args.max_image_bytes,
+                    max_image_pixels=args.max_image_pixels, **limits.as_kwargs())
     web.run_app(app, host=args.host, port=args.port)
 
 

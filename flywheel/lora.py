@@ -74,6 +74,22 @@ def save_lora_for_diffusers(module: nn.Module, directory, pipeline_class: str) -
         raise ValueError(f"pipeline_class={pipeline_class!r} is not a diffusers pipeline that saves LoRA weights")
     config = module.peft_config["default"].to_dict()
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-    cls.save_lora_weights(str(directory), transformer_lora_layers=lora_state_dict(module),
-                          transformer_lora_adapter_metadata=config, safe_serialization=True)
-    return str(directory) + "/pytorch_lora_weights.safetensors"
+    experts = getattr(module, "diffusers_experts", None)
+    if experts is None:
+        cls.save_lora_weights(str(directory), transformer_lora_layers=lora_state_dict(module),
+                              transformer_lora_adapter_metadata=config, safe_serialization=True)
+        return str(directory) + "/pytorch_lora_weights.safetensors"
+    # A two-expert module (Wan2.2: `high`, `low`): one file per trained expert, under the weight name its
+    # pipeline component loads (the low-noise one: load_lora_weights(..., weight_name=..., load_into_transformer_2=True)).
+    state = lora_state_dict(module)
+    trained = {n.split(".", 1)[0] for n, p in module.named_parameters() if "lora_" in n and p.requires_grad}
+    paths = []
+    for prefix, (_, weight_name) in experts.items():
+        if prefix in trained:
+            part = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+            cls.save_lora_weights(str(directory), transformer_lora_layers=part, weight_name=weight_name,
+                                  transformer_lora_adapter_metadata=config, safe_serialization=True)
+            paths.append(f"{directory}/{weight_name}")
+    if not paths:
+        raise ValueError("no expert of the module has a trainable LoRA: nothing to save")
+    return paths[0]

@@ -25,6 +25,8 @@ SOURCES = {
     "sd3": ["engine/families/sd3.py", *FAMILY], "flux": ["engine/families/flux.py", *FAMILY],
     "qwen-image": ["engine/families/qwen_image.py", *FAMILY], "wan2.1-t2v": ["engine/families/wan.py", *FAMILY],
     "wan2.1-i2v": ["engine/families/wan_i2v.py", *FAMILY], "ltx2": ["engine/families/ltx2.py", *FAMILY],
+    "flux2-klein": ["engine/families/flux2_klein.py", *FAMILY], "z-image": ["engine/families/z_image.py", *FAMILY],
+    "wan2.2-t2v": ["engine/families/wan22.py", "engine/families/wan.py", *FAMILY],
     "clip_score": ["rewards/clip.py"], "pickscore": ["rewards/clip.py"], "aesthetic": ["rewards/clip.py"],
     "ocr": ["rewards/ocr.py"], "digit_alignment": ["rewards/digits.py"], "number_alignment": ["rewards/digits.py"],
     "jpeg_compressibility": ["rewards/jpeg.py"], "jpeg_incompressibility": ["rewards/jpeg.py"],

@@ -69,10 +69,14 @@ def test_the_folder_loads_in_the_engine_and_the_stock_pipeline(card, tmp_path, c
 
     pipe = DiffusionPipeline.from_pretrained(str(out))
     assert type(pipe).__name__ == index["_class_name"]
-    # The same transformer weights the engine runs.
-    ours = dict(engine.model.transformer.named_parameters())
-    for name, value in pipe.transformer.named_parameters():
-        assert torch.equal(value, ours[name]), name
+    # The same transformer weights the engine runs (a two-expert card: each expert's, `high` and `low`).
+    served = engine.model.transformer
+    pairs = ([(pipe.transformer, served.high), (pipe.transformer_2, served.low)] if hasattr(served, "high")
+             else [(pipe.transformer, served)])
+    for stock, module in pairs:
+        ours = dict(module.named_parameters())
+        for name, value in stock.named_parameters():
+            assert torch.equal(value, ours[name]), name
 
 
 def test_an_unknown_card_lists_the_valid_ones_before_writing_anything(tmp_path, capsys):

@@ -58,3 +58,6 @@ register_card(ModelCard(
 import engine.families.qwen_image  # noqa: F401,E402  (registers its card)
 import engine.families.wan_i2v  # noqa: F401,E402  (registers its card)
 import engine.families.ltx2  # noqa: F401,E402  (registers its card)
+import engine.families.flux2_klein  # noqa: F401,E402  (registers its card)
+import engine.families.z_image  # noqa: F401,E402  (registers its card)
+import engine.families.wan22  # noqa: F401,E402  (registers its card)

@@ -165,6 +165,9 @@ TINY_BUILDERS = {
     "wan2.1-t2v": ("engine.families.tiny", "build_tiny_wan"),
     "wan2.1-i2v": ("engine.families.tiny_wan_i2v", "build_tiny_wan_i2v"),
     "ltx2": ("engine.families.tiny_ltx2", "build_tiny_ltx2"),
+    "flux2-klein": ("engine.families.tiny_2026", "build_tiny_flux2_klein"),
+    "z-image": ("engine.families.tiny_2026", "build_tiny_z_image"),
+    "wan2.2-t2v": ("engine.families.tiny_2026", "build_tiny_wan22"),
 }
 # A size each tiny folder generates at, within its card's size rule (the sampling.* keys of a smoke run).
 TINY_SIZES = {
@@ -174,6 +177,9 @@ TINY_SIZES = {
     "wan2.1-t2v": dict(height=16, width=16, frames=5),
     "wan2.1-i2v": dict(height=16, width=32, frames=5),
     "ltx2": dict(height=32, width=64, frames=5),
+    "flux2-klein": dict(height=24, width=40),
+    "z-image": dict(height=24, width=40),
+    "wan2.2-t2v": dict(height=16, width=32, frames=5),
 }
 # Cards whose weights ship with the project: they need no folder.
 SHIPPED_CARDS = ("toy-digits", "toy-numbers")

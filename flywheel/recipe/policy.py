@@ -103,8 +103,19 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
 
             def ref_velocity(x, t, cond, uncond_cond=None, g=1.0):
                 return guided_velocity(model, frozen, x, t, cond, uncond_cond, g)
+    train_chosen_experts(transformer, mc.experts or card_defaults.get("experts"))
     named_params = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
     return Policy(model, named_params, ref_velocity, card_defaults)
+
+
+def train_chosen_experts(transformer, experts: str | None) -> None:
+    """On a two-expert card (wan2.2-t2v: `transformer` holds `high` and `low`), freeze the experts that
+    `experts` (both, high or low) leaves out: their LoRA (or weights) stay as loaded and out of the optimizer."""
+    if experts is None or experts == "both" or not hasattr(transformer, "diffusers_experts"):
+        return
+    for name, param in transformer.named_parameters():
+        if name.split(".", 1)[0] != experts:
+            param.requires_grad_(False)
 
 
 def lora_targets(cfg) -> list[str] | None:

@@ -38,6 +38,9 @@ class ModelConfig:
     """Linear layers to adapt; None uses the card's default"""
     lora_init: Literal["default", "gaussian"] = "default"
     """LoRA A init: peft's Kaiming-uniform, or gaussian N(0, 1/r) as Flow-GRPO (B = 0 either way)"""
+    experts: Literal["both", "high", "low"] | None = None
+    """two-expert cards (wan2.2-t2v): the experts that train, the high-noise one, the low-noise one or both;
+    None = the card's default (both)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """transformer weight dtype; latents and log-probs stay fp32"""
     workflow: str | None = None
@@ -275,6 +278,11 @@ def check_shared_sections(cfg) -> ConfigChecks:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
         checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    else:
+        if cfg.model.experts is not None and "experts" not in get_card(cfg.model.card).defaults:
+            checks.fail(f"model.experts={cfg.model.experts}: card {cfg.model.card!r} has one transformer; the key "
+                        f"chooses the trained experts of a two-expert card ("
+                        f"{', '.join(c for c in list_cards() if 'experts' in get_card(c).defaults)}); leave it unset")
     try:
         from flywheel.runs.tracking import tracker_names
 
