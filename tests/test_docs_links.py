@@ -19,10 +19,8 @@ EXPECTED_MISSING_PAGES = {
     "docs/configuration.md",    # h24-config: the key reference
     "docs/memory.md",           # h24-nft: benchmarks/memory.py's figures
     "docs/architecture.md",     # h24-core: the packages and one training step
-    "docs/recipes/dppo.md",     # h27-dppo
     "docs/recipes/draft.md",    # h27-draft
     "docs/editing.md",          # h26-edit
-    "docs/families_2026.md",    # h26-families
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
