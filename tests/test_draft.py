@@ -104,6 +104,32 @@ def test_checkpointing_gives_the_same_gradient_and_finite_differences_agree():
     assert float(grads[0][0][1, 0]) == pytest.approx(float((up - down) / (2 * h)), rel=1e-6)
 
 
+def test_checkpointed_steps_hold_a_latent_each_not_the_forwards_activations():
+    # What the forward keeps for backward, counted by a saved-tensors hook: with checkpointing each extra step adds
+    # its input latent (and t) only, however wide the velocity network; without it, the whole forward's activations.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(9, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
+    grid = torch.linspace(1, 0, 9)
+
+    def saved_bytes(k: int, checkpointed: bool) -> int:
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            truncated_ode(lambda x, t: net(torch.cat([x, t.expand(x.shape[0], 1)], 1)), torch.randn(16, 8), grid,
+                          8 - k, checkpointed)
+        return total[0]
+
+    latent = 16 * 8 * 4
+    per_step_on = (saved_bytes(8, True) - saved_bytes(1, True)) / 7
+    per_step_off = (saved_bytes(8, False) - saved_bytes(1, False)) / 7
+    assert per_step_on <= 1.1 * latent  # the step's input latent (512 bytes) and its time
+    assert per_step_off > 50 * latent  # the 16 x 512 hidden activations and more
+
+
 def test_refl_and_lv_predict_x0_in_one_step_with_per_row_times():
     model = Linear(0.5)
     x_t = torch.tensor([[1.0], [2.0]], dtype=torch.float64)
@@ -236,14 +262,15 @@ def test_the_grad_path_lands_on_the_rollouts_samples_and_every_mode_trains(tmp_p
 @pytest.mark.slow
 def test_reward_and_judge_rise_and_the_negated_reward_falls(tmp_path):
     """An honest control: the same run minimising the reward (reward_scale = -1) goes the other way."""
-    args = ["steps=8", "eval_every=8", "data.prompts_per_step=4"]
+    args = ["steps=10", "eval_every=10", "data.prompts_per_step=4", "train.learning_rate=2e-3"]
     real, _ = run(tmp_path, "real", *args)
     control, _ = run(tmp_path, "negated", *args, "train.reward_scale=-1")
     base, base_judge = real["base"]["eval/reward/mean"], real["base"]["eval/judge/digit_svc/mean"]
     assert control["base"]["eval/reward/mean"] == base
-    assert real["final"]["eval/reward/mean"] > base + 0.15
-    assert real["final"]["eval/judge/digit_svc/mean"] > base_judge + 0.05
-    assert control["final"]["eval/reward/mean"] < base - 0.15
+    # Measured on one thread: reward 0.53 -> 0.85 (judge 0.58 -> 0.86), and 0.53 -> 0.09 with the sign flipped.
+    assert real["final"]["eval/reward/mean"] > base + 0.2
+    assert real["final"]["eval/judge/digit_svc/mean"] > base_judge + 0.15
+    assert control["final"]["eval/reward/mean"] < base - 0.2
 
 
 def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
