@@ -226,6 +226,27 @@ def test_a_non_differentiable_reward_is_refused_in_one_line_before_the_run_dir_e
         "rewards=judge=remote:http://127.0.0.1:9/score")
 
 
+class DetachingScorer:
+    """A plugin that claims differentiable = True and breaks the graph."""
+
+    name = "claims_grad"
+    differentiable = True
+
+    def __call__(self, images, prompts, metadata):
+        return images.detach().flatten(1).mean(1)
+
+
+def test_a_scorer_that_claims_gradients_and_detaches_is_named(tmp_path):
+    from rewards.registry import register, unregister
+
+    register("claims_grad", DetachingScorer)
+    try:
+        with pytest.raises(RuntimeError, match="'claims_grad' declares differentiable = True but its scores carry no"):
+            main([f"run_dir={tmp_path / 'r'}", *QUICK, *SMALL, "steps=1", "rewards=claims_grad:1.0"])
+    finally:
+        unregister("claims_grad")
+
+
 def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_draft():
     defaults = parse_config(Config, [])
     assert parse_config(Config, ["--config", str(ROOT / "configs" / "toy_draft.yaml")]) == defaults

@@ -283,6 +283,10 @@ class DifferentiableReward:
         per_scorer = {}
         for name, scorer in self.scorers.items():
             scores = scorer(images, prompts, metadata).to(images.device).float()
+            if images.requires_grad and not scores.requires_grad:
+                raise RuntimeError(f"reward {name!r} declares differentiable = True but its scores carry no gradient "
+                                   "to the images (a no_grad, detach, uint8 or numpy step in its __call__?): fix the "
+                                   "scorer or leave it out of this recipe's rewards")
             ok = torch.isfinite(scores)
             valid &= ok
             per_scorer[name] = scores
@@ -486,6 +490,10 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
             grads.record({**stats, "t/mean": torch.tensor(t_mean)})
         grads.maybe_step(m)
     metrics = grads.metrics()
+    if metrics.get("grad_norm") == 0.0 and accelerator.is_main_process:
+        print(f"warning: step {step + 1}: the reward's gradient is exactly zero (the optimizer step moved the weights "
+              "by weight decay only): the decoded pixels may sit where the decoder clamps them, or the scorers are "
+              "saturated", file=sys.stderr, flush=True)
     if anchor is not None:
         decay = EMAAnchor.decay(step + 1, tc)
         anchor.update(decay)
