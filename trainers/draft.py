@@ -55,8 +55,8 @@ weighted sum of the scorers' raw scores (rewards_mode=weighted_sum); a
 sample that a scorer scores NaN is left out of the loss.
 
 Deviations from the papers, each on purpose:
-1. Sampler. DRaFT and ReFL sample SD 1.4 / 1.5 with DDIM (DRaFT: 50 steps;
-   ReFL: 40); here the card's rectified-flow Euler ODE with sampling.steps.
+1. Sampler. DRaFT and ReFL sample Stable Diffusion with DDIM (ReFL's code:
+   40 steps); here the card's rectified-flow Euler ODE with sampling.steps.
    The no-grad part is the flywheel's rollout itself (same weights, same ODE),
    so the update does not sample twice; with several optimizer steps per
    rollout (minibatch_size below the rank's samples) the later minibatches
@@ -66,15 +66,13 @@ Deviations from the papers, each on purpose:
    from that code, not re-read here). Here -s·r for both modes, s =
    reward_scale, and no pretraining data (the KL and anchor terms are the
    brakes). Rows are averaged over the valid samples of a minibatch.
-3. DRaFT's runs train LoRA on SD 1.4 with the full chain's gradient clipped
-   and (for K = 50) checkpointed; here any card, full or LoRA, the same
-   max_grad_norm clip as every recipe.
+3. DRaFT trains LoRA weights of SD 1.4 (its Fig. 2); here any card, full or
+   LoRA, with the max_grad_norm clip every recipe has.
 4. Randomness. ReFL's step and DRaFT-LV's noise come from a generator seeded
    from (seed, step, rank), so a resumed run draws what an uninterrupted one
    did; the papers' code uses the global RNG.
 5. Guidance. Rollouts with CFG (sampling.guidance_scale != 1) train through
-   the guided velocity, the one that sampled; DRaFT's SD runs sample with
-   guidance 7.5 the same way.
+   the guided velocity, the one that sampled.
 MEND (arXiv 2610.05954, named in issue 27) could not be read from here: no
 fact from it is used.
 
@@ -129,7 +127,7 @@ class DraftConfig(OptimConfig):
     """"draft": backpropagate through the last truncation_steps ODE steps (DRaFT-K); "refl": one-step x0
     prediction from a random late step of the rollout (ReFL)"""
     truncation_steps: int = 1
-    """K: the ODE steps the reward's gradient flows through (DRaFT-K; the paper's best trade-off is K = 1)"""
+    """K: the ODE steps the reward's gradient flows through (DRaFT-K; DRaFT-1 is the default here)"""
     lv_samples: int = 0
     """DRaFT-LV: noise the final sample to the last step's time this many times and denoise each with grad
     (0 = off; needs mode=draft, truncation_steps=1; the paper uses 2)"""
