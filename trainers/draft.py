@@ -476,7 +476,7 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
             images = decoded_images(policy.model, x_final)
             total, valid, per_scorer = reward(images, sub.prompts, sub.metadata)
             kl = anchor_term = None
-            if tc.kl_beta > 0 or policy.ref_velocity is not None:
+            if policy.ref_velocity is not None:  # built only for kl_beta > 0
                 kl = velocity_distance(visited, lambda x, t: policy.ref_velocity(x, t, cond, uncond, g))
             if anchor is not None:
                 anchor_term = velocity_distance(visited, lambda x, t: anchor.velocity(x, t, cond, uncond, g))
@@ -484,7 +484,8 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
             grads.backward(loss / grads.backwards_per_step(len(paths)), m, last_of_minibatch=i == len(paths) - 1)
             for name, scores in per_scorer.items():
                 ok = torch.isfinite(scores.detach())
-                stats[f"draft/reward/{name}"] = scores.detach()[ok].mean() if ok.any() else scores.detach().sum()
+                if ok.any():  # a scorer that scored no row of this minibatch has no mean to record
+                    stats[f"draft/reward/{name}"] = scores.detach()[ok].mean()
             grads.record({**stats, "t/mean": torch.tensor(t_mean)})
         grads.maybe_step(m)
     metrics = grads.metrics()
