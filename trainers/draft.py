@@ -112,6 +112,8 @@ MODES = ("draft", "refl")
 
 # velocity(x, t) of the trained policy for one minibatch's conditioning, with grad.
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The (x_k detached, t_k, v_k) of each step a grad path takes: where the regularisers compare velocities.
+Visited = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ def grad_velocity(velocity: Velocity, x: torch.Tensor, t: torch.Tensor, checkpoi
 
 
 def truncated_ode(velocity: Velocity, x: torch.Tensor, timesteps: torch.Tensor, first: int,
-                  checkpointed: bool = True) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+                  checkpointed: bool = True) -> tuple[torch.Tensor, Visited]:
     """DRaFT-K's grad path: Euler steps first..T-1 of the ODE from x (the state at timesteps[first]) to t = 0.
 
     Returns (x_T with the graph through every step's velocity, the visited (x_k detached, t_k, v_k) of each step:
@@ -321,7 +323,7 @@ def truncated_ode(velocity: Velocity, x: torch.Tensor, timesteps: torch.Tensor, 
 
 
 def one_step_x0(velocity: Velocity, x_t: torch.Tensor, t: torch.Tensor, checkpointed: bool = True
-                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+                ) -> tuple[torch.Tensor, Visited]:
     """ReFL's and DRaFT-LV's grad path: x0_hat = x_t - t·v_theta(x_t, t) (t a scalar or one per row)."""
     v = grad_velocity(velocity, x_t, t, checkpointed)
     t_b = t.reshape(-1, *([1] * (x_t.dim() - 1))) if t.dim() == 1 else t
