@@ -259,6 +259,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_draft():
 # ---- the run --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_grad_path_lands_on_the_rollouts_samples_and_every_mode_trains(tmp_path):
     # One minibatch: the update re-runs the rollout's last step with the weights that made it, so the reward of
     # the grad path is the rollout's own reward (the same chain, bit for bit), before any optimizer step.
@@ -294,6 +295,7 @@ def test_reward_and_judge_rise_and_the_negated_reward_falls(tmp_path):
     assert control["final"]["eval/reward/mean"] < base - 0.2
 
 
+@pytest.mark.slow
 def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
     # ReFL (its steps drawn per sample) with the EMA anchor, checkpointed beside the weights.
     args = [*SMALL, "steps=4", "save_every=2", "eval_every=2", "train.mode=refl", "train.anchor_beta=1",
@@ -314,6 +316,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
         assert torch.equal(value, ours[name]), name
 
 
+@pytest.mark.slow
 def test_lora_trains_only_the_adapter(tmp_path):
     _, rows = run(tmp_path, "lora", *SMALL, "model.finetune=lora", "steps=2", "eval_every=2", "save_every=2",
                   "train.kl_beta=0.01", "train.truncation_steps=2")
@@ -323,6 +326,7 @@ def test_lora_trains_only_the_adapter(tmp_path):
     assert rows[1]["kl"] == 0.0 and rows[2]["kl"] > 0.0  # B = 0 at first: the adapted model is the reference
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one(tmp_path):
     args = ["steps=2", "eval_every=1000", *SMALL]
     _, single = run(tmp_path, "one", *args)
