@@ -20,7 +20,7 @@ steps, no tracker, and sample grids and checkpoints only at the end (harness
 settings that cost every recipe the same), once per seed of `--seeds`
 (default 0,1,2; `--quick`: 0), every recipe of a seed before the next seed.
 Each run ends `--stop-after-target N` evaluations after it reached the target
-(default 2; `--quick`: 0: one seed of the 7 recipes with every configured step
+(default 2; `--quick`: 0: one seed of the 8 recipes with every configured step
 took 7 min 45 s on 2 quiet cores, so 3 seeds that stop early fit in 40 minutes), or runs its configured steps with `--no-stop` or when
 it never gets there. Overrides after `--` go to every recipe. Before anything runs, the configs are resolved and must agree on what
 makes the runs comparable (`COMPARABLE_KEYS`: card, reward, prompts, prompts per step x
@@ -109,7 +109,7 @@ from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, R
 from benchmarks.report import add_report_args, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
 from flywheel.runs.rundir import atomic_write_bytes  # noqa: E402
 
-DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard", "dppo")
+DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard", "dppo", "draft")
 # Entries that are options of another recipe's trainer: name -> trainers/<trainer>.py. A name that is not
 # here runs trainers/<name>.py. Each still has its own configs/toy_numbers_<name>.yaml.
 VARIANT_TRAINERS = {"mixgrpo": "grpo", "grpo_fast": "grpo", "grpo_guard": "grpo", "dppo": "grpo"}

@@ -101,9 +101,9 @@ class _ClipBase:
         nothing (`rewards.registry.check_scorer`)."""
         resolve_folder(path, cls.env, cls.name)
 
-    @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
-        """L2-normalised image embeddings [B, D]."""
+        """L2-normalised image embeddings [B, D] (a graph only when the images require grad: the model is
+        frozen, so reward-gradient recipes can backpropagate into the pixels)."""
         pixels = self.preprocess(images.to(self.device)).to(self.dtype)
         return F.normalize(_features(self.model.get_image_features(pixel_values=pixels)).float(), dim=-1)
 
@@ -133,6 +133,7 @@ class ClipScore(_ClipBase):
 
     env = "FLYWHEEL_CLIP_PATH"
     name = "clip_score"
+    differentiable = True
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """Raw scores [B] float32 on the host."""
@@ -144,6 +145,7 @@ class PickScore(_ClipBase):
 
     env = "FLYWHEEL_PICKSCORE_PATH"
     name = "pickscore"
+    differentiable = True
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """Raw scores [B] float32 on the host (about 20-23 for real PickScore on good images)."""
@@ -182,6 +184,7 @@ class Aesthetic(_ClipBase):
 
     env = "FLYWHEEL_AESTHETIC_PATH"
     name = "aesthetic"
+    differentiable = True
 
     def __init__(self, path: str | os.PathLike | None = None, head: str | os.PathLike | None = None, **kwargs):
         super().__init__(path, **kwargs)
@@ -197,7 +200,6 @@ class Aesthetic(_ClipBase):
         """The CLIP folder and the head file, checked without loading either."""
         _head_path(resolve_folder(path, cls.env, cls.name), head)
 
-    @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """Raw scores [B] float32 on the host."""
         x = self.image_embeds(images)

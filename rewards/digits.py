@@ -120,14 +120,15 @@ class DigitAlignment:
     """Scorer: softmax probability of the prompted digit under the shipped CNN (NaN if no digit is named)."""
 
     name = "digit_alignment"
+    differentiable = True  # softmax of a CNN over an area resize: d score / d pixels exists everywhere
 
     def __init__(self, weights_path: str | Path = WEIGHTS_PATH, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.model, self.weights_meta = load_classifier(weights_path, self.device)
 
-    @torch.no_grad()
     def probs(self, images: torch.Tensor) -> torch.Tensor:
-        """Class probabilities [B, 10] on this scorer's device."""
+        """Class probabilities [B, 10] on this scorer's device (a graph only when the images require grad: the
+        CNN is frozen)."""
         return self.model(to_digit_grid(images.to(self.device))).softmax(dim=-1)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -202,6 +203,7 @@ class NumberAlignment:
     """
 
     name = "number_alignment"
+    differentiable = True  # the product of two DigitAlignment probabilities
 
     def __init__(self, weights_path: str | Path = WEIGHTS_PATH, device: str | torch.device = "cpu"):
         self.digits = DigitAlignment(weights_path, device)

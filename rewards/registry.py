@@ -25,7 +25,7 @@ import warnings
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Callable
 
-from rewards.types import Scorer
+from rewards.types import Scorer, is_differentiable
 
 ScorerFactory = Callable[..., Scorer]
 ENTRY_POINT_GROUP = "flywheel.rewards"
@@ -440,6 +440,26 @@ def check_spec(spec: Any, reward_args: Any = None, modules: list[str] | tuple[st
     except (ValueError, KeyError, ImportError, TypeError) as exc:
         return [str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)]
     return []
+
+
+def is_differentiable_target(target: str) -> bool:
+    """Whether the scorer `target` builds passes gradients to the images (its class's `differentiable`, see
+    `rewards.types.Scorer`), found without building it. A remote scorer never does (its images cross HTTP)."""
+    if target.startswith(REMOTE):
+        return False
+    return is_differentiable(_factory_target(factory_of(target)))
+
+
+def differentiable_scorers() -> list[str]:
+    """The names of the known scorers (registered and installed plugins) that pass gradients to the images."""
+    out = []
+    for name in available():
+        try:
+            if is_differentiable_target(name):
+                out.append(name)
+        except (KeyError, ImportError, TypeError, ValueError):  # a plugin that does not load: not one of them
+            continue
+    return out
 
 
 def _lazy(module: str, attr: str) -> ScorerFactory:

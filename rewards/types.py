@@ -33,6 +33,12 @@ class Scorer(Protocol):
     batch; and a declared need can be checked before the call, so a batch
     without audio given to an audio scorer is an error naming that scorer, not a
     KeyError deep inside it, and a reward set can say up front that it needs audio.
+
+    `differentiable = True` (default False) says the score passes gradients to
+    `images`: called with images that require grad, it returns scores whose
+    graph reaches them (no no_grad, detach, uint8 or numpy round trip on the
+    way). Reward-gradient recipes (trainers/draft.py) accept only such scorers.
+    The scorer's own weights stay frozen; grad is only built when the images ask for it.
     """
 
     name: str
@@ -44,6 +50,11 @@ class Scorer(Protocol):
 def wants_audio(scorer: object) -> bool:
     """Whether `scorer` is to be called with `audio=` and `sample_rate=` (see `Scorer`)."""
     return bool(getattr(scorer, "wants_audio", False))
+
+
+def is_differentiable(scorer: object) -> bool:
+    """Whether `scorer` (an instance or its class) passes gradients to the images (see `Scorer`)."""
+    return bool(getattr(scorer, "differentiable", False))
 
 
 def wants_video(scorer: object) -> bool:

@@ -140,7 +140,7 @@ def test_every_recipe_imports_the_openmp_default_before_torch():
     import ast
     from pathlib import Path
 
-    for recipe in ("grpo", "nft", "awm", "dpo"):
+    for recipe in ("grpo", "nft", "awm", "dpo", "draft"):
         tree = ast.parse((Path(__file__).resolve().parents[1] / "trainers" / f"{recipe}.py").read_text())
         imported = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
         assert "flywheel.openmp_env" in imported and "torch" in imported, recipe

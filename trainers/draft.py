@@ -1,0 +1,533 @@
+"""Reward-gradient fine-tuning: DRaFT-K (Clark et al., arXiv 2309.17400) and ReFL (Xu et al., ImageReward,
+arXiv 2304.05977) as a setting of it.
+
+    accelerate launch trainers/draft.py                      # the built-in toy task (toy-digits)
+    python trainers/draft.py --config configs/toy_numbers_draft.yaml
+    python trainers/draft.py train.mode=refl                 # ReFL's one-step x0 prediction at a late step
+    python trainers/draft.py train.truncation_steps=2 train.kl_beta=0.1
+
+Where the reward is a differentiable function of the pixels, its gradient can
+flow back through the sampler into the weights: no advantages, no likelihoods,
+one backward pass. Each step the flywheel rolls out G samples per prompt with
+the ODE (no grad, the weights being trained: the engine serves the trained
+module), and the update re-runs the last part of each sample's chain with
+grad and maximises the reward of where it lands.
+
+DRaFT-K (`train.mode=draft`, K = `train.truncation_steps`). With the T-step
+Euler ODE x_{k+1} = x_k + (t_{k+1} - t_k)·v_theta(x_k, t_k, c), t_0 = 1 (noise)
+to t_T = 0 (data), the first T - K steps carry no gradient (they are the
+rollout's own: the update starts from its stored state x_{T-K}), the last K do:
+
+    x_T(theta) = Phi_{T-1} o ... o Phi_{T-K}(sg(x_{T-K})),     L(theta) = -s·r(decode(x_T), c)
+
+(the paper's truncated backpropagation: the gradient of the reward through the
+last K sampling steps, its stop-gradient for the earlier ones; s =
+`train.reward_scale`). Each step's transformer forward runs under
+torch.utils.checkpoint (`train.step_checkpointing`), so the activations of one
+forward are held at a time whatever K is (plus a latent per step): memory does
+not grow with K beyond one step's activations; the gradient is the same
+(tested bit for bit on the toy).
+
+DRaFT-LV (`train.lv_samples=n`, K = 1 only): the final sample x_T is noised
+again to the last step's time t = t_{T-1} n times, x_t^i = (1 - t)·sg(x_T) + t·eps_i,
+and each is denoised in one step with grad, x_hat^i = x_t^i - t·v_theta(x_t^i, t);
+the loss is the mean of -s·r(decode(x_hat^i)) over the n draws (the paper's
+lower-variance estimator of DRaFT-1's gradient, n = 2 there).
+
+ReFL (`train.mode=refl`): a step index j is drawn per sample, uniformly among
+the steps int(lo·T) .. int(hi·T) - 1 (`train.refl_window` = (lo, hi), default
+(0.75, 1): ImageReward's released ReFL code draws mid_timestep in [30, 39] of
+40 steps); the rollout's own state x_j (no grad up to there) is mapped to the
+clean sample in one step with grad, x0_hat = x_j - t_j·v_theta(x_j, t_j), and
+the loss is -s·r(decode(x0_hat)).
+
+Regularisers, both optional (0 = off, as in the papers' main runs), at every
+state the grad path visits (the velocity targets carry no gradient):
+
+    + kl_beta     · mean |v_theta - v_ref|^2        velocity MSE to the reference (base) model, as the others'
+    + anchor_beta · mean |v_theta - v_ema|^2        velocity MSE to an EMA of the trained weights (AWM's anchor:
+                                                    decay min(anchor_decay, anchor_decay_ramp·steps done))
+
+Only differentiable scorers are accepted (`differentiable = True` on the
+scorer class, rewards/types.py); a reward spec naming another is refused when
+the config is checked, before anything is written. The reward is the
+weighted sum of the scorers' raw scores (rewards_mode=weighted_sum); a
+sample that a scorer scores NaN is left out of the loss.
+
+Deviations from the papers, each on purpose:
+1. Sampler. DRaFT and ReFL sample Stable Diffusion with DDIM (ReFL's code:
+   40 steps); here the card's rectified-flow Euler ODE with sampling.steps.
+   The no-grad part is the flywheel's rollout itself (same weights, same ODE),
+   so the update does not sample twice; with several optimizer steps per
+   rollout (minibatch_size below the rank's samples) the later minibatches
+   start from states made by weights one or more steps older.
+2. Loss. DRaFT maximises r itself; ReFL's released code minimises
+   relu(2 - r)·1e-3 and mixes in a pretraining loss on a dataset (recalled
+   from that code, not re-read here). Here -s·r for both modes, s =
+   reward_scale, and no pretraining data (the KL and anchor terms are the
+   brakes). Rows are averaged over the valid samples of a minibatch.
+3. DRaFT trains LoRA weights of SD 1.4 (its Fig. 2); here any card, full or
+   LoRA, with the max_grad_norm clip every recipe has.
+4. Randomness. ReFL's step and DRaFT-LV's noise come from a generator seeded
+   from (seed, step, rank), so a resumed run draws what an uninterrupted one
+   did; the papers' code uses the global RNG.
+5. Guidance. Rollouts with CFG (sampling.guidance_scale != 1) train through
+   the guided velocity, the one that sampled.
+MEND (arXiv 2610.05954, named in issue 27) could not be read from here: no
+fact from it is used.
+
+Defaults and the toy task: see docs/recipes/draft.md (measurements and the
+command that made them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from engine.sampling import ode_step
+from flywheel.cli import run_main
+from flywheel.loop import RolloutBatch
+from flywheel.recipe.ema import WeightEMA
+from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.rollouts import Rollouts
+from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
+                                      check_shared_sections, resolve_config)
+from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
+
+# Keeps this recipe's draws (ReFL's steps, DRaFT-LV's noise) apart from other users of the run's seed.
+DRAW_STREAM = 0x445246  # "DRF"
+# The EMA anchor's tensors in a checkpoint (beside the trained weights, see RecipeRun.save).
+ANCHOR_PREFIX = "ema_anchor/"
+MODES = ("draft", "refl")
+
+# velocity(x, t) of the trained policy for one minibatch's conditioning, with grad.
+Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The (x_k detached, t_k, v_k) of each step a grad path takes: where the regularisers compare velocities.
+Visited = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+# ---------------------------------------------------------------------------------------
+# Config: the algorithm's own keys of the `train` section, and the recipe's config
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftConfig(OptimConfig):
+    learning_rate: float = 1e-3
+    """AdamW learning rate (docs/recipes/draft.md: the toy runs)"""
+    mode: Literal["draft", "refl"] = "draft"
+    """"draft": backpropagate through the last truncation_steps ODE steps (DRaFT-K); "refl": one-step x0
+    prediction from a random late step of the rollout (ReFL)"""
+    truncation_steps: int = 1
+    """K: the ODE steps the reward's gradient flows through (DRaFT-K; DRaFT-1 is the default here)"""
+    lv_samples: int = 0
+    """DRaFT-LV: noise the final sample to the last step's time this many times and denoise each with grad
+    (0 = off; needs mode=draft, truncation_steps=1; the paper uses 2)"""
+    refl_window: tuple[float, float] = (0.75, 1.0)
+    """ReFL: the step index is drawn among int(lo·T) .. int(hi·T) - 1 of a T-step rollout (ImageReward: 30..39
+    of 40)"""
+    step_checkpointing: bool = True
+    """recompute each grad step's transformer forward in backward (torch.utils.checkpoint): one step's
+    activations held at a time, whatever K is; the same gradient"""
+    reward_scale: float = 1.0
+    """s in L = -s·r: the reward's weight in the loss (negative minimises the reward)"""
+    kl_beta: float = 0.0
+    """weight of the velocity MSE to the reference (base) model at the grad path's states (0 = off, no
+    reference built)"""
+    anchor_beta: float = 0.0
+    """weight of the velocity MSE to an EMA of the trained weights (AWM's KL-EMA anchor; 0 = off)"""
+    anchor_decay: float = 0.3
+    """EMA anchor: ceiling of the decay (EMA <- decay·EMA + (1 - decay)·weights after each step)"""
+    anchor_decay_ramp: float = 0.001
+    """EMA anchor: decay = min(anchor_decay, anchor_decay_ramp·steps done) (AWM's warm-up)"""
+
+
+@dataclass
+class Config(RunConfig):
+    run_dir: str = "runs/draft-toy"
+    """where config, metrics, samples and checkpoints go"""
+    steps: int = 20
+    """training steps (rollout + update); toy-digits is at 0.97 by 20 (docs/recipes/draft.md)"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # The gradient path re-runs the deterministic sampler: rollouts must be the ODE's.
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
+    train: DraftConfig = field(default_factory=DraftConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# Config checks
+# ---------------------------------------------------------------------------------------
+
+
+def refl_steps(num_steps: int, window: tuple[float, float]) -> tuple[int, int]:
+    """[first, end) step indices ReFL draws from in a `num_steps`-step rollout; ValueError when empty."""
+    lo, hi = window
+    first, end = int(lo * num_steps), min(int(hi * num_steps), num_steps)
+    if end <= first:
+        raise ValueError(f"train.refl_window={tuple(window)} holds no step of a {num_steps}-step rollout "
+                         f"(indices {first}..{end - 1}): widen it or raise sampling.steps")
+    return first, end
+
+
+def check_differentiable_rewards(cfg, checks) -> None:
+    """One line naming each scorer of `rewards` that passes no gradient to the pixels, and the ones that do."""
+    from rewards.registry import check_spec, differentiable_scorers, is_differentiable_target, parse_spec_targets
+
+    if check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):
+        return  # the reward keys' own problems are reported by check_shared_sections
+    refused = []
+    for name, target, _ in parse_spec_targets(cfg.rewards):
+        try:
+            ok = is_differentiable_target(target)
+        except (KeyError, ImportError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            refused.append(name if name == target else f"{name} ({target})")
+    if refused:
+        checks.fail(f"rewards={cfg.rewards!r}: {', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not "
+                    "differentiable (DRaFT/ReFL backpropagate the reward into the pixels); differentiable scorers: "
+                    f"{', '.join(differentiable_scorers())}")
+
+
+def validate_config(cfg: Config) -> None:
+    """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
+    checks = check_shared_sections(cfg)
+    tc = cfg.train
+    checks.require("train.mode", lambda v: v in MODES, f"must be one of {', '.join(MODES)}")
+    checks.require("train.truncation_steps", lambda v: 1 <= v <= cfg.sampling.steps,
+                   f"must be in [1, sampling.steps={cfg.sampling.steps}] (the ODE steps the gradient flows through)")
+    checks.require("train.lv_samples", lambda v: v >= 0, "must be an integer >= 0 (0 = off)")
+    if tc.lv_samples > 0 and (tc.mode != "draft" or tc.truncation_steps != 1):
+        checks.fail(f"train.lv_samples={tc.lv_samples}: DRaFT-LV is a variant of DRaFT-1: it needs train.mode=draft "
+                    f"and train.truncation_steps=1 (got mode={tc.mode}, truncation_steps={tc.truncation_steps})")
+    checks.require("train.refl_window", lambda w: len(w) == 2 and 0 <= w[0] < w[1] <= 1,
+                   "must be [lo, hi] with 0 <= lo < hi <= 1 (fractions of the rollout's steps)")
+    if tc.mode == "refl" and len(tc.refl_window) == 2 and 0 <= tc.refl_window[0] < tc.refl_window[1] <= 1:
+        try:
+            refl_steps(cfg.sampling.steps, tc.refl_window)
+        except ValueError as e:
+            checks.fail(str(e))
+    checks.require("train.reward_scale", lambda v: math.isfinite(v) and v != 0,
+                   "must be a finite number other than 0 (negative minimises the reward)")
+    for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
+        checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
+    checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    checks.require("sampling.sampler", lambda v: v == "ode",
+                   "must be ode: the gradient path re-runs the rollout's deterministic sampler from its stored states")
+    checks.require("rewards_mode", lambda v: v == "weighted_sum",
+                   "must be weighted_sum: the loss is the weighted sum of the scorers' scores (no advantages)")
+    if cfg.async_rollouts:
+        checks.fail("async_rollouts=true: not supported by DRaFT (its gradient path starts from the rollout's states, "
+                    "made by the weights it trains); set async_rollouts=false")
+    if cfg.rollout.backend != "local":
+        checks.fail(f"rollout.backend={cfg.rollout.backend}: DRaFT scores with its own differentiable scorers in "
+                    "this process; set rollout.backend=local")
+    if cfg.model.workflow:
+        checks.fail(f"model.workflow={cfg.model.workflow!r}: DRaFT differentiates the trained card's own sampler "
+                    "and decoder only; unset model.workflow")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        checks.fail("FSDP launch: not supported by DRaFT here (not tested); launch with DDP (or one process)")
+    check_differentiable_rewards(cfg, checks)
+    checks.raise_if_any()
+
+
+# ---------------------------------------------------------------------------------------
+# The differentiable reward
+# ---------------------------------------------------------------------------------------
+
+
+class DifferentiableReward:
+    """The weighted sum of differentiable scorers' scores, with the autograd graph back to the images."""
+
+    def __init__(self, scorers: dict, weights: dict[str, float]):
+        from rewards.types import is_differentiable
+
+        for name, scorer in scorers.items():
+            if not is_differentiable(scorer):
+                raise ValueError(f"reward {name!r} is not differentiable (its scorer sets no differentiable = True)")
+        self.scorers, self.weights = scorers, weights
+
+    @classmethod
+    def for_run(cls, cfg, rollouts: Rollouts) -> "DifferentiableReward":
+        """The run's scorers: the rollouts' own (one copy of each scorer's weights), else built from the spec."""
+        from flywheel.video import MiddleFrameRewards
+
+        reward_set = rollouts.flywheel.rewards
+        if isinstance(reward_set, MiddleFrameRewards):  # a video card's: the scorers are the wrapped set's
+            reward_set = reward_set.rewards
+        scorers = getattr(reward_set, "scorers", None)
+        if isinstance(scorers, dict) and scorers:
+            return cls(scorers, dict(reward_set.weights))
+        from rewards import RewardSet
+        from rewards.registry import resolve_args
+
+        built = RewardSet(cfg.rewards, scorer_kwargs=resolve_args(cfg.rewards, cfg.reward_args))
+        return cls(built.scorers, dict(built.weights))
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(total [B] on the images' device, with grad; valid [B] bool: every score finite; {name: scores})."""
+        total = torch.zeros(images.shape[0], device=images.device)
+        valid = torch.ones(images.shape[0], dtype=torch.bool, device=images.device)
+        per_scorer = {}
+        for name, scorer in self.scorers.items():
+            scores = scorer(images, prompts, metadata).to(images.device).float()
+            if images.requires_grad and not scores.requires_grad:
+                raise RuntimeError(f"reward {name!r} declares differentiable = True but its scores carry no gradient "
+                                   "to the images (a no_grad, detach, uint8 or numpy step in its __call__?): fix the "
+                                   "scorer or leave it out of this recipe's rewards")
+            ok = torch.isfinite(scores)
+            valid &= ok
+            per_scorer[name] = scores
+            total = total + self.weights[name] * torch.where(ok, scores, torch.zeros_like(scores))
+        return total, valid, per_scorer
+
+
+# ---------------------------------------------------------------------------------------
+# The gradient path: DRaFT-K's last K steps, DRaFT-LV's re-noised last step, ReFL's one step
+# ---------------------------------------------------------------------------------------
+
+
+def grad_velocity(velocity: Velocity, x: torch.Tensor, t: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    """v_theta(x, t) with grad; under checkpointing its activations are recomputed in backward."""
+    if checkpointed:
+        return checkpoint(velocity, x, t, use_reentrant=False)
+    return velocity(x, t)
+
+
+def truncated_ode(velocity: Velocity, x: torch.Tensor, timesteps: torch.Tensor, first: int,
+                  checkpointed: bool = True) -> tuple[torch.Tensor, Visited]:
+    """DRaFT-K's grad path: Euler steps first..T-1 of the ODE from x (the state at timesteps[first]) to t = 0.
+
+    Returns (x_T with the graph through every step's velocity, the visited (x_k detached, t_k, v_k) of each step:
+    the regularisers' points). `timesteps` [T+1] from 1 to 0.
+    """
+    visited = []
+    for k in range(first, len(timesteps) - 1):
+        t, t_next = timesteps[k], timesteps[k + 1]
+        v = grad_velocity(velocity, x, t, checkpointed)
+        visited.append((x.detach(), t, v))
+        x = ode_step(x, v, t, t_next)
+    return x, visited
+
+
+def one_step_x0(velocity: Velocity, x_t: torch.Tensor, t: torch.Tensor, checkpointed: bool = True
+                ) -> tuple[torch.Tensor, Visited]:
+    """ReFL's and DRaFT-LV's grad path: x0_hat = x_t - t·v_theta(x_t, t) (t a scalar or one per row)."""
+    v = grad_velocity(velocity, x_t, t, checkpointed)
+    t_b = t.reshape(-1, *([1] * (x_t.dim() - 1))) if t.dim() == 1 else t
+    return x_t - t_b * v, [(x_t.detach(), t, v)]
+
+
+def grad_paths(traj, velocity: Velocity, tc: DraftConfig, generator: torch.Generator):
+    """The minibatch's grad paths, one per loss term: [(x_final, visited, t_mean)] (DRaFT-LV: one per draw)."""
+    timesteps = traj.timesteps.to(traj.latents.device)
+    steps = len(timesteps) - 1
+    if tc.mode == "draft" and tc.lv_samples == 0:
+        first = steps - tc.truncation_steps
+        x, visited = truncated_ode(velocity, traj.latents[:, first].detach(), timesteps, first, tc.step_checkpointing)
+        return [(x, visited, float(timesteps[first:-1].mean()))]
+    if tc.mode == "draft":  # DRaFT-LV
+        t = timesteps[steps - 1]
+        x0 = traj.latents[:, -1].detach()
+        paths = []
+        for _ in range(tc.lv_samples):
+            eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+            x_t = (1 - t) * x0 + t * eps
+            x, visited = one_step_x0(velocity, x_t, t, tc.step_checkpointing)
+            paths.append((x, visited, float(t)))
+        return paths
+    first, end = refl_steps(steps, tc.refl_window)
+    index = torch.randint(first, end, (len(traj),), generator=generator).to(traj.latents.device)
+    rows = torch.arange(len(traj), device=traj.latents.device)
+    x_j, t_j = traj.latents[rows, index].detach(), timesteps[index]
+    x, visited = one_step_x0(velocity, x_j, t_j, tc.step_checkpointing)
+    return [(x, visited, float(t_j.mean()))]
+
+
+def velocity_distance(visited, target: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Mean over the grad path's steps of mean |v_theta - v_target|^2 at the same points (targets: no grad)."""
+    terms = []
+    for x, t, v in visited:
+        with torch.no_grad():
+            v_target = target(x, t)
+        terms.append((v.float() - v_target.detach().float()).pow(2).mean())
+    return torch.stack(terms).mean()
+
+
+def draft_loss(reward: torch.Tensor, valid: torch.Tensor, reward_scale: float, kl: torch.Tensor | None = None,
+               kl_beta: float = 0.0, anchor: torch.Tensor | None = None, anchor_beta: float = 0.0
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """-s·mean_valid(r) + kl_beta·kl + anchor_beta·anchor; rows with an invalid reward are left out."""
+    weight = valid.float() / valid.float().sum().clamp(min=1.0)
+    mean_reward = (torch.where(valid, reward, torch.zeros_like(reward)) * weight).sum()
+    loss = -reward_scale * mean_reward
+    stats = {"draft/reward": mean_reward.detach(), "draft/valid_samples": valid.float().sum()}
+    if kl is not None:
+        loss = loss + kl_beta * kl
+        stats["kl"] = kl.detach()
+    if anchor is not None:
+        loss = loss + anchor_beta * anchor
+        stats["anchor_kl"] = anchor.detach()
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------------------
+# The EMA anchor: its velocity through torch.func.functional_call (no in-place weight swap, so the autograd
+# graph of the trained weights, which holds them, stays valid)
+# ---------------------------------------------------------------------------------------
+
+
+class _PolicyVelocity(torch.nn.Module):
+    """The policy's velocity as a module (for functional_call): its only submodule is the trained transformer."""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.transformer = policy.transformer
+        self.__dict__["_policy"] = policy  # not a submodule
+
+    def forward(self, x, t, cond, uncond_cond, guidance):
+        return self._policy.velocity(self.transformer, x, t, cond, uncond_cond, guidance)
+
+
+class EMAAnchor:
+    """An EMA of the trained weights (the shared `WeightEMA`, float32) and the velocity it gives."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.average = WeightEMA(policy.named_params, what="EMA anchor")
+        self._module = _PolicyVelocity(policy)
+
+    @staticmethod
+    def decay(steps_done: int, tc: DraftConfig) -> float:
+        return min(tc.anchor_decay, tc.anchor_decay_ramp * steps_done)
+
+    def velocity(self, x, t, cond, uncond_cond, guidance) -> torch.Tensor:
+        weights = {f"transformer.{n}": self.average.shadow[n].to(p.dtype) for n, p in self.policy.named_params}
+        with torch.no_grad():
+            return torch.func.functional_call(self._module, weights, (x, t, cond, uncond_cond, guidance))
+
+    def update(self, decay: float) -> None:
+        self.average.update(self.policy.named_params, decay)
+
+
+def ema_anchor(policy: Policy, tc: DraftConfig, checkpointed: dict[str, torch.Tensor]) -> EMAAnchor | None:
+    """The run's EMA anchor (None when anchor_beta = 0): the weights of a fresh run, the checkpoint's on resume."""
+    if tc.anchor_beta == 0:
+        return None
+    anchor = EMAAnchor(policy)
+    saved = {k[len(ANCHOR_PREFIX):]: v for k, v in checkpointed.items() if k.startswith(ANCHOR_PREFIX)}
+    if checkpointed and not saved:
+        raise ValueError("resume: the checkpoint holds no EMA anchor (its run had train.anchor_beta=0); resume "
+                         "with train.anchor_beta=0, or start a fresh run")
+    if saved:
+        anchor.average.load_state_dict(saved)
+    return anchor
+
+
+# ---------------------------------------------------------------------------------------
+# The update
+# ---------------------------------------------------------------------------------------
+
+
+def decoded_images(model, latents: torch.Tensor) -> torch.Tensor:
+    """Pixels the scorers see (with grad): the card's decode; a video's middle frame, as image scorers get."""
+    from flywheel.video import is_video, middle_frame
+
+    images = model.decode(latents)
+    return middle_frame(images) if is_video(images) else images
+
+
+def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, sync, cfg, step: int,
+                 reward: DifferentiableReward, anchor: EMAAnchor | None = None) -> dict[str, float]:
+    """One DRaFT / ReFL update over this rank's rollouts: minibatches x grad paths, optimizer step(s).
+
+    `transformer` is the trained module as prepared (DDP-wrapped on several ranks); `policy` gives the model, the
+    trained parameters and the reference velocity (needed when train.kl_beta > 0); `reward` the differentiable
+    scores; `sync()` runs after every optimizer step. Every sample with a finite reward trains, flat groups
+    included (no advantages here). `anchor`, when given, adds its term and moves once, at the end.
+    """
+    tc = cfg.train
+    traj = batch.trajectory
+    if tc.kl_beta > 0 and policy.ref_velocity is None:
+        raise ValueError(f"train.kl_beta={tc.kl_beta} needs the reference model (build_policy(reference=True))")
+    g = traj.guidance_scale
+    generator = update_generator(cfg.seed, step, accelerator.process_index, stream=DRAW_STREAM)
+    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, sync, tc, step)
+    for m, rows in enumerate(grads.minibatches(len(traj))):
+        sub = traj.select(rows)
+        cond, uncond = trajectory_conditioning(sub, use_cfg=g != 1.0)
+
+        def velocity(x, t, cond=cond, uncond=uncond):
+            return policy.velocity(transformer, x, t, cond, uncond, g)
+
+        paths = grad_paths(sub, velocity, tc, generator)
+        for i, (x_final, visited, t_mean) in enumerate(paths):
+            images = decoded_images(policy.model, x_final)
+            total, valid, per_scorer = reward(images, sub.prompts, sub.metadata)
+            kl = anchor_term = None
+            if policy.ref_velocity is not None:  # built only for kl_beta > 0
+                kl = velocity_distance(visited, lambda x, t: policy.ref_velocity(x, t, cond, uncond, g))
+            if anchor is not None:
+                anchor_term = velocity_distance(visited, lambda x, t: anchor.velocity(x, t, cond, uncond, g))
+            loss, stats = draft_loss(total, valid, tc.reward_scale, kl, tc.kl_beta, anchor_term, tc.anchor_beta)
+            grads.backward(loss / grads.backwards_per_step(len(paths)), m, last_of_minibatch=i == len(paths) - 1)
+            for name, scores in per_scorer.items():
+                ok = torch.isfinite(scores.detach())
+                if ok.any():  # a scorer that scored no row of this minibatch has no mean to record
+                    stats[f"draft/reward/{name}"] = scores.detach()[ok].mean()
+            grads.record({**stats, "t/mean": torch.tensor(t_mean)})
+        grads.maybe_step(m)
+    metrics = grads.metrics()
+    if metrics.get("grad_norm") == 0.0 and accelerator.is_main_process:
+        print(f"warning: step {step + 1}: the reward's gradient is exactly zero (the optimizer step moved the weights "
+              "by weight decay only): the decoded pixels may sit where the decoder clamps them, or the scorers are "
+              "saturated", file=sys.stderr, flush=True)
+    if anchor is not None:
+        decay = EMAAnchor.decay(step + 1, tc)
+        anchor.update(decay)
+        metrics["anchor/decay"] = decay
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Main: the policy (and its EMA anchor), the rollouts, the differentiable reward, then the shared loop
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="draft")
+    validate_config(cfg)
+    run = RecipeRun(cfg, recipe="draft")
+    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
+    optimizer = make_optimizer(policy, cfg.train)
+    run.resume(policy, optimizer)
+    anchor = ema_anchor(policy, cfg.train, run.recipe_tensors)
+    transformer, optimizer = run.prepare(policy, optimizer)
+    rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
+    reward = DifferentiableReward.for_run(cfg, rollouts)
+
+    def update(batch: RolloutBatch, step: int) -> dict:
+        return draft_update(batch, policy, transformer, optimizer, run.accelerator, rollouts.sync, cfg, step, reward,
+                            anchor)
+
+    def recipe_state() -> dict:
+        return {} if anchor is None else {ANCHOR_PREFIX + n: v for n, v in anchor.average.state_dict().items()}
+
+    return run.train(rollouts, update, recipe_state)
+
+
+if __name__ == "__main__":
+    run_main(main)
