@@ -20,7 +20,7 @@ steps, no tracker, and sample grids and checkpoints only at the end (harness
 settings that cost every recipe the same), once per seed of `--seeds`
 (default 0,1,2; `--quick`: 0), every recipe of a seed before the next seed.
 Each run ends `--stop-after-target N` evaluations after it reached the target
-(default 2; `--quick`: 0: one seed of the 8 recipes with every configured step
+(default 2; `--quick`: 0: one seed of the 9 recipes with every configured step
 took 7 min 45 s on 2 quiet cores, so 3 seeds that stop early fit in 40 minutes), or runs its configured steps with `--no-stop` or when
 it never gets there. Overrides after `--` go to every recipe. Before anything runs, the configs are resolved and must agree on what
 makes the runs comparable (`COMPARABLE_KEYS`: card, reward, prompts, prompts per step x

@@ -1,83 +1,48 @@
 """Reward-gradient fine-tuning: DRaFT-K (Clark et al., arXiv 2309.17400) and ReFL (Xu et al., ImageReward,
-arXiv 2304.05977) as a setting of it.
+arXiv 2304.05977) as a setting of it. Page: docs/recipes/draft.md (usage, metrics, measurements).
 
     accelerate launch trainers/draft.py                      # the built-in toy task (toy-digits)
     python trainers/draft.py --config configs/toy_numbers_draft.yaml
     python trainers/draft.py train.mode=refl                 # ReFL's one-step x0 prediction at a late step
-    python trainers/draft.py train.truncation_steps=2 train.kl_beta=0.1
 
-Where the reward is a differentiable function of the pixels, its gradient can
-flow back through the sampler into the weights: no advantages, no likelihoods,
-one backward pass. Each step the flywheel rolls out G samples per prompt with
-the ODE (no grad, the weights being trained: the engine serves the trained
-module), and the update re-runs the last part of each sample's chain with
-grad and maximises the reward of where it lands.
+A differentiable reward's gradient flows back through the sampler into the weights: no advantages, no
+likelihoods. The flywheel rolls out G samples per prompt with the ODE (no grad); the update re-runs the last
+part of each sample's chain with grad and maximises the reward of where it lands.
 
-DRaFT-K (`train.mode=draft`, K = `train.truncation_steps`). With the T-step
-Euler ODE x_{k+1} = x_k + (t_{k+1} - t_k)·v_theta(x_k, t_k, c), t_0 = 1 (noise)
-to t_T = 0 (data), the first T - K steps carry no gradient (they are the
-rollout's own: the update starts from its stored state x_{T-K}), the last K do:
+DRaFT-K (`train.mode=draft`, K = `train.truncation_steps`), with the T-step Euler ODE
+x_{k+1} = x_k + (t_{k+1} - t_k)·v_theta(x_k, t_k, c) from t_0 = 1 (noise) to t_T = 0 (data):
 
     x_T(theta) = Phi_{T-1} o ... o Phi_{T-K}(sg(x_{T-K})),     L(theta) = -s·r(decode(x_T), c)
 
-(the paper's truncated backpropagation: the gradient of the reward through the
-last K sampling steps, its stop-gradient for the earlier ones; s =
-`train.reward_scale`). Each step's transformer forward runs under
-torch.utils.checkpoint (`train.step_checkpointing`), so the activations of one
-forward are held at a time whatever K is (plus a latent per step): memory does
-not grow with K beyond one step's activations; the gradient is the same
-(tested bit for bit on the toy).
+(the paper's truncated backpropagation; s = `train.reward_scale`; the update starts from the rollout's stored
+x_{T-K}). Each step's forward runs under torch.utils.checkpoint (`train.step_checkpointing`): one forward's
+activations are held at a time whatever K is; the gradient is the same (tested bit for bit).
+DRaFT-LV (`train.lv_samples=n`, K = 1): x_t^i = (1 - t)·sg(x_T) + t·eps_i at t = t_{T-1}, denoised in one
+step with grad, x_hat^i = x_t^i - t·v_theta(x_t^i, t); L = mean_i -s·r(decode(x_hat^i)).
+ReFL (`train.mode=refl`): a step j per sample, uniform in int(lo·T) .. int(hi·T) - 1 (`train.refl_window`,
+default (0.75, 1): ImageReward's code draws mid_timestep in [30, 39] of 40); x0_hat = x_j - t_j·v_theta(x_j, t_j)
+with grad from the rollout's own x_j; L = -s·r(decode(x0_hat)).
 
-DRaFT-LV (`train.lv_samples=n`, K = 1 only): the final sample x_T is noised
-again to the last step's time t = t_{T-1} n times, x_t^i = (1 - t)·sg(x_T) + t·eps_i,
-and each is denoised in one step with grad, x_hat^i = x_t^i - t·v_theta(x_t^i, t);
-the loss is the mean of -s·r(decode(x_hat^i)) over the n draws (the paper's
-lower-variance estimator of DRaFT-1's gradient, n = 2 there).
+Regularisers, optional (0 = off, as in the papers' main runs), at every state the grad path visits:
 
-ReFL (`train.mode=refl`): a step index j is drawn per sample, uniformly among
-the steps int(lo·T) .. int(hi·T) - 1 (`train.refl_window` = (lo, hi), default
-(0.75, 1): ImageReward's released ReFL code draws mid_timestep in [30, 39] of
-40 steps); the rollout's own state x_j (no grad up to there) is mapped to the
-clean sample in one step with grad, x0_hat = x_j - t_j·v_theta(x_j, t_j), and
-the loss is -s·r(decode(x0_hat)).
+    + kl_beta     · mean |v_theta - v_ref|^2        velocity MSE to the reference (base) model
+    + anchor_beta · mean |v_theta - v_ema|^2        velocity MSE to an EMA of the trained weights (AWM's anchor)
 
-Regularisers, both optional (0 = off, as in the papers' main runs), at every
-state the grad path visits (the velocity targets carry no gradient):
-
-    + kl_beta     · mean |v_theta - v_ref|^2        velocity MSE to the reference (base) model, as the others'
-    + anchor_beta · mean |v_theta - v_ema|^2        velocity MSE to an EMA of the trained weights (AWM's anchor:
-                                                    decay min(anchor_decay, anchor_decay_ramp·steps done))
-
-Only differentiable scorers are accepted (`differentiable = True` on the
-scorer class, rewards/types.py); a reward spec naming another is refused when
-the config is checked, before anything is written. The reward is the
-weighted sum of the scorers' raw scores (rewards_mode=weighted_sum); a
-sample that a scorer scores NaN is left out of the loss.
+Only scorers with `differentiable = True` (rewards/types.py) are accepted: another is refused when the config
+is checked, before anything is written. The reward is the weighted sum of raw scores; a NaN-scored sample is
+left out of the loss.
 
 Deviations from the papers, each on purpose:
-1. Sampler. DRaFT and ReFL sample Stable Diffusion with DDIM (ReFL's code:
-   40 steps); here the card's rectified-flow Euler ODE with sampling.steps.
-   The no-grad part is the flywheel's rollout itself (same weights, same ODE),
-   so the update does not sample twice; with several optimizer steps per
-   rollout (minibatch_size below the rank's samples) the later minibatches
-   start from states made by weights one or more steps older.
-2. Loss. DRaFT maximises r itself; ReFL's released code minimises
-   relu(2 - r)·1e-3 and mixes in a pretraining loss on a dataset (recalled
-   from that code, not re-read here). Here -s·r for both modes, s =
-   reward_scale, and no pretraining data (the KL and anchor terms are the
-   brakes). Rows are averaged over the valid samples of a minibatch.
-3. DRaFT trains LoRA weights of SD 1.4 (its Fig. 2); here any card, full or
-   LoRA, with the max_grad_norm clip every recipe has.
-4. Randomness. ReFL's step and DRaFT-LV's noise come from a generator seeded
-   from (seed, step, rank), so a resumed run draws what an uninterrupted one
-   did; the papers' code uses the global RNG.
-5. Guidance. Rollouts with CFG (sampling.guidance_scale != 1) train through
-   the guided velocity, the one that sampled.
-MEND (arXiv 2610.05954, named in issue 27) could not be read from here: no
-fact from it is used.
-
-Defaults and the toy task: see docs/recipes/draft.md (measurements and the
-command that made them).
+1. Sampler: DRaFT and ReFL sample Stable Diffusion with DDIM (ReFL: 40 steps); here the card's rectified-flow
+   Euler ODE. The no-grad part is the flywheel's rollout itself, so the update does not sample twice; with
+   several optimizer steps per rollout the later minibatches start from states of older weights.
+2. Loss: DRaFT maximises r; ReFL's released code minimises relu(2 - r)·1e-3 and mixes in a pretraining loss
+   (recalled from that code, not re-read here). Here -s·r for both, no pretraining data (the KL and anchor
+   terms are the brakes); rows averaged over a minibatch's valid samples.
+3. DRaFT trains LoRA weights of SD 1.4; here any card, full or LoRA, with every recipe's max_grad_norm clip.
+4. ReFL's step and DRaFT-LV's noise come from a generator seeded from (seed, step, rank), so a resumed run
+   draws what an uninterrupted one did; the papers' code uses the global RNG.
+5. Rollouts with CFG (sampling.guidance_scale != 1) train through the guided velocity, the one that sampled.
 """
 
 from __future__ import annotations
