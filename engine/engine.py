@@ -226,11 +226,12 @@ class Engine:
             step_noise = None if step_noise is None else step_noise[:, k:]
 
         prompts = [r.prompt for r in requests]
-        cond = self.encode_prompts(prompts)
+        encode = self._prompt_encoder(requests)
+        cond = encode(prompts)
         uncond = None
         guided = first.guidance_scale != 1.0 or (joint_audio and first.effective_audio_guidance != 1.0)
         if guided and not getattr(self.model, "embedded_guidance", False):
-            uncond = self.encode_prompts([r.negative_prompt for r in requests])
+            uncond = encode([r.negative_prompt for r in requests])
         extra = {}
         if getattr(self.model, "image_conditioned", False):
             with torch.no_grad():
@@ -347,6 +348,19 @@ class Engine:
             if stochastic:
                 per_step.append(torch.randn((steps, *latent_shape), generator=generator, device=self.device))
         return torch.stack(initial), (torch.stack(per_step) if stochastic else None)
+
+    def _prompt_encoder(self, requests: list[GenerationRequest]):
+        """How this batch's prompts are embedded: through the cache, or, for a card whose text encoder reads
+        the source image with the prompt (`prompts_read_images`: Qwen-Image-Edit), with each row's image."""
+        if not getattr(self.model, "prompts_read_images", False):
+            return self.encode_prompts
+        images = [r.image for r in requests]
+
+        def encode(prompts: list[str]) -> PromptEmbeds:
+            with torch.no_grad():
+                return self.model.encode_prompts(prompts, images=images)
+
+        return encode
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Prompt embeddings through the LRU cache (one encoder call for all misses)."""

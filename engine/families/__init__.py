@@ -58,3 +58,5 @@ register_card(ModelCard(
 import engine.families.qwen_image  # noqa: F401,E402  (registers its card)
 import engine.families.wan_i2v  # noqa: F401,E402  (registers its card)
 import engine.families.ltx2  # noqa: F401,E402  (registers its card)
+import engine.families.flux_kontext  # noqa: F401,E402  (registers its card)
+import engine.families.qwen_image_edit  # noqa: F401,E402  (registers its card)
