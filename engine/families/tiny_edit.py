@@ -16,15 +16,22 @@ import torch
 from engine.families.tiny import autoencoder_kl, clip_text_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
 
 
-def tiny_flux_kontext_pipeline(seed: int = 0, scheduler=None):
-    """The FluxKontextPipeline of `build_tiny_flux_kontext`, in memory: latents [4, H/2, W/2]."""
+def tiny_flux_kontext_pipeline(seed: int = 0, scheduler=None, num_layers: int = 1, num_single_layers: int = 1,
+                               heads: int = 2, head_dim: int = 8):
+    """The FluxKontextPipeline of `build_tiny_flux_kontext`, in memory: latents [4, H/2, W/2]; the
+    transformer's depth and width (heads·head_dim, head_dim a multiple of 8) are for benchmarks."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
 
+    if head_dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 (its three rotary sections are even); got {head_dim}")
     torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+    # Rotary sections (index, row, column) summing to the head dim: half for the index axis, as (4, 2, 2).
+    rope = (head_dim // 2, head_dim // 4, head_dim // 4)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=num_layers,
+                                         num_single_layers=num_single_layers, attention_head_dim=head_dim,
+                                         num_attention_heads=heads, joint_attention_dim=32,
                                          pooled_projection_dim=16, guidance_embeds=True,
-                                         axes_dims_rope=(4, 2, 2)).eval()
+                                         axes_dims_rope=rope).eval()
     # FLUX's resolution shift, its anchors scaled to tiny token counts (so the shift still varies with size).
     scheduler = scheduler or FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                                              max_shift=1.15, base_image_seq_len=16,
