@@ -142,6 +142,12 @@ def test_folder_errors_name_what_is_missing_or_of_another_pipeline(folders, tmp_
         load_model(QWEN, path=str(other))
     with pytest.raises(ValueError, match="needs model.path"):
         load_model(KONTEXT, path=None)
+    flux = tmp_path / "flux"
+    shutil.copytree(folders[KONTEXT], flux)
+    index = json.loads((flux / "model_index.json").read_text())
+    (flux / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
+    with pytest.raises(ValueError, match="holds a FluxPipeline folder; this card loads a FluxKontextPipeline"):
+        load_model(KONTEXT, path=str(flux))
 
 
 @pytest.mark.parametrize("card", list(CARDS))

@@ -38,7 +38,7 @@ import torch
 
 from engine.cards import ModelCard, PromptEmbeds, register_card
 from engine.families import MMDIT_LORA_TARGETS
-from engine.families.common import flow_time_to_batch, load_family
+from engine.families.common import check_diffusers_folder, flow_time_to_batch, load_family, read_json
 from engine.families.flux import COMPONENTS, FluxModel, pack_latents, unpack_latents
 from engine.families.source_image import distinct_rows, load_source_image
 
@@ -107,7 +107,13 @@ class FluxKontextModel(FluxModel):
 
 def load_flux_kontext(path, device: torch.device, dtype: torch.dtype) -> FluxKontextModel:
     """Load FLUX.1-Kontext from a local diffusers folder (every component in `dtype`)."""
-    return load_family(FluxKontextModel, PIPELINE, COMPONENTS, path, device, dtype)
+    root = check_diffusers_folder(path, CARD_ID, COMPONENTS)
+    index = read_json(root / "model_index.json")
+    # A FLUX.1-dev folder has the same components and would load, but its weights never learned to edit.
+    if index.get("_class_name") not in (None, PIPELINE):
+        raise ValueError(f"{CARD_ID}: {root} holds a {index['_class_name']} folder; this card loads a {PIPELINE} "
+                         f"folder (FLUX.1-Kontext-dev)")
+    return load_family(FluxKontextModel, PIPELINE, COMPONENTS, root, device, dtype)
 
 
 register_card(ModelCard(

@@ -68,7 +68,8 @@ def _edit_template_words() -> list[str]:
     from diffusers import QwenImageEditPlusPipeline
 
     template = QwenImageEditPlusPipeline.__init__.__code__.co_consts
-    text = next(c for c in template if isinstance(c, str) and c.startswith("<|im_start|>system"))
+    # The template is a constant of the pipeline's __init__; without it the vocabulary is only less merged.
+    text = next((c for c in template if isinstance(c, str) and c.startswith("<|im_start|>system")), "")
     words = re.findall(r" ?[A-Za-z']+", text.replace("<|im_start|>", " ").replace("<|im_end|>", " "))
     return sorted(set(words) | {"system", "user", "assistant", "Picture"})
 
