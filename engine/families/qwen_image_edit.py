@@ -73,7 +73,9 @@ class QwenImageEditPlusModel(QwenImageModel):
 
     def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = TEXT_TOKENS):
         super().__init__(pipe, dtype, scheduler_config, max_sequence_length)
-        self._mean_2d, self._std_2d = self._mean[:, :, 0], 1.0 / self._inv_std[:, :, 0]
+        # The source's normalisation divides by std itself (the pipeline's arithmetic), not by 1 / (1 / std).
+        self._mean_2d = self._mean[:, :, 0]
+        self._std_2d = torch.tensor(self.vae.config.latents_std, dtype=torch.float32).view(1, -1, 1, 1)
 
     def encode_prompts(self, prompts: list[str], images: list[str] | None = None) -> PromptEmbeds:
         """The VLM embeddings of each (prompt, source image) pair (fp32), zero-padded to `max_sequence_length`
