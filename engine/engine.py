@@ -282,7 +282,7 @@ class Engine:
             negative_prompt_mask=None if uncond is None else uncond.mask,
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
-            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler, condition_extra=cond.extra,
+            metadata=[row_metadata(r) for r in requests], sampler=first.sampler, condition_extra=cond.extra,
             audio_noise_levels=(None if audio_levels is None
                                 else torch.tensor(audio_levels, dtype=torch.float32, device=self.device)),
             audio_elements=self.model.audio_elements(latent_shape) if joint_audio else 0,
@@ -521,3 +521,12 @@ def _check_tensors(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
     if bad:
         raise ValueError(f"{len(bad)} tensor(s) have the wrong shape for {component}: {bad[:5]}")
     return {k: state[k] for k in tensors}
+
+
+def row_metadata(request: GenerationRequest) -> dict:
+    """A trajectory row's metadata: the request's, with its conditioning image's path under "image" when the
+    request has one its metadata does not name (what editing rewards score the output against)."""
+    metadata = dict(request.metadata)
+    if request.image is not None:
+        metadata.setdefault("image", request.image)
+    return metadata

@@ -2,9 +2,10 @@
 
 An editing rollout's source image reaches the scorers in its row's metadata:
 `metadata[i]["image"]`, the local path its dataset row (`{"prompt": ...,
-"image": "path.png"}`) or request named (the engine copies each request's
-metadata into the trajectory, and the training loop scores with it). A path
-rather than a tensor, so the metadata stays JSON for logs and remote scorers.
+"image": "path.png"}`) or request named (the engine writes each request's
+image into its trajectory row's metadata, and the training loop scores with
+it). A path rather than a tensor, so the metadata stays JSON for logs and
+remote scorers (which must see the same file system).
 
 - `edit_consistency`: cosine similarity of the CLIP image embeddings of the
   source and the output, in [-1, 1] (1: CLIP sees the same image). The

@@ -393,6 +393,22 @@ def test_edit_consistency_is_the_clip_cosine_of_each_output_and_its_own_source(c
     torch.testing.assert_close(batch.total, scores, rtol=0, atol=1e-6)
 
 
+def test_a_requests_source_image_reaches_the_rewards_through_the_trajectory(models, images, clip_folder):
+    """A request made in code (no dataset row) still hands its scorers the source: the engine writes the
+    request's image into the row's metadata, beside what the metadata already holds."""
+    from rewards.edit import EditConsistency
+
+    traj = Engine(models[KONTEXT]).generate([
+        GenerationRequest(prompt=PROMPTS[0], seed=1, card=KONTEXT, steps=1, image=images[0], **SIZE),
+        GenerationRequest(prompt=PROMPTS[1], seed=2, card=KONTEXT, steps=1, image=images[1], metadata={"tag": 3},
+                          **SIZE)])
+    assert traj.metadata == [{"image": images[0]}, {"tag": 3, "image": images[1]}]
+    scorer = EditConsistency(path=str(clip_folder), device="cpu")
+    expected = torch.cat([F.cosine_similarity(scorer.image_embeds(traj.images[i:i + 1]),
+                                              scorer.image_embeds(read_rgb(images[i])[None])) for i in range(2)])
+    torch.testing.assert_close(scorer(traj.images, traj.prompts, traj.metadata), expected, rtol=0, atol=1e-6)
+
+
 def test_vlm_judge_with_source_image_sends_the_source_before_the_edit(tmp_path):
     pytest.importorskip("openai", reason="vlm_judge needs the openai client: pip install -e .[vlm]")
     from rewards.digits import digit_split
