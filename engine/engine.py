@@ -162,7 +162,7 @@ class Engine:
                                  f"joint audio+video cards (ltx2) take audio=True")
             if not image_conditioned and r.image is not None:
                 raise ValueError(f"request {i} has image={r.image!r} but card {self.card_id!r} takes no image; "
-                                 f"only image-conditioned cards (image-to-video) do")
+                                 f"only image-conditioned cards (image-to-video, editing) do")
             if r.batch_key() != key:
                 raise ValueError(
                     f"request {i} cannot share a batch with request 0: batch keys differ "
