@@ -1,15 +1,18 @@
 """Rollout throughput and peak memory: the engine (Flow-SDE with log-probs) vs a family's stock diffusers pipeline.
 
-    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image,ltx2,wan2.2-t2v}] [--quick] [--json out.json]
+    python benchmarks/rollout_vs_diffusers.py [--family {sd3,qwen-image,ltx2,wan2.2-t2v,flux-kontext}] [--quick] [--json out.json]
     python benchmarks/rollout_vs_diffusers.py --device cuda --dtype bfloat16 --large --json gpu.json
 
 Both run the same random model of the family (`FAMILIES`: SD3 by default, 4
 layers, width 128, 32x32 latents; --large: 12 layers, width 1536, 64x64
 latents; Qwen-Image the same depths and widths; LTX-2 the same depths, 64x64
 pixels and 9 frames with sound, --large 256x256; Wan2.2 two experts of the same depths, width 96 (--large
-1536), 32x32 pixels and 9 frames, --large 128x128), batch 8, 10 steps, the
+1536), 32x32 pixels and 9 frames, --large 128x128; FLUX.1-Kontext 2 double and 2
+single blocks of width 128 on 64x64 pixels, --large 6 + 12 of width 1536 on
+128x128, editing one source image), batch 8, 10 steps, the
 family's CFG (SD3 4.5; Qwen-Image's true CFG 4.0 with its norm rescale; LTX-2
-3.0 on both modalities, STG, modality isolation and rescale off as in the engine; Wan2.2 4.0 on both experts),
+3.0 on both modalities, STG, modality isolation and rescale off as in the engine; Wan2.2 4.0 on both experts;
+Kontext's embedded guidance 3.5, no unconditional branch),
 decode included, prompt embeddings precomputed for both (the engine's from its
 cache, the pipeline's passed as prompt_embeds; Qwen-Image's cut to the longest
 prompt with their mask, as its encode_prompt pads, while the engine pads every
@@ -44,6 +47,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +223,41 @@ def wan22_call(pipe, cond, uncond, noise, steps, guidance, pixels):
     return videos.permute(0, 2, 1, 3, 4)  # "pt" videos are [B, F, C, H, W]
 
 
+# The source image every flux-kontext rollout edits (written by kontext_setup; the engine reads requests' paths).
+KONTEXT_SOURCE = Path(tempfile.gettempdir()) / "flywheel-rollout-bench-kontext-source.png"
+
+
+def kontext_setup(sizes, device, dtype):
+    import numpy as np
+    from PIL import Image
+
+    from engine.families.common import prepare_pipeline
+    from engine.families.flux_kontext import FluxKontextModel
+    from engine.families.tiny_edit import tiny_flux_kontext_pipeline
+
+    builder = {k: v for k, v in sizes.items() if k != "latent_size"}
+    pipe = prepare_pipeline(tiny_flux_kontext_pipeline(seed=0, **builder), device, dtype)
+    pixels = sizes["latent_size"] * pipe.vae_scale_factor
+    rgb = (np.random.default_rng(0).random((pixels, pixels, 3)) * 255).astype(np.uint8)
+    Image.fromarray(rgb).save(KONTEXT_SOURCE)
+    return pipe, FluxKontextModel(pipe, dtype, dict(pipe.scheduler.config)), pixels
+
+
+def kontext_call(pipe, cond, uncond, noise, steps, guidance, pixels):
+    """Embedded guidance (no unconditional branch, as the engine), the source at the output's size
+    (`_auto_resize=False`, `max_area` the output's: the engine's convention), latents packed into 2x2 patches.
+    The pipeline encodes its one source image once per call; the engine once per distinct path in a batch."""
+    from PIL import Image
+
+    from engine.families.flux import pack_latents
+
+    dtype = pipe.transformer.dtype
+    source = Image.open(KONTEXT_SOURCE).convert("RGB")
+    return pipe(image=source, prompt_embeds=cond.embeds.to(dtype), pooled_prompt_embeds=cond.pooled.to(dtype),
+                latents=pack_latents(noise), num_inference_steps=steps, guidance_scale=guidance, height=pixels,
+                width=pixels, max_area=pixels * pixels, _auto_resize=False, output_type="pt").images
+
+
 FAMILIES = {
     "sd3": Family("sd3", "SD3", 4.5, 0.7, small=dict(num_layers=4, heads=4, head_dim=32, sample_size=32),
                   large=dict(num_layers=12, heads=24, head_dim=64, sample_size=64), setup=sd3_setup, call=sd3_call),
@@ -234,6 +273,10 @@ FAMILIES = {
                          small=dict(num_layers=4, heads=4, head_dim=24, pixels=32),
                          large=dict(num_layers=12, heads=24, head_dim=64, pixels=128),
                          setup=wan22_setup, call=wan22_call, request=dict(frames=WAN22_FRAMES)),
+    "flux-kontext": Family("flux-kontext", "FLUX.1-Kontext (editing)", 3.5, 0.7,
+                           small=dict(num_layers=2, num_single_layers=2, heads=4, head_dim=32, latent_size=32),
+                           large=dict(num_layers=6, num_single_layers=12, heads=24, head_dim=64, latent_size=64),
+                           setup=kontext_setup, call=kontext_call, request=dict(image=str(KONTEXT_SOURCE))),
 }
 
 

@@ -47,8 +47,11 @@ class FlowModel(Protocol):
     # norm-rescaled true CFG, per-modality scales). Optional: `image_conditioned
     # = True` with `encode_images(paths, latent_shape) -> dict[str, Tensor]`
     # (per-row tensors put in PromptEmbeds.extra) for cards that take a
-    # `GenerationRequest.image` (image-to-video); such a card refuses requests
-    # without one, and every other card refuses requests with one.
+    # `GenerationRequest.image` (image-to-video, editing); such a card refuses
+    # requests without one, and every other card refuses requests with one.
+    # Optional with it: `prompts_read_images = True` when the text encoder reads
+    # the image with the prompt (Qwen-Image-Edit): the engine then calls
+    # `encode_prompts(prompts, images=paths)` per batch, bypassing its cache.
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Embed prompts (an empty string is the unconditional prompt)."""

@@ -162,7 +162,7 @@ class Engine:
                                  f"joint audio+video cards (ltx2) take audio=True")
             if not image_conditioned and r.image is not None:
                 raise ValueError(f"request {i} has image={r.image!r} but card {self.card_id!r} takes no image; "
-                                 f"only image-conditioned cards (image-to-video) do")
+                                 f"only image-conditioned cards (image-to-video, editing) do")
             if r.batch_key() != key:
                 raise ValueError(
                     f"request {i} cannot share a batch with request 0: batch keys differ "
@@ -226,11 +226,12 @@ class Engine:
             step_noise = None if step_noise is None else step_noise[:, k:]
 
         prompts = [r.prompt for r in requests]
-        cond = self.encode_prompts(prompts)
+        encode = self._prompt_encoder(requests)
+        cond = encode(prompts)
         uncond = None
         guided = first.guidance_scale != 1.0 or (joint_audio and first.effective_audio_guidance != 1.0)
         if guided and not getattr(self.model, "embedded_guidance", False):
-            uncond = self.encode_prompts([r.negative_prompt for r in requests])
+            uncond = encode([r.negative_prompt for r in requests])
         extra = {}
         if getattr(self.model, "image_conditioned", False):
             with torch.no_grad():
@@ -281,7 +282,7 @@ class Engine:
             negative_prompt_mask=None if uncond is None else uncond.mask,
             images=images, prompts=prompts, seeds=[r.seed for r in requests], card=self.card_id,
             weight_version=version, guidance_scale=first.guidance_scale,
-            metadata=[dict(r.metadata) for r in requests], sampler=first.sampler, condition_extra=cond.extra,
+            metadata=[row_metadata(r) for r in requests], sampler=first.sampler, condition_extra=cond.extra,
             audio_noise_levels=(None if audio_levels is None
                                 else torch.tensor(audio_levels, dtype=torch.float32, device=self.device)),
             audio_elements=self.model.audio_elements(latent_shape) if joint_audio else 0,
@@ -347,6 +348,19 @@ class Engine:
             if stochastic:
                 per_step.append(torch.randn((steps, *latent_shape), generator=generator, device=self.device))
         return torch.stack(initial), (torch.stack(per_step) if stochastic else None)
+
+    def _prompt_encoder(self, requests: list[GenerationRequest]):
+        """How this batch's prompts are embedded: through the cache, or, for a card whose text encoder reads
+        the source image with the prompt (`prompts_read_images`: Qwen-Image-Edit), with each row's image."""
+        if not getattr(self.model, "prompts_read_images", False):
+            return self.encode_prompts
+        images = [r.image for r in requests]
+
+        def encode(prompts: list[str]) -> PromptEmbeds:
+            with torch.no_grad():
+                return self.model.encode_prompts(prompts, images=images)
+
+        return encode
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Prompt embeddings through the LRU cache (one encoder call for all misses)."""
@@ -507,3 +521,12 @@ def _check_tensors(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
     if bad:
         raise ValueError(f"{len(bad)} tensor(s) have the wrong shape for {component}: {bad[:5]}")
     return {k: state[k] for k in tensors}
+
+
+def row_metadata(request: GenerationRequest) -> dict:
+    """A trajectory row's metadata: the request's, with its conditioning image's path under "image" when the
+    request has one its metadata does not name (what editing rewards score the output against)."""
+    metadata = dict(request.metadata)
+    if request.image is not None:
+        metadata.setdefault("image", request.image)
+    return metadata

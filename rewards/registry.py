@@ -488,6 +488,8 @@ register("clip_score_video", _lazy("rewards.video", "clip_score_video"))
 register("pickscore_video", _lazy("rewards.video", "pickscore_video"))
 register("aesthetic_video", _lazy("rewards.video", "aesthetic_video"))
 register("hpsv3", _lazy("rewards.hpsv3", "HPSv3"))
+register("edit_consistency", _lazy("rewards.edit", "EditConsistency"))
+register("edit_instruction_clip", _lazy("rewards.edit", "EditInstructionClip"))
 
 
 # Checks of a scorer's arguments that need no weights (a local folder's files), by scorer name: run before a
@@ -525,3 +527,5 @@ def _lazy_check(module: str, attr: str) -> Callable[..., None]:
 
 for _name_, _class_ in (("clip_score", "ClipScore"), ("pickscore", "PickScore"), ("aesthetic", "Aesthetic")):
     register_check(_name_, _lazy_check("rewards.clip", _class_))
+for _name_, _class_ in (("edit_consistency", "EditConsistency"), ("edit_instruction_clip", "EditInstructionClip")):
+    register_check(_name_, _lazy_check("rewards.edit", _class_))

@@ -56,6 +56,17 @@ TEMPLATES = {
     "json": ('Rate how well this image matches the description "{prompt}" on a scale from 0 to 10. Reply with '
              'JSON only, in the form {{"score": x}}.'),
 }
+# With `source_image=True` (editing): the source goes first, the edit second, and `{prompt}` is the instruction.
+EDIT_TEMPLATES = {
+    "yes_no": ('The first image is an original, the second an edit of it. Does the edit carry out the instruction '
+               '"{prompt}" and keep the rest of the original? Answer with one word: Yes or No.'),
+    "score": ('You are an expert judge of image edits. The first image is the original, the second the edit. Rate '
+              'how well the edit carries out the instruction "{prompt}" while keeping what the instruction does not '
+              'change, from 1 (poor) to 5 (excellent). Explain briefly, then end with a line "Final Score: x".'),
+    "json": ('The first image is an original, the second an edit of it. Rate how well the edit carries out the '
+             'instruction "{prompt}" while keeping the rest, on a scale from 0 to 10. Reply with JSON only, in the '
+             'form {{"score": x}}.'),
+}
 RANGES = {"score": (1.0, 5.0), "json": (0.0, 10.0)}
 SCORE_PATTERN = r"Final Score:\s*\**\s*([-+]?\d+(?:\.\d+)?)"
 _JSON_OBJECT = re.compile(r"\{.*?\}", re.S)
@@ -160,14 +171,16 @@ class VlmJudge:
                  api_key_env: str = KEY_ENV, video_frames: int | None = None, max_concurrency: int = 16,
                  timeout_s: float = 60.0, budget_s: float = 300.0, retries: int = 2, backoff_s: float = 0.5,
                  top_logprobs: int = 20, max_tokens: int | None = None, temperature: float = 0.0,
-                 image_size: int | None = None):
+                 image_size: int | None = None, source_image: bool = False):
         """`base_url`: the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (default ${URL_ENV});
         `model`: the served model's name (default ${MODEL_ENV}, else the server's first listed model);
         `prompt`: the mode's template with `{prompt}` (default TEMPLATES[mode]); `system`: a system message;
         `score_range`: the (low, high) of the score/json modes' number (default 1-5 / 0-10);
         `api_key_env`: the environment variable holding the API key (servers without keys accept any);
         `video_frames`: K, to judge videos by K evenly spaced frames in one request (declares wants_video);
-        `image_size`: resize each image so its shorter side has this many pixels (VLMs need ~28 or more)."""
+        `image_size`: resize each image so its shorter side has this many pixels (VLMs need ~28 or more);
+        `source_image`: judge an edit: each row's source image (metadata["image"], a path) is sent before the
+        output, and the default template asks whether the edit follows the instruction (EDIT_TEMPLATES)."""
         if mode not in MODES:
             raise ValueError(f"vlm_judge mode {mode!r} is not known; valid modes: {', '.join(MODES)}")
         self.mode = mode
@@ -175,7 +188,10 @@ class VlmJudge:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"vlm_judge needs the server's base URL, e.g. http://127.0.0.1:8000/v1: pass "
                              f"base_url=... or set {URL_ENV} (got {self.base_url or 'nothing'!r})")
-        self.template = TEMPLATES[mode] if prompt is None else prompt
+        if not isinstance(source_image, bool):
+            raise ValueError(f"vlm_judge source_image must be true or false, got {source_image!r}")
+        self.source_image = source_image
+        self.template = (EDIT_TEMPLATES if source_image else TEMPLATES)[mode] if prompt is None else prompt
         try:
             self.template.format(prompt="x")
         except (KeyError, IndexError, ValueError) as exc:
@@ -242,6 +258,10 @@ class VlmJudge:
                 raise ValueError(f"vlm_judge expects images [B, C, H, W], got {tuple(images.shape)}; for videos "
                                  "set video_frames=K")
             per_sample = [[im] for im in images]
+        return self._resized(per_sample)
+
+    def _resized(self, per_sample: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Each image with its shorter side at `image_size` pixels (unchanged when it is None)."""
         if self.image_size is not None:
             import torch.nn.functional as F
 
@@ -326,7 +346,13 @@ class VlmJudge:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], *,
                  videos: torch.Tensor | None = None) -> torch.Tensor:
         """Scores [B] float32 in [0, 1] on the host; NaN for a sample with no score (failed or unparsable)."""
-        samples = [self.messages(p, ims) for p, ims in zip(prompts, self._images(images, videos))]
+        per_sample = self._images(images, videos)
+        if self.source_image:
+            from rewards.edit import read_image, source_paths
+
+            sources = self._resized([[read_image(p, "vlm_judge")[0]] for p in source_paths(metadata, "vlm_judge")])
+            per_sample = [src + ims for src, ims in zip(sources, per_sample)]
+        samples = [self.messages(p, ims) for p, ims in zip(prompts, per_sample)]
         results = _run(self._score_all(samples))
         scores = torch.full((len(samples),), math.nan)
         reasons: collections.Counter = collections.Counter()

@@ -54,8 +54,9 @@ def test_the_folder_loads_in_the_engine_and_the_stock_pipeline(card, tmp_path, c
 
     size = TINY_SIZES[card]
     engine = Engine.from_card(card, path=str(out))
-    steps = 2 if card == "qwen-image" else 1  # Qwen-Image's terminal sigma refuses one-step schedules
-    extra = dict(image=first_frame) if card == "wan2.1-i2v" else dict(audio=True) if card == "ltx2" else {}
+    steps = 2 if card.startswith("qwen-image") else 1  # Qwen-Image's terminal sigma refuses one-step schedules
+    extra = (dict(image=first_frame) if get_card(card).defaults.get("image_conditioned")
+             else dict(audio=True) if card == "ltx2" else {})
     traj = engine.generate([GenerationRequest(prompt=p, seed=s, card=card, steps=steps, sampler="sde", **size,
                                               **extra) for p, s in (("a red cat", 1), ("a blue dog", 2))])
     # The tiny LTX-2 video VAE halves time on the way in and does not double it on the way out: 5 frames
@@ -67,7 +68,11 @@ def test_the_folder_loads_in_the_engine_and_the_stock_pipeline(card, tmp_path, c
     if card == "ltx2":
         assert traj.audio.shape[0] == 2 and torch.isfinite(traj.audio).all()
 
-    pipe = DiffusionPipeline.from_pretrained(str(out))
+    # Without torchvision transformers cannot build Qwen2VLProcessor: the card's image-only one stands in.
+    from engine.families.qwen_image_edit import load_vl_processor
+
+    kwargs = dict(processor=load_vl_processor(out / "processor")) if card == "qwen-image-edit-plus" else {}
+    pipe = DiffusionPipeline.from_pretrained(str(out), **kwargs)
     assert type(pipe).__name__ == index["_class_name"]
     # The same transformer weights the engine runs (a two-expert card: each expert's, `high` and `low`).
     served = engine.model.transformer

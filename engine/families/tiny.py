@@ -168,6 +168,8 @@ TINY_BUILDERS = {
     "flux2-klein": ("engine.families.tiny_2026", "build_tiny_flux2_klein"),
     "z-image": ("engine.families.tiny_2026", "build_tiny_z_image"),
     "wan2.2-t2v": ("engine.families.tiny_2026", "build_tiny_wan22"),
+    "flux-kontext": ("engine.families.tiny_edit", "build_tiny_flux_kontext"),
+    "qwen-image-edit-plus": ("engine.families.tiny_edit", "build_tiny_qwen_image_edit_plus"),
 }
 # A size each tiny folder generates at, within its card's size rule (the sampling.* keys of a smoke run).
 TINY_SIZES = {
@@ -180,7 +182,11 @@ TINY_SIZES = {
     "flux2-klein": dict(height=24, width=40),
     "z-image": dict(height=24, width=40),
     "wan2.2-t2v": dict(height=16, width=32, frames=5),
+    "flux-kontext": dict(height=24, width=40),
+    "qwen-image-edit-plus": dict(height=32, width=64),
 }
+# Cards whose prompts come with an image (a .jsonl of {"prompt": ..., "image": ...} rows).
+IMAGE_CARDS = ("wan2.1-i2v", "flux-kontext", "qwen-image-edit-plus")
 # Cards whose weights ship with the project: they need no folder.
 SHIPPED_CARDS = ("toy-digits", "toy-numbers")
 
@@ -237,7 +243,7 @@ def smoke_command(card: str, folder: str | Path) -> str:
     """A one-step GRPO command line that trains a LoRA on the tiny folder of `card` (CPU, seconds)."""
     size = " ".join(f"sampling.{k}={v}" for k, v in TINY_SIZES[card].items())
     reward = "rewards=audio_loudness:1.0 sampling.audio=true" if card == "ltx2" else "rewards=jpeg_compressibility:1.0"
-    data = ("data.prompts=PROMPTS.jsonl data.eval_prompts=PROMPTS.jsonl" if card == "wan2.1-i2v"
+    data = ("data.prompts=PROMPTS.jsonl data.eval_prompts=PROMPTS.jsonl" if card in IMAGE_CARDS
             else "data.prompts=PROMPTS.txt data.eval_prompts=PROMPTS.txt")
     return (f"python trainers/grpo.py model.card={card} model.path={folder} run_dir=runs/smoke-{card} "
             f"steps=1 tracker=none {data} data.prompts_per_step=2 data.group_size=2 sampling.steps=2 "
@@ -266,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote a tiny random {args.card} folder to {folder} (random weights: outputs are noise)")
-    prompts = ("PROMPTS.jsonl: lines of {\"prompt\": ..., \"image\": \"frame.png\"} (a first frame each)"
-               if args.card == "wan2.1-i2v" else "PROMPTS.txt: a few prompts, one a line")
+    prompts = ("PROMPTS.jsonl: lines of {\"prompt\": ..., \"image\": \"frame.png\"} (a first frame or source "
+               "image each)" if args.card in IMAGE_CARDS else "PROMPTS.txt: a few prompts, one a line")
     print(f"smoke test ({prompts}):\n  {smoke_command(args.card, folder)}")
     return 0
 

@@ -333,15 +333,40 @@ def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
     conditioned = card_flag(cfg.model.card, "image_conditioned")
     rows = [i + 1 for i, item in enumerate(items) if ("image" in item.metadata) != conditioned]
     if not rows:
+        if conditioned:
+            check_images_readable(key, items, checks)
         return
     shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
     if conditioned:
-        checks.fail(f"{key}={config_value(cfg, key)!r}: card {cfg.model.card!r} generates from a first image, but "
+        checks.fail(f"{key}={config_value(cfg, key)!r}: card {cfg.model.card!r} is conditioned on an image per prompt "
+                    f"(a first frame, or the source image of an edit), but "
                     f"prompt(s) {shown} have none: use a .jsonl whose rows are "
                     f"{{\"prompt\": ..., \"image\": \"path.png\"}}")
     else:
         checks.fail(f"{key}={config_value(cfg, key)!r}: prompt(s) {shown} name an \"image\" but card "
-                    f"{cfg.model.card!r} takes none; only image-conditioned cards (image-to-video) do")
+                    f"{cfg.model.card!r} takes none; only image-conditioned cards (image-to-video, editing) do")
+
+
+def check_images_readable(key: str, items, checks: ConfigChecks) -> None:
+    """Every row's image is a file PIL can read as an image (its header only: cheap for a large dataset), so a
+    corrupt or mislabelled file is named by its row here rather than failing a rollout after the model loads."""
+    from PIL import Image
+
+    bad, verdict = [], {}
+    for i, item in enumerate(items):
+        path = item.metadata["image"]
+        if path not in verdict:
+            try:
+                with Image.open(path) as image:
+                    image.size  # noqa: B018  (the header is parsed by open; size proves it was)
+                verdict[path] = None
+            except (OSError, ValueError) as e:
+                verdict[path] = type(e).__name__
+        if verdict[path] is not None:
+            bad.append(f"row {i + 1}: {path!r}")
+    if bad:
+        more = f"; and {len(bad) - 10} more" if len(bad) > 10 else ""
+        checks.fail(f"{key}: {len(bad)} image(s) cannot be read as images: {'; '.join(bad[:10])}{more}")
 
 
 def check_audio_keys(cfg, checks: ConfigChecks) -> None:
