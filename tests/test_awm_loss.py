@@ -18,8 +18,8 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from engine.loop import guided_velocity
-from flywheel.loop import RolloutBatch
+from engine.denoise import guided_velocity
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.policy import Policy
 from trainers.awm import (AWMConfig, EMAAnchor, awm_loss, awm_update, draw_generator, draw_minibatch, draw_times,
                           schedule_strata, weighted_error)

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.update import update_generator
 from trainers.dpo import DRAW_STREAM, DPOConfig, dpo_loss, dpo_update, draw_times_and_noise, preference_pairs

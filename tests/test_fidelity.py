@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import Engine, GenerationRequest, PromptEmbeds
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import flow_timesteps
-from flywheel.loop import sample_seed
+from flywheel.rollout_collector import sample_seed
 from trainers.awm import AWMConfig, awm_loss, draw_times
 from trainers.dpo import DPOConfig, draw_times_and_noise, schedule_shift
 from trainers.nft import NFTConfig, SamplingPolicy
@@ -73,7 +73,7 @@ def test_noise_seed_shares_the_initial_noise_and_keeps_each_requests_step_noise(
 
 
 def test_flywheel_gives_each_group_its_first_rows_noise_seed():
-    from flywheel.loop import Flywheel
+    from flywheel.rollout_collector import Flywheel
 
     fly = SimpleNamespace(same_noise_per_group=True, seed=5, group_size=4)
     rows = [Flywheel._shared_noise(fly, 7, row)["noise_seed"] for row in range(8)]

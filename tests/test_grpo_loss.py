@@ -18,8 +18,8 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from engine.loop import guided_velocity
-from flywheel.loop import RolloutBatch
+from engine.denoise import guided_velocity
+from flywheel.rollout_collector import RolloutBatch
 from trainers.grpo import Config, chosen_steps, grpo_step_loss, grpo_update, trained_fraction
 
 STEPS, NOISE, ROWS = 3, 0.7, 8

@@ -18,9 +18,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import flywheel.loop
+import flywheel.rollout_collector
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import (Config, chosen_steps, fast_window, grpo_update, main, mixgrpo_window, rollout_window,
@@ -103,7 +103,7 @@ def rollout(model, window, steps=6, sampler="sde", noise=NOISE):
 
 
 def recipe_update(model, traj, cfg, reference=None):
-    from engine.loop import guided_velocity
+    from engine.denoise import guided_velocity
 
     def ref_velocity(x, t, cond, uncond_cond, g):
         return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
@@ -155,7 +155,7 @@ def per_row_rollout(model):
     prompts = ["a handwritten three", "the digit seven"]
     requests = [GenerationRequest(prompt=prompts[i // 4], seed=100 + i, steps=6, noise_level=NOISE,
                                   sde_window=FAST_WINDOWS[i]) for i in range(ROWS)]
-    return flywheel.loop.generate_in_order(Engine(model), requests), requests
+    return flywheel.rollout_collector.generate_in_order(Engine(model), requests), requests
 
 
 def test_rows_of_different_windows_come_back_in_order_with_their_own_noise_levels():

@@ -8,14 +8,14 @@ import torch
 
 from flywheel.grids import AGREE, DISAGREE, GAP, NO_VERDICT, judged_sample_grid, make_verdict_grid
 from flywheel.hacking_watch import HackingWatch
-from flywheel.loop import class_means, evaluate
+from flywheel.rollout_collector import class_means, eval_samples
 from flywheel.runs.rundir import make_image_grid
 from flywheel.prompts import PromptItem
 from rewards import RewardSet
 from rewards.digits import DigitAlignment, digit_split
 from rewards.judges import DigitJudge, Verdict
 
-# ---- per-class metrics in evaluate ----
+# ---- per-class metrics in eval_samples ----
 
 ITEMS = [PromptItem("a handwritten three", {"digit": 3}), PromptItem("the digit three", {"digit": 3}),
          PromptItem("a handwritten six", {"digit": 6}), PromptItem("a picture", {})]
@@ -41,7 +41,7 @@ class MaxPixelJudge:
 
 def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
     judges = {"pix": MeanPixelJudge(), "peak": MaxPixelJudge()}
-    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, judges)
+    metrics, traj = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, judges)
 
     # Hand computation: rows 0-3 are digit 3 (two prompts x two seeds), 4-5 digit 6, 6-7 no class.
     images = traj.images.float()
@@ -61,7 +61,7 @@ def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
     assert not any(k.endswith("/None") for k in metrics)
 
     # A task without classes (no judge declares any) gets no per-class keys.
-    plain, _ = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"peak": MaxPixelJudge()})
+    plain, _ = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"peak": MaxPixelJudge()})
     assert sorted(k for k in plain if "judge" in k) == ["eval/judge/peak/mean"]
     assert "eval/reward/3" not in plain
 
@@ -69,7 +69,7 @@ def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
 def test_evaluate_logs_the_pixel_std_across_each_prompts_seeds_as_eval_diversity(toy_engine):
     """eval/diversity: per prompt, the per-pixel std (population) over its seeds, averaged over pixels, then prompts;
     0 when every seed of a prompt gives one image (the collapse a sample grid shows); absent with one seed."""
-    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 3, EVAL_KWARGS)
+    metrics, traj = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 3, EVAL_KWARGS)
     images = traj.images.double().flatten(1)  # prompt-major: rows 3p..3p+2 are prompt p's seeds
     per_prompt = []
     for p in range(len(ITEMS)):
@@ -78,7 +78,7 @@ def test_evaluate_logs_the_pixel_std_across_each_prompts_seeds_as_eval_diversity
         per_prompt.append(float(((seeds - mean) ** 2).mean(0).sqrt().mean()))
     assert metrics["eval/diversity"] == pytest.approx(sum(per_prompt) / len(per_prompt), rel=1e-5)
     assert metrics["eval/diversity"] > 0.01  # different seeds give different digits
-    one_seed, _ = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS)
+    one_seed, _ = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS)
     assert "eval/diversity" not in one_seed
 
 
@@ -97,7 +97,7 @@ def test_evaluate_reward_per_class_leaves_out_invalid_rewards(toy_engine):
     # "a picture" names no digit: digit_alignment masks its rows, and the class mean must skip them.
     items = [PromptItem("a handwritten three", {"digit": 3, "style": "neat"}),
              PromptItem("a picture", {"style": "neat"})]
-    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), items, 2, EVAL_KWARGS, {"s": StyleJudge()})
+    metrics, traj = eval_samples(toy_engine, RewardSet("digit_alignment"), items, 2, EVAL_KWARGS, {"s": StyleJudge()})
     reward = DigitAlignment()(traj.images, traj.prompts, traj.metadata)
     assert metrics["eval/reward/invalid"] == 2.0
     assert metrics["eval/reward/neat"] == pytest.approx(float(reward[:2].mean()), abs=1e-6)
@@ -107,7 +107,7 @@ class _NoGenerate:
     card_id = "toy-digits"
 
     def generate(self, requests):
-        raise AssertionError("evaluate generated before rejecting its classes")
+        raise AssertionError("eval_samples generated before rejecting its classes")
 
 
 @pytest.mark.parametrize("bad_class, expected", [("mean", "mean"), ("a/b", "'/'"), (2.5, "int or a str")])
@@ -117,7 +117,7 @@ def test_evaluate_rejects_a_class_that_cannot_name_a_metric_before_generating(ba
             return [bad_class] * len(prompts)
 
     with pytest.raises(ValueError, match="judge 'j'") as err:
-        evaluate(_NoGenerate(), RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"j": Judge()})
+        eval_samples(_NoGenerate(), RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"j": Judge()})
     assert expected in str(err.value)
 
 
@@ -129,7 +129,7 @@ def test_evaluate_stops_when_a_judge_leaves_a_class_sample_unscored(toy_engine):
             return scores
 
     with pytest.raises(ValueError, match=r"judge 'half' gave a non-finite score to 1 sample"):
-        evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, {"half": HalfJudge()})
+        eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, {"half": HalfJudge()})
 
 
 def test_evaluate_rejects_judges_that_disagree_on_classes():
@@ -138,14 +138,14 @@ def test_evaluate_rejects_judges_that_disagree_on_classes():
             return [7 for _ in prompts]
 
     with pytest.raises(ValueError, match="'a' and 'b' put the evaluation samples in different classes"):
-        evaluate(_NoGenerate(), RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS,
+        eval_samples(_NoGenerate(), RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS,
                  {"a": MeanPixelJudge(), "b": Other()})
 
 
 # ---- the watch ----
 
 def eval_row(reward, judge, per_class=None):
-    """Metrics as evaluate writes them; per_class maps a class to (reward, judge)."""
+    """Metrics as eval_samples writes them; per_class maps a class to (reward, judge)."""
     row = {"eval/reward/mean": reward, "eval/reward/std": 0.1, "eval/reward/digit_alignment/mean": reward,
            "eval/judge/svc/mean": judge}
     for c, (r, j) in (per_class or {}).items():

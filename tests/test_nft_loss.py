@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import Flywheel, RolloutBatch
+from flywheel.rollout_collector import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.update import update_generator
 from rewards import RewardBatch, RewardSet

@@ -4,7 +4,7 @@ images; the refine stage runs the ODE on a frozen copy whose weights and version
 import pytest
 import torch
 
-import flywheel.loop
+import flywheel.rollout_collector
 import flywheel.recipe.rollouts
 from engine import Engine, GenerationRequest, load_model
 from engine.workflows import WorkflowError, WorkflowRunner, WorkflowStageEngine

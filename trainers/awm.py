@@ -129,7 +129,7 @@ import torch
 
 from engine import Trajectory
 from flywheel.cli import run_main
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer

@@ -144,7 +144,7 @@ import torch.nn.functional as F
 from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.distributed import all_gather_cat, rank_and_world
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts

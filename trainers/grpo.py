@@ -123,10 +123,10 @@ import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sl
 import torch
 
 from engine import Trajectory
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_std
 from flywheel.cli import run_main
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.policy import build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,

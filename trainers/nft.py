@@ -127,7 +127,7 @@ from engine import PromptEmbeds, Trajectory
 from flywheel.advantages import group_advantages
 from flywheel.cli import run_main
 from flywheel.distributed import rank_and_world
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts

@@ -17,7 +17,7 @@ import copy
 import torch
 
 from engine import Engine
-from flywheel.loop import Flywheel, RolloutBatch, evaluate
+from flywheel.rollout_collector import Flywheel, RolloutBatch, eval_samples
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.policy import Policy, lora_targets
 from flywheel.recipe.sections import rollout_request_kwargs
@@ -125,10 +125,10 @@ class Rollouts:
             self.collector.prefetch(step + 1)
         return batch
 
-    def evaluate(self, items: list, seeds_per_prompt: int, eval_kwargs: dict, judges: dict):
-        """Evaluation samples of the trained policy at fixed seeds: (metrics, trajectory), see flywheel.loop.evaluate."""
+    def eval_samples(self, items: list, seeds_per_prompt: int, eval_kwargs: dict, judges: dict):
+        """Evaluation samples of the trained policy at fixed seeds: (metrics, trajectory), see flywheel.rollout_collector.eval_samples."""
         fw = self.flywheel
-        return evaluate(self.eval_engine, fw.rewards, items, seeds_per_prompt, {**fw.request_kwargs, **eval_kwargs},
+        return eval_samples(self.eval_engine, fw.rewards, items, seeds_per_prompt, {**fw.request_kwargs, **eval_kwargs},
                         judges)
 
     def metrics(self) -> dict:

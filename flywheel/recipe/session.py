@@ -39,7 +39,7 @@ from flywheel.grids import judged_sample_grid
 from flywheel.guards import check_finite
 from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import lora_state_dict, save_lora_for_diffusers
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.prompts import load_prompts
 from flywheel.recipe.best import LORA_DIRNAME, WEIGHTS_FILENAME, BestCheckpoint
 from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
@@ -377,7 +377,7 @@ class RecipeRun:
         # back, bit for bit, before the next rollout, and the engine's version (which names the trained
         # weights, and which no swap bumps) is left alone. eval/ema says which weights were measured.
         with self.ema_weights():
-            metrics, traj = self.rollouts.evaluate(items, cfg.sampling.eval_seeds,
+            metrics, traj = self.rollouts.eval_samples(items, cfg.sampling.eval_seeds,
                                                    eval_request_kwargs(cfg.sampling), self.judges)
         if self.ema is not None:
             metrics["eval/ema"] = 1.0

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine import PromptEmbeds, Trajectory
-from engine.loop import concat_embeds
+from engine.denoise import concat_embeds
 from flywheel.guards import check_finite, check_finite_weights
 
 
