@@ -23,7 +23,8 @@ from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
-from trainers.grpo import (Config, chosen_steps, fast_window, grpo_update, main, mixgrpo_window, rollout_window,
+from flywheel.recipe.policy import Policy
+from trainers.grpo import (GRPO, Config, chosen_steps, fast_window, main, mixgrpo_window, rollout_window,
                            validate_config, window_span)
 
 from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
@@ -108,12 +109,12 @@ def recipe_update(model, traj, cfg, reference=None):
     def ref_velocity(x, t, cond, uncond_cond, g):
         return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
 
-    named = list(model.transformer.named_parameters())
+    policy = Policy(model, list(model.transformer.named_parameters()), None if reference is None else ref_velocity,
+                    {})
     batch = RolloutBatch(traj, None, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4)
-    versions = iter(range(1, 100))
-    return grpo_update(batch, model, model.transformer, None if reference is None else ref_velocity,
-                       torch.optim.SGD(model.transformer.parameters(), lr=LR), Accelerator(cpu=True),
-                       lambda: {"weight_version": next(versions)}, named, cfg, step=0)
+    grpo = GRPO(policy, torch.optim.SGD(model.transformer.parameters(), lr=LR), model.transformer, cfg,
+                Accelerator(cpu=True))
+    return grpo.update(batch, step=0).metrics
 
 
 def small_config(*overrides) -> Config:
@@ -403,7 +404,9 @@ def test_async_rollouts_roll_out_each_steps_own_window_and_guard_uses_the_proxim
                   "train.window_shift_every=1", "train.window_stride=2", "train.guard=true")
     assert [r["trained_steps/first"] for r in rows[1:]] == [0, 2, 4]
     assert rows[1]["is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
-    assert rows[2]["staleness"] == 2 and rows[2]["is_weight/mean"] != 1.0
+    # Step 2's batch was prefetched during update 1 (two optimizer steps, one sync): one version behind.
+    assert rows[1]["train/optimizer_steps"] == 2
+    assert rows[2]["staleness"] == 1 and rows[2]["is_weight/mean"] != 1.0
     assert all(math.isfinite(r["loss"]) and r["guard/shift"] > 0 for r in rows[1:])
 
 

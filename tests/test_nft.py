@@ -175,7 +175,7 @@ def test_lora_trains_only_the_adapter_and_its_sampling_policy_is_an_adapter_too(
     base = load_model("toy-digits").transformer.state_dict()
     assert all(k.replace(".base_layer", "") in base or "lora_" in k for k in trained)
     # LoRA B starts at zero: the adapted model is the reference at the first forward, so the first KL is 0.
-    assert rows[1]["kl"] == 0.0 and rows[2]["kl"] > 0.0
+    assert rows[1]["ref_mse"] == 0.0 and rows[2]["ref_mse"] > 0.0
 
 
 def test_accelerate_launch_runs_the_recipe(tmp_path):

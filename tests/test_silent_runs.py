@@ -109,11 +109,9 @@ def test_gradient_steps_count_the_optimizer_steps_they_take():
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    versions = iter(range(1, 10))
     for accumulation, expected in ((1, 4), (2, 2), (4, 1)):
         oc = OptimConfig(minibatch_size=2, gradient_accumulation_steps=accumulation)
-        grads = GradientSteps(Accelerator(cpu=True), model, optimizer, list(model.named_parameters()),
-                              lambda: {"weight_version": next(versions)}, oc, step=0)
+        grads = GradientSteps(Accelerator(cpu=True), model, optimizer, list(model.named_parameters()), oc, step=0)
         for m, rows in enumerate(grads.minibatches(8)):
             grads.backward(model(torch.ones(len(rows), 2)).sum(), m, last_of_minibatch=True)
             grads.maybe_step(m)
