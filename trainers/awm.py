@@ -134,6 +134,7 @@ from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.flow_matching import matching_error, noised
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -221,6 +222,7 @@ class Config(RunConfig):
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     tc = cfg.train
     checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")
     checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")

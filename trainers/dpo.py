@@ -148,6 +148,7 @@ from flywheel.distributed import all_gather_cat, rank_and_world
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result, refuse_recipe_tensors
 from flywheel.recipe.flow_matching import matching_error, noised
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -426,6 +427,7 @@ class DPO:
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
     checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
     checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")

@@ -130,6 +130,7 @@ from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_st
 from flywheel.cli import run_main
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result, refuse_recipe_tensors
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,
@@ -571,6 +572,7 @@ def validate_config(cfg: Config) -> None:
         checks.fail(f"train.kl_form=flow_grpo is Flow-GRPO's Flow-SDE KL; with sampling.sampler={sampler} use "
                     "train.kl_form=exact")
     check_window_keys(cfg, checks)
+    check_layout_options(cfg, checks)  # async, Ray, workflow, Flash: the table of what combines
     if cfg.train.guard and card_flag(cfg.model.card, "audio"):
         checks.fail(f"train.guard=true with model.card={cfg.model.card}: GRPO-Guard rescales each step by its one "
                     "transition std, and a joint audio+video card has one per modality (its video-only path "
@@ -592,9 +594,6 @@ def check_window_keys(cfg: Config, checks) -> None:
         if tc.variant == "flow_grpo" and cfg.sampling.sde_window is None:
             checks.fail("train.flash_compress needs ODE steps after the SDE window: use train.variant=mixgrpo or "
                         "fast, or a sampling.sde_window that ends before the last step")
-        if cfg.async_rollouts:
-            checks.fail("train.flash_compress with async_rollouts=true: the engine process has no Flash solver; "
-                        "set async_rollouts=false or train.flash_compress=null")
     if tc.variant == "flow_grpo":
         return
     span = window_span(cfg.sampling.sampler, cfg.sampling.steps)

@@ -130,6 +130,7 @@ from flywheel.distributed import rank_and_world
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
@@ -501,9 +502,7 @@ class NFT:
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: not supported by DiffusionNFT here (the engine serves the sampling "
-                    "policy theta_old, a soft-updated copy, from this process); set async_rollouts=false")
+    check_layout_options(cfg, checks, serve="copy")  # the engine serves theta_old: async, Ray, workflow refused
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
                     "FSDP shards; launch with DDP (or one process)")
