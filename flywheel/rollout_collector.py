@@ -1,7 +1,7 @@
 """The flywheel: prompts -> rollouts -> rewards -> group advantages, and evaluation.
 
-An algorithm consumes a `RolloutBatch` (through its own `update(batch)`); the
-recipe owns the WeightSyncController and syncs after each optimizer step. The global batch
+An algorithm consumes a `RolloutBatch` (through its own `update(batch, step)`); the
+training loop owns the WeightSyncController and syncs after an update that stepped. The global batch
 of a step is prompts_per_step x group_size samples; rank r generates rows
 [r·n, (r+1)·n), so a prompt's group may span ranks, and every sample's seed is
 a function of (seed, step, global row) alone: the same run on 1 or 2 ranks

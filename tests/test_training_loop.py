@@ -211,10 +211,13 @@ def test_the_factory_picks_one_layout_class_per_config():
     with pytest.raises(ValueError, match="serve='ray': valid layouts are colocated, copy"):
         layouts.make_layout(layout_cfg(), serve="ray")
     # Evaluation samples the trained weights: the copy never holds them, the processes not train.ema's average.
-    assert layouts.Colocated.evaluates_served(layout_cfg(ema=True))
-    assert not layouts.ServedCopy.evaluates_served(layout_cfg())
-    assert layouts.EngineProcess.evaluates_served(layout_cfg())
-    assert not layouts.RayPool.evaluates_served(layout_cfg(ema=True))
+    # (Asked of the factory's instances, as Rollouts asks.)
+    assert layouts.make_layout(layout_cfg(ema=True)).evaluates_served(layout_cfg(ema=True))
+    assert not layouts.make_layout(layout_cfg(), serve="copy").evaluates_served(layout_cfg())
+    assert layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg())
+    assert not layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg(ema=True))
+    for ema in (False, True):
+        assert layouts.make_layout(layout_cfg(backend="ray")).evaluates_served(layout_cfg(ema=ema)) == (not ema)
 
 
 # ---- renamed modules stay importable for one release --------------------------------------------------------

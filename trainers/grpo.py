@@ -10,7 +10,8 @@ log-probs recorded), rewards, advantages normalised within each prompt's group
 over all ranks, then a PPO-clip update on the per-step probability ratios,
 with an optional KL penalty to the reference policy; the training loop then
 syncs the new weights into the engine (colocated) and bumps the version.
-The recipe reads top to bottom: config, the loss, the windows, setup, the loop, save.
+The recipe reads top to bottom: config, the loss, the windows, the GRPO class (the algorithm protocol,
+flywheel/recipe/algorithm.py), the config checks, a short main over the training loop.
 
 Defaults on the built-in toy task: full fine-tune, kl_beta 0.1 (exact Gaussian KL),
 learning rate 6e-4, 70 steps, chosen so that the no-argument run reaches the reward

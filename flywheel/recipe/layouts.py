@@ -152,7 +152,11 @@ class RayPool:
     """Engine replicas in Ray actors, synced together (flywheel/scale); the pool is its own engine."""
 
     name = "ray"
-    evaluates_served = EngineProcess.evaluates_served  # the replicas hold only synced weights, as the process does
+
+    @staticmethod
+    def evaluates_served(cfg) -> bool:
+        """The replicas hold only synced weights, as the engine process does."""
+        return not cfg.train.ema
 
     def build(self, cfg, accelerator, policy: Policy, version: int):
         from flywheel.scale.config import build_rollout_engine
