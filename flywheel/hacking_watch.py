@@ -114,7 +114,7 @@ class HackingWatch:
         self._firing: set[tuple[str, str | None]] = set()
         self.last = WatchResult()
 
-    def update(self, metrics: Mapping[str, float], step: int | None = None) -> WatchResult:
+    def observe(self, metrics: Mapping[str, float], step: int | None = None) -> WatchResult:
         """Take one evaluation's metrics; return what fires now (also kept as `self.last`).
 
         Series whose reward or judge value is missing or non-finite this time

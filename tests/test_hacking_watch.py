@@ -157,11 +157,11 @@ def eval_row(reward, judge, per_class=None):
 
 def test_watch_fires_when_one_class_reward_rises_while_its_judge_falls():
     watch = HackingWatch(tolerance=0.05)
-    first = watch.update(eval_row(0.50, 0.60, {3: (0.50, 0.60), 6: (0.50, 0.60)}), step=0)
-    second = watch.update(eval_row(0.85, 0.88, {3: (0.80, 0.85), 6: (0.90, 0.91)}), step=40)
+    first = watch.observe(eval_row(0.50, 0.60, {3: (0.50, 0.60), 6: (0.50, 0.60)}), step=0)
+    second = watch.observe(eval_row(0.85, 0.88, {3: (0.80, 0.85), 6: (0.90, 0.91)}), step=40)
     # Digit 6 turns into a blob the reward loves and the judge rejects (3 starts to, less); the overall
     # judge barely moves.
-    third = watch.update(eval_row(0.95, 0.86, {3: (0.92, 0.72), 6: (0.99, 0.62)}), step=80)
+    third = watch.observe(eval_row(0.95, 0.86, {3: (0.92, 0.72), 6: (0.99, 0.62)}), step=80)
     assert first.warning is None and second.warning is None
     assert first.metrics == {"eval/hacking_warning": 0.0, "eval/hacking_signals": 0.0}
     assert [(s.judge, s.cls) for s in third.signals] == [("svc", "6"), ("svc", "3")]  # the largest fall first
@@ -171,14 +171,14 @@ def test_watch_fires_when_one_class_reward_rises_while_its_judge_falls():
     assert third.metrics == {"eval/hacking_warning": 1.0, "eval/hacking_signals": 2.0}
     assert third.new and watch.last is third
     # Still hacked at the next evaluation: still a warning, but not a new one (printed once).
-    fourth = watch.update(eval_row(0.97, 0.85, {3: (0.94, 0.91), 6: (1.0, 0.55)}), step=100)
+    fourth = watch.observe(eval_row(0.97, 0.85, {3: (0.94, 0.91), 6: (1.0, 0.55)}), step=100)
     assert fourth.signals[0].cls == "6" and fourth.signals[0].judge_before == 0.91 and not fourth.new
 
 
 def test_watch_fires_on_the_overall_means_too():
     watch = HackingWatch(tolerance=0.05)
-    watch.update(eval_row(0.6, 0.9), step=20)
-    result = watch.update(eval_row(0.9, 0.7), step=40)
+    watch.observe(eval_row(0.6, 0.9), step=20)
+    result = watch.observe(eval_row(0.9, 0.7), step=40)
     assert [(s.judge, s.cls) for s in result.signals] == [("svc", None)]
     assert "overall since step 20" in result.warning
 
@@ -186,7 +186,7 @@ def test_watch_fires_on_the_overall_means_too():
 def test_watch_catches_a_slow_slide_from_the_best_judge_value():
     # Each step is within the tolerance; the judge's fall from its best value is not.
     watch = HackingWatch(tolerance=0.05)
-    results = [watch.update(eval_row(0.5 + 0.04 * i, 0.9 - 0.03 * i), step=10 * i) for i in range(4)]
+    results = [watch.observe(eval_row(0.5 + 0.04 * i, 0.9 - 0.03 * i), step=10 * i) for i in range(4)]
     assert [r.warning is not None for r in results] == [False, False, True, True]
     assert results[2].signals[0].judge_before == 0.9 and results[2].signals[0].since_step == 0
 
@@ -195,7 +195,7 @@ def test_watch_compares_with_the_previous_evaluation_after_a_dip():
     # Since the best judge value the reward fell; since the previous evaluation it rose.
     watch = HackingWatch(tolerance=0.05)
     for step, (reward, judge) in enumerate([(0.95, 0.90), (0.80, 0.70), (0.90, 0.60)]):
-        result = watch.update(eval_row(reward, judge), step=step)
+        result = watch.observe(eval_row(reward, judge), step=step)
     assert str(result.signals[0]) == "judge svc fell 0.70->0.60 overall since step 1 while reward rose 0.80->0.90"
 
 
@@ -208,15 +208,15 @@ def test_watch_stays_silent_without_a_reward_rise_against_a_judge_fall(sequence)
     # Overall means and class 6 as (reward, judge, reward of 6, judge of 6) at successive evaluations.
     watch = HackingWatch(tolerance=0.05)
     for step, (reward, judge, r6, j6) in enumerate(sequence):
-        result = watch.update(eval_row(reward, judge, {6: (r6, j6)}), step=step)
+        result = watch.observe(eval_row(reward, judge, {6: (r6, j6)}), step=step)
         assert result.warning is None and result.metrics["eval/hacking_warning"] == 0.0, result.warning
 
 
 def test_watch_ignores_non_finite_values_and_rejects_bad_tolerance():
     watch = HackingWatch(tolerance=0.05)
-    watch.update(eval_row(0.5, 0.9), step=0)
-    assert watch.update(eval_row(0.9, math.nan), step=1).warning is None  # no evidence either way
-    assert watch.update(eval_row(0.9, 0.6), step=2).signals[0].since_step == 0  # the NaN left no trace
+    watch.observe(eval_row(0.5, 0.9), step=0)
+    assert watch.observe(eval_row(0.9, math.nan), step=1).warning is None  # no evidence either way
+    assert watch.observe(eval_row(0.9, 0.6), step=2).signals[0].since_step == 0  # the NaN left no trace
     for bad in (-0.1, math.nan, "0.05", True):
         with pytest.raises(ValueError, match="^tolerance must be a finite number >= 0"):
             HackingWatch(tolerance=bad)
@@ -228,8 +228,8 @@ def test_watch_gives_a_class_its_own_wider_tolerance():
     # A class mean is over a tenth of the samples: a 0.07 fall there is within eval noise by default.
     rows = [eval_row(0.80, 0.90, {1: (0.69, 0.91)}), eval_row(0.85, 0.91, {1: (0.75, 0.84)})]
     default, strict = HackingWatch(), HackingWatch(class_tolerance=0.05)
-    assert [default.update(r, step=i).warning for i, r in enumerate(rows)] == [None, None]
-    assert [strict.update(r, step=i).warning is not None for i, r in enumerate(rows)] == [False, True]
+    assert [default.observe(r, step=i).warning for i, r in enumerate(rows)] == [None, None]
+    assert [strict.observe(r, step=i).warning is not None for i, r in enumerate(rows)] == [False, True]
     assert strict.last.signals[0].cls == "1"
 
 

@@ -228,7 +228,7 @@ class RecipeRun:
                   "card has no judges, so the hacking watch never fires", file=sys.stderr, flush=True)
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
-                self.watch.update(earlier, earlier["step"])
+                self.watch.observe(earlier, earlier["step"])
         if tracker_names(cfg.tracker):
             accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)),
                                       init_kwargs=self._tracker_kwargs)
@@ -309,9 +309,9 @@ class RecipeRun:
                                                    eval_request_kwargs(cfg.sampling), self.judges)
         if self.ema is not None:
             metrics["eval/ema"] = 1.0
-        watched = self.watch.update(metrics, step)
+        watched = self.watch.observe(metrics, step)
         metrics.update(watched.metrics)
-        self.hacking_stop.update(metrics)
+        self.hacking_stop.observe(metrics)
         if self.best is not None:
             self.best.consider(step, metrics, self._write_best)
             metrics.update(self.best.metrics())
