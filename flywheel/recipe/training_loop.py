@@ -38,8 +38,9 @@ def train(run, rollouts, algorithm: Algorithm) -> dict:
 
 def _train(run, rollouts, algorithm: Algorithm) -> dict:
     cfg = run.cfg
+    started = time.perf_counter() - run.wall_offset  # time/wall_s continues a resumed run's
     base_eval = run.begin(rollouts)  # resume checks, judges, trackers, the step-0 evaluation
-    version, started = rollouts.version, time.perf_counter() - run.wall_offset
+    version = rollouts.version
     steps = StepAccounting(run.trainer_state, cfg.train.max_masked_steps, run.dir.metrics_path, run.is_main)
     row, stopping, progress = {}, False, run.progress()
     try:
