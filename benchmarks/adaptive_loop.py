@@ -4,7 +4,7 @@
     python benchmarks/adaptive_loop.py --quick          # about a minute
 
 Toy (toy-digits, the shipped weights): the recipes' evaluation as it runs in
-training (`flywheel.loop.evaluate`: the toy-digits-heldout prompts x 4 fixed
+training (`flywheel.rollout_collector.eval_samples`: the toy-digits-heldout prompts x 4 fixed
 seeds, ODE, guidance 1, `--toy-steps` steps, 10 being the recipes' default),
 with the `digit_alignment` reward. Each setting (a cache threshold, or an
 early-exit tolerance alone) runs the same evaluation; its eval reward is
@@ -85,7 +85,7 @@ def pixel_diff(images, reference) -> tuple[float, float]:
 def toy_curve(steps: int, settings: list[tuple[float, float | None, int]], rounds: int) -> dict:
     """Eval reward, images and timing of every setting against the plain loop at `steps` steps."""
     from engine import Engine, load_model
-    from flywheel.loop import EVAL_SEED_OFFSET, evaluate, item_request
+    from flywheel.rollout_collector import EVAL_SEED_OFFSET, eval_samples, item_request
     from flywheel.prompts import load_prompts
     from flywheel.recipe.sections import SamplingConfig, eval_request_kwargs
     from rewards import RewardSet
@@ -100,7 +100,7 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None, int]], round
     kwargs.update({setting_name(th, ee, order): {**base_kwargs, "cache_threshold": th, "early_exit": ee,
                                                   "cache_order": order}
                    for th, ee, order in settings})
-    evaluated = {name: evaluate(engine, rewards, items, seeds, kw) for name, kw in kwargs.items()}
+    evaluated = {name: eval_samples(engine, rewards, items, seeds, kw) for name, kw in kwargs.items()}
     variants = {name: [item_request(item, EVAL_SEED_OFFSET + s, engine.card_id, kw)
                        for item in items for s in range(seeds)] for name, kw in kwargs.items()}
     times = time_side_by_side(engine, variants, rounds)

@@ -1,6 +1,6 @@
 """The content-adaptive denoise loop: reuse a row's cached velocity while it barely changes, exit on convergence.
 
-`engine.loop.denoise` calls the transformer at every step. This loop calls it
+`engine.denoise.denoise` calls the transformer at every step. This loop calls it
 only for the rows that need it (the cache idea of TeaCache and cache-dit),
 for ODE requests (evaluation, serving) and for the deterministic tail of a
 rollout.
@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from engine.cards import FlowModel, PromptEmbeds
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import cps_step, ode_step, sde_step, sde_t_cap
 
 
@@ -205,7 +205,7 @@ class AdaptiveLoop:
                  step_noise: torch.Tensor | None, timesteps: torch.Tensor, noise_levels: list[float],
                  cond: PromptEmbeds, uncond_cond: PromptEmbeds | None, guidance_scale: float,
                  keep_trajectory: bool = True, sampler: str = "sde", skip_from: int | None = None) -> AdaptiveResult:
-        """Run from noise to data; the arguments are `engine.loop.denoise`'s.
+        """Run from noise to data; the arguments are `engine.denoise.denoise`'s.
 
         skip_from: the first step that may be skipped; None = after the last stochastic step (the only
         place a rollout may skip). A value that leaves a stochastic step skippable is refused.

@@ -42,7 +42,7 @@ from engine.adaptive import adaptive_loop_for, check_adaptive_path
 from engine.cache import PromptEmbeddingCache
 from engine.cards import FlowModel, PromptEmbeds, load_model
 from engine.compiling import compile_for_rollouts
-from engine.loop import concat_embeds, denoise, denoise_with_scheduler
+from engine.denoise import concat_embeds, denoise, denoise_with_scheduler
 from engine.sampling import compressed_tail, flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
 

@@ -48,11 +48,11 @@ The log-prob is averaged over elements (not summed) so that its scale does
 not depend on the image size; constants cancel in PPO ratios anyway.
 
 Steps whose noise level is 0 (outside the SDE window, or every step of the
-"ode" sampler) are run as plain Euler steps by `engine.loop.denoise`, so they
+"ode" sampler) are run as plain Euler steps by `engine.denoise.denoise`, so they
 equal ODE steps bit for bit whatever the sampler. The one exception: "ode"
 requests on a folder whose scheduler is not FlowMatchEulerDiscreteScheduler
 (Wan's default UniPC) are stepped by that scheduler
-(`engine.loop.denoise_with_scheduler`), to equal the stock pipeline.
+(`engine.denoise.denoise_with_scheduler`), to equal the stock pipeline.
 """
 
 from __future__ import annotations

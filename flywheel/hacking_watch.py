@@ -6,7 +6,7 @@ spot rather than the task. Hacking usually starts in one class (one digit
 turning into a blob the reward still accepts) where the overall means hide it
 (nine good digits outweigh one), so the watch compares each class too.
 
-Feed it every evaluation's metrics (`flywheel.loop.evaluate`): for the overall
+Feed it every evaluation's metrics (`flywheel.rollout_collector.eval_samples`): for the overall
 means (`eval/reward/mean` against `eval/judge/<name>/mean`) and for every class c
 (`eval/reward/<c>` against `eval/judge/<name>/<c>`) it fires when, since the
 previous evaluation or since the evaluation where that judge score was best,
@@ -114,7 +114,7 @@ class HackingWatch:
         self._firing: set[tuple[str, str | None]] = set()
         self.last = WatchResult()
 
-    def update(self, metrics: Mapping[str, float], step: int | None = None) -> WatchResult:
+    def observe(self, metrics: Mapping[str, float], step: int | None = None) -> WatchResult:
         """Take one evaluation's metrics; return what fires now (also kept as `self.last`).
 
         Series whose reward or judge value is missing or non-finite this time

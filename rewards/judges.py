@@ -9,7 +9,7 @@ scores. Two optional methods let evaluation say more:
 - `classes(prompts, metadata) -> [B]` list: the class each sample belongs to
   (None for a sample in none). A task "has classes" when one of its judges
   defines this; evaluation then reports the judge and the reward per class
-  (`flywheel.loop.evaluate`), which is where hacking shows first: one class
+  (`flywheel.rollout_collector.eval_samples`), which is where hacking shows first: one class
   collapsing into a blob the reward still accepts moves the overall mean little.
 - `verdicts(images, prompts, metadata) -> [B]` list of `Verdict`: what the
   judge sees in each image, drawn on the sample grid (`flywheel.grids`).

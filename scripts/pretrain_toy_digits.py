@@ -46,7 +46,7 @@ def parse_args(card: str, argv: list[str] | None = None) -> tuple[str, PretrainA
 def evaluate_base(card: str, weights: Path) -> None:
     """The base model's eval reward and judges at guidance 1 and 3, exactly as trainers/grpo.py measures step 0."""
     from engine import Engine, load_model
-    from flywheel.loop import evaluate
+    from flywheel.rollout_collector import eval_samples
     from flywheel.prompts import load_prompts
     from rewards import RewardSet
     from rewards.judges import judges_for_card
@@ -55,7 +55,7 @@ def evaluate_base(card: str, weights: Path) -> None:
     engine = Engine(load_model(card, path=str(weights)))
     judges = judges_for_card(card)
     for guidance in (1.0, 3.0):
-        metrics, _ = evaluate(engine, RewardSet(reward), load_prompts(eval_prompts), 4,
+        metrics, _ = eval_samples(engine, RewardSet(reward), load_prompts(eval_prompts), 4,
                               {"steps": 10, "sampler": "ode", "guidance_scale": guidance}, judges)
         judged = ", ".join(f"judge {name} {metrics[f'eval/judge/{name}/mean']:.3f}" for name in judges)
         print(f"base eval at guidance {guidance:g} ({eval_prompts} x 4 seeds, 10 ODE steps): "

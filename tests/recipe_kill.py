@@ -71,12 +71,12 @@ def dotted_keys(cls, prefix: str = "") -> list[str]:
 
 def negate_advantages(monkeypatch) -> None:
     """The honest control of a learning test: every later rollout's advantages with their sign flipped."""
-    import flywheel.loop
+    import flywheel.rollout_collector
 
-    original = flywheel.loop.distributed_reward_advantages
+    original = flywheel.rollout_collector.distributed_reward_advantages
 
     def negated(*args, **kwargs):
         adv, usable = original(*args, **kwargs)
         return -adv, usable
 
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", negated)
+    monkeypatch.setattr(flywheel.rollout_collector, "distributed_reward_advantages", negated)

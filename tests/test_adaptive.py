@@ -8,7 +8,7 @@ from torch import nn
 
 from engine import Engine, GenerationRequest, PromptEmbeds, compare_outputs
 from engine.adaptive import AdaptiveLoop, RowCache, check_adaptive_path, relative_change, select_embeds
-from engine.loop import concat_embeds, denoise
+from engine.denoise import concat_embeds, denoise
 from engine.sampling import flow_timesteps, sde_t_cap, step_log_prob, step_noise_levels
 
 WORDS = ["seven", "three", "one", "zero", "two", "nine"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rewards
-from flywheel.loop import Flywheel, evaluate, reward_inputs
+from flywheel.rollout_collector import Flywheel, eval_samples, reward_inputs
 from flywheel.prompts import PromptItem, PromptSampler
 from flywheel.video import MiddleFrameRewards
 from rewards import RewardSet
@@ -267,7 +267,7 @@ def test_flywheel_scores_the_trajectorys_audio_in_rollouts_and_evaluation(toy_en
                                sample_rate=8000)
     assert torch.equal(batch.rewards.scores["audio_loudness"], expected)
     assert len(set(expected.tolist())) == 4  # the rows really differ: the right clip went with each row
-    metrics, traj = evaluate(engine, wheel.rewards, items, 1, dict(steps=2, sampler="ode"))
+    metrics, traj = eval_samples(engine, wheel.rewards, items, 1, dict(steps=2, sampler="ode"))
     assert metrics["eval/reward/mean"] == pytest.approx(float(AudioLoudness()(
         None, [""] * 2, [{}] * 2, audio=traj.audio, sample_rate=8000).mean()), abs=1e-6)
     # A trajectory without sound adds nothing to the call (reward sets that take no audio keep working).

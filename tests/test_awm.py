@@ -68,12 +68,12 @@ def test_accelerate_launch_runs_and_writes_the_shared_metric_keys(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["weight_version"] for r in rows] == [0, 0, 1]  # the version that made each step's rollouts
     assert [r["weight_version_after"] for r in rows[1:]] == [1, 2]  # one optimizer step (and sync) per rollout
-    for key in ("reward/mean", "loss", "policy_loss", "kl", "anchor_kl", "matching_error", "matching_error/positive",
+    for key in ("reward/mean", "loss", "policy_loss", "ref_mse", "anchor_mse", "matching_error", "matching_error/positive",
                 "matching_error/negative", "t/mean", "grad_norm", "anchor/decay", "time/train_s", "time/wall_s"):
         assert all(key in r for r in rows[1:]), key
-    assert rows[1]["kl"] == 0.0 and rows[2]["kl"] > 0.0  # the policy starts at the reference, then leaves it
+    assert rows[1]["ref_mse"] == 0.0 and rows[2]["ref_mse"] > 0.0  # the policy starts at the reference, then leaves it
     # The anchor starts at the weights: the first step's anchor term is 0; the decay ramps 0.001 a step.
-    assert rows[1]["anchor_kl"] == 0.0
+    assert rows[1]["anchor_mse"] == 0.0
     assert [r["anchor/decay"] for r in rows[1:]] == pytest.approx([0.001, 0.002])
     for row in (rows[0], rows[2]):
         assert "eval/reward/mean" in row and "eval/judge/digit_svc/mean" in row
@@ -98,7 +98,7 @@ def test_help_lists_every_key():
 
 def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
     # A fast-rising anchor decay (0.1, 0.2, 0.3, ...): the EMA is then not the weights, and a resume that
-    # restarted it from the resumed weights would change anchor_kl, the loss and every weight after.
+    # restarted it from the resumed weights would change anchor_mse, the loss and every weight after.
     args = ["steps=6", "save_every=2", "eval_every=3", *SMALL, "train.anchor_decay_ramp=0.1", "train.kl_beta=0.01"]
     _, straight = run(tmp_path, "straight", *args)
 
@@ -111,7 +111,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
     rows = read_metrics(interrupted / "metrics.jsonl")
     assert without_timings(rows) == without_timings(straight)
     assert [r["anchor/decay"] for r in rows[1:]] == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.3, 0.3])
-    assert all(r["anchor_kl"] > 0 for r in rows[2:])  # the anchor term is live after the first step
+    assert all(r["anchor_mse"] > 0 for r in rows[2:])  # the anchor term is live after the first step
     expected, got = checkpoint(tmp_path / "straight", 6), checkpoint(interrupted, 6)
     assert expected.keys() == got.keys() and any(k.startswith(CHECKPOINTED) for k in got)
     for name, value in expected.items():
@@ -137,7 +137,7 @@ def test_lora_trains_only_the_adapter_and_its_anchor(tmp_path):
     base = load_model("toy-digits").transformer.state_dict()
     assert all(k.replace(".base_layer", "") in base or "lora_" in k for k in trained)
     # LoRA B starts at zero: the adapted model is the reference (the adapter switched off), so the first KL is 0.
-    assert rows[1]["kl"] == 0.0 and rows[2]["kl"] > 0.0
+    assert rows[1]["ref_mse"] == 0.0 and rows[2]["ref_mse"] > 0.0
 
 
 # ---- config checks ------------------------------------------------------------------------------

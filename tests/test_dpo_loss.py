@@ -17,10 +17,10 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.update import update_generator
-from trainers.dpo import DRAW_STREAM, DPOConfig, dpo_loss, dpo_update, draw_times_and_noise, preference_pairs
+from trainers.dpo import DPO, DRAW_STREAM, DPOConfig, dpo_loss, draw_times_and_noise, preference_pairs
 
 # ---- the 2-pair case ------------------------------------------------------------------------
 # pair 0: x0_w = [0, 1], x0_l = [1, 0], eps = [1, 1]  -> u_w = eps - x0_w = [1, 0], u_l = [0, 1]
@@ -59,7 +59,7 @@ def test_loss_is_the_mean_over_pairs_of_minus_log_sigmoid_of_the_implicit_margin
     assert float(stats["dpo/ref_error_l"]) == pytest.approx((0 + 2) / 2, abs=1e-6)
     # kl: mean over both rows of |v - v_ref|^2: pair 0 (w: [1, 0] -> 0.5, l: [0, -1] -> 0.5) = 0.5,
     # pair 1 (w: [2, 0] -> 2, l: [0, 2] -> 2) = 2; mean 1.25
-    assert float(stats["kl"]) == pytest.approx(1.25, abs=1e-6)
+    assert float(stats["ref_mse"]) == pytest.approx(1.25, abs=1e-6)
 
 
 def test_pair_weights_select_and_weigh_pairs():
@@ -91,7 +91,7 @@ def test_gradient_pulls_toward_the_winners_target_and_away_from_the_losers():
 def test_at_the_reference_the_loss_is_log_two_and_no_pair_is_counted_right():
     loss, stats = dpo_loss(V_W, V_L, V_W, V_L, X0_W, X0_L, EPS, BETA)
     assert float(loss) == pytest.approx(math.log(2.0), rel=1e-6)
-    assert float(stats["dpo/implicit_acc"]) == 0.0 and float(stats["kl"]) == 0.0
+    assert float(stats["dpo/implicit_acc"]) == 0.0 and float(stats["ref_mse"]) == 0.0
     # No gradient flows into the reference's velocities.
     ref_w = V_W.clone().requires_grad_(True)
     dpo_loss(V_W.clone().requires_grad_(True), V_L, ref_w, V_L, X0_W, X0_L, EPS, BETA)[0].backward()
@@ -208,15 +208,15 @@ def row_cond(traj, row: int) -> PromptEmbeds:
                         None if traj.prompt_mask is None else traj.prompt_mask[[row]])
 
 
-def run_update(model, traj, reference, cfg, step=0, rewards=TOY_REWARDS, version=7, lr=LR):
+def run_update(model, traj, reference, cfg, step=0, rewards=TOY_REWARDS, lr=LR):
     transformer = model.transformer
     policy = Policy(model, list(transformer.named_parameters()),
                     lambda x, t, cond, uncond_cond=None, g=1.0: model.velocity(reference, x, t, cond), {})
     scored = SimpleNamespace(total=rewards.clone(), valid=torch.ones(ROWS, dtype=torch.bool))
     batch = RolloutBatch(traj, scored, torch.zeros(ROWS), torch.ones(ROWS, dtype=torch.bool), torch.arange(ROWS) // 4)
-    versions = iter(range(version + 1, 100))
-    return dpo_update(batch, policy, transformer, torch.optim.SGD(transformer.parameters(), lr=lr),
-                      Accelerator(cpu=True), lambda: {"weight_version": next(versions)}, cfg, step, version)
+    dpo = DPO(policy, torch.optim.SGD(transformer.parameters(), lr=lr), transformer, cfg, Accelerator(cpu=True))
+    result = dpo.update(batch, step)
+    return {**result.metrics, "stepped": result.stepped, "skip_reason": result.skip_reason}
 
 
 def oracle_update(model, reference, traj, cfg, step, pairs):
@@ -259,18 +259,19 @@ def test_dpo_update_equals_sgd_on_the_hand_written_loss(toy, swap):
     for name, value in model.transformer.state_dict().items():
         torch.testing.assert_close(after_recipe[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.equal(after_recipe[k], start[k]) for k in start)
-    assert metrics["weight_version_after"] == 9  # two pairs, one per minibatch: two optimizer steps from 7
+    assert metrics["train/optimizer_steps"] == 2 and metrics["stepped"]  # two pairs, one per minibatch
     assert metrics["dpo/pairs"] == 2 and metrics["dpo/groups_used"] == 1.0
     assert metrics["dpo/reward_gap"] == pytest.approx((0.8 + 0.6) / 2)
-    assert metrics["kl"] > 0 and metrics["grad_norm"] > 0 and 0 <= metrics["dpo/implicit_acc"] <= 1
+    assert metrics["ref_mse"] > 0 and metrics["grad_norm"] > 0 and 0 <= metrics["dpo/implicit_acc"] <= 1
 
 
-def test_no_pair_takes_no_step_and_keeps_the_version(toy):
+def test_no_pair_takes_no_step_and_says_why(toy):
     model, traj, reference, start = toy
     model.transformer.load_state_dict(start)
     metrics = run_update(model, traj, reference, RecipeConfig(), rewards=torch.full((ROWS,), 0.5))
     assert all(torch.equal(v, start[k]) for k, v in model.transformer.state_dict().items())
-    assert metrics["weight_version_after"] == 7 and metrics["dpo/pairs"] == 0 and metrics["dpo/no_pair"] == 1
+    assert not metrics["stepped"] and metrics["train/optimizer_steps"] == 0 and "no preference pair" in metrics["skip_reason"]
+    assert metrics["dpo/pairs"] == 0 and metrics["dpo/no_pair"] == 1
 
 
 def test_one_update_makes_the_policy_prefer_its_winners(toy):

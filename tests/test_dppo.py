@@ -17,11 +17,12 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.dppo import dppo_keep_mask, dppo_loss, dppo_sample_loss
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
-from trainers.grpo import Config, dppo_mask_can_act, grpo_update, main, validate_config
+from flywheel.recipe.policy import Policy
+from trainers.grpo import GRPO, Config, dppo_mask_can_act, main, validate_config
 
 from recipe_kill import negate_advantages
 
@@ -137,11 +138,11 @@ def dppo_oracle(model, traj, steps, delta, rule="paper"):
 
 
 def recipe_update(model, traj, cfg):
-    named = list(model.transformer.named_parameters())
+    policy = Policy(model, list(model.transformer.named_parameters()), None, {})
     batch = RolloutBatch(traj, None, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4)
-    versions = iter(range(1, 100))
-    return grpo_update(batch, model, model.transformer, None, torch.optim.SGD(model.transformer.parameters(), lr=LR),
-                       Accelerator(cpu=True), lambda: {"weight_version": next(versions)}, named, cfg, step=0)
+    grpo = GRPO(policy, torch.optim.SGD(model.transformer.parameters(), lr=LR), model.transformer, cfg,
+                Accelerator(cpu=True))
+    return grpo.update(batch, step=0).metrics
 
 
 # Between the KLs this case reaches after the first optimizer step (about 0.008 to 1.1 at LR 0.5): some terms are

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, GenerationRequest, HostTransferError, PromptEmbeds, forbid_host_transfers
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import sde_step_log_prob, sde_t_cap
 
 
@@ -30,7 +30,7 @@ def test_denoise_loop_never_moves_data_to_the_host(toy_engine):
     cond = toy_engine.encode_prompts([r.prompt for r in reqs])  # prompt encoding is outside the loop
     with forbid_host_transfers():
         for sampler, guidance in (("sde", 1.0), ("ode", 1.0), ("sde", 3.0)):
-            from engine.loop import concat_embeds, denoise
+            from engine.denoise import concat_embeds, denoise
             from engine.sampling import flow_timesteps, step_noise_levels
             uncond = toy_engine.encode_prompts([""] * 2) if guidance != 1.0 else None
             noise = torch.randn(2, 1, 8, 8)
@@ -79,7 +79,7 @@ def test_on_policy_ratio_is_exactly_one(toy_engine):
     """Recomputing a rollout's log-probs with unchanged weights gives ratio 1, bit for bit."""
     for guidance in (1.0, 3.0):
         traj = toy_engine.generate(requests(4, guidance_scale=guidance))
-        from engine.loop import concat_embeds
+        from engine.denoise import concat_embeds
         from engine import PromptEmbeds
         cond = PromptEmbeds(traj.prompt_embeds, traj.pooled_prompt_embeds, traj.prompt_mask)
         uncond = None
@@ -183,7 +183,7 @@ def test_drain_times_out_with_a_clear_error(toy_engine):
 # ---- samplers through the engine, grouping, weight loading -----------------------------------
 
 from engine import compare_outputs, load_model  # noqa: E402
-from engine.loop import concat_embeds, denoise  # noqa: E402
+from engine.denoise import concat_embeds, denoise  # noqa: E402
 from engine.sampling import flow_timesteps, ode_step, step_noise_levels  # noqa: E402
 
 

@@ -303,7 +303,7 @@ def test_gradient_checkpointing_on_a_model_without_it_is_a_clear_error(tmp_path)
 @pytest.mark.parametrize("card", ["sd3", "flux", "wan2.1-t2v"])
 def test_family_denoise_loop_makes_no_host_transfers(tiny_folders, card):
     from engine import forbid_host_transfers
-    from engine.loop import concat_embeds, denoise
+    from engine.denoise import concat_embeds, denoise
     from engine.sampling import step_noise_levels
 
     model = load_model(card, path=str(tiny_folders[card]))
@@ -322,10 +322,10 @@ def test_family_denoise_loop_makes_no_host_transfers(tiny_folders, card):
 
 def test_scheduler_ode_loop_makes_no_python_host_transfers(unipc_wan_folder):
     """The folder-scheduler path (UniPC's own step) under the same guard. On CUDA UniPC still syncs inside
-    its step (host-side sigma table, torch.linalg.solve's error check; engine/loop.py says why); the guard
+    its step (host-side sigma table, torch.linalg.solve's error check; engine/denoise.py says why); the guard
     sees the Python-level reads it would add on any device."""
     from engine import forbid_host_transfers
-    from engine.loop import concat_embeds, denoise_with_scheduler
+    from engine.denoise import concat_embeds, denoise_with_scheduler
 
     model = load_model("wan2.1-t2v", path=str(unipc_wan_folder))
     engine = Engine(model)

@@ -241,7 +241,7 @@ def test_qwen_prompts_are_read_with_their_image_and_bypass_the_text_cache(models
 def test_sde_rollout_recomputed_with_the_trajectorys_conditioning_is_on_policy(card, models, images):
     """Training forwards rebuild the conditioning from the trajectory (its image-aware prompt embeddings and
     source latents): every step's recomputed log-prob equals the rollout's, so the first ratio is exactly 1."""
-    from engine.loop import guided_velocity
+    from engine.denoise import guided_velocity
     from engine.sampling import sde_t_cap, step_log_prob
     from flywheel.recipe.update import trajectory_conditioning
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import Engine, GenerationRequest, Trajectory, get_card, list_cards, load_model
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import gaussian_kl, gaussian_step_log_prob, part_log_probs, sde_t_cap, step_log_prob
 from flywheel.lora import adapters_disabled, add_lora
 from flywheel.recipe.update import trajectory_conditioning
@@ -216,7 +216,7 @@ def test_recomputed_joint_and_per_modality_log_probs_equal_the_recorded_ones(eng
 
 def test_joint_denoise_loop_makes_no_host_transfers(engine):
     from engine import forbid_host_transfers
-    from engine.loop import concat_embeds, denoise
+    from engine.denoise import concat_embeds, denoise
 
     reqs = requests(sampler="sde", noise_level=0.7, guidance_scale=2.0, audio=True, audio_guidance_scale=4.0,
                     audio_noise_level=0.3, steps=2)

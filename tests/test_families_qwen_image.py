@@ -218,7 +218,7 @@ def test_sde_rollout_has_finite_log_probs_and_level_zero_is_the_ode(qwen_model):
 
 def test_denoise_loop_makes_no_host_transfers(qwen_model):
     from engine import forbid_host_transfers
-    from engine.loop import concat_embeds, denoise
+    from engine.denoise import concat_embeds, denoise
     from engine.sampling import step_noise_levels
 
     engine = Engine(qwen_model)

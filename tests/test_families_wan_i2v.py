@@ -206,7 +206,7 @@ def test_each_distinct_image_is_encoded_once_and_rows_get_their_own(model, image
 def test_sde_rollout_recomputed_with_the_trajectorys_conditioning_is_on_policy(model, images):
     """Training forwards rebuild the first-frame conditioning from the trajectory (trajectory_conditioning):
     the recomputed log-probs of every step equal the rollout's, so the first ratio is exactly 1."""
-    from engine.loop import guided_velocity
+    from engine.denoise import guided_velocity
     from engine.sampling import sde_t_cap, step_log_prob
     from flywheel.recipe.update import trajectory_conditioning
 
@@ -226,7 +226,7 @@ def test_sde_rollout_recomputed_with_the_trajectorys_conditioning_is_on_policy(m
 def test_denoise_loop_with_the_first_frame_makes_no_host_transfers(model, images):
     """The conditioning is encoded once, before the loop; inside it the velocity only concatenates tensors."""
     from engine import forbid_host_transfers
-    from engine.loop import concat_embeds, denoise
+    from engine.denoise import concat_embeds, denoise
     from engine.sampling import step_noise_levels
 
     engine = Engine(model)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import Engine, GenerationRequest, PromptEmbeds
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import flow_timesteps
-from flywheel.loop import sample_seed
+from flywheel.rollout_collector import sample_seed
 from trainers.awm import AWMConfig, awm_loss, draw_times
 from trainers.dpo import DPOConfig, draw_times_and_noise, schedule_shift
 from trainers.nft import NFTConfig, SamplingPolicy
@@ -34,12 +34,12 @@ def test_awm_policy_term_keeps_the_released_weight_next_to_the_regularisers_with
     loss, stats = awm_loss(v, x0, noise, 1.0, adv, v_ref, usable=usable, weighting="uniform", kl_beta=1.0)
     # policy: (1 - 1 + 2)·1 / 6 = 1/3 ; kl: 6·1 / 6 = 1
     assert float(stats["policy_loss"]) == pytest.approx(2 / 6, abs=1e-6)
-    assert float(stats["kl"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(stats["ref_mse"]) == pytest.approx(1.0, abs=1e-6)
     assert float(loss) == pytest.approx(2 / 6 + 1.0, abs=1e-6)
     # The earlier average over usable rows: policy 2/3, kl 1 — the policy term N/N_usable = 2.0x stronger.
     loss_u, stats_u = awm_loss(v, x0, noise, 1.0, adv, v_ref, usable=usable, weighting="uniform", kl_beta=1.0,
                                average="usable")
-    ratio = (float(stats_u["policy_loss"]) / float(stats_u["kl"])) / (float(stats["policy_loss"]) / float(stats["kl"]))
+    ratio = (float(stats_u["policy_loss"]) / float(stats_u["ref_mse"])) / (float(stats["policy_loss"]) / float(stats["ref_mse"]))
     assert ratio == pytest.approx(2.0, abs=1e-6)
     assert AWMConfig().loss_average == "all"
 
@@ -73,7 +73,7 @@ def test_noise_seed_shares_the_initial_noise_and_keeps_each_requests_step_noise(
 
 
 def test_flywheel_gives_each_group_its_first_rows_noise_seed():
-    from flywheel.loop import Flywheel
+    from flywheel.rollout_collector import Flywheel
 
     fly = SimpleNamespace(same_noise_per_group=True, seed=5, group_size=4)
     rows = [Flywheel._shared_noise(fly, 7, row)["noise_seed"] for row in range(8)]
@@ -164,16 +164,9 @@ def test_guided_velocity_takes_one_time_per_row_with_guidance():
 
 
 def test_nft_first_soft_update_uses_the_released_codes_eta():
-    class Rollouts:
-        version = 0
-
-        def sync(self, weights):
-            self.version += 1
-            return {"weight_version": self.version}
-
     trained = [("w", torch.nn.Parameter(torch.tensor([1.0])))]
     weights = {"w": torch.tensor([0.0])}
-    sampling = SamplingPolicy(weights, Rollouts(), model=None, tc=NFTConfig())
+    sampling = SamplingPolicy(weights, model=None, tc=NFTConfig())
     # The code's global_step is 1 when it soft-updates after the first optimizer step: eta = min(0.001·1, 0.5).
     assert sampling.follow(trained, step=0)["nft/eta"] == pytest.approx(0.001)
     assert float(weights["w"]) == pytest.approx(0.999)  # 0.001·0 + 0.999·1

@@ -5,7 +5,7 @@ of DESIGN.md and the engine.sampling docstring (rectified flow, Flow-GRPO Eq. 9,
 CPS). It uses only the model's own forward, one CFG branch at a time, and
 torch.randn drawn the way the engine documents (one generator per request,
 seeded with the request's seed: the initial noise first, then every step's
-noise in one draw). It never calls engine.sampling or engine.loop, so a wrong
+noise in one draw). It never calls engine.sampling or engine.denoise, so a wrong
 formula there cannot also be wrong here.
 
 The golden slices at the bottom pin the numbers themselves, so a change to a
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine import GenerationRequest, PromptEmbeds
-from engine.loop import concat_embeds, guided_velocity
+from engine.denoise import concat_embeds, guided_velocity
 
 PROMPTS = ("a handwritten seven", "the digit 2")
 SEEDS = (11, 2024)

@@ -239,8 +239,10 @@ def test_async_rollouts_lag_one_version_and_are_corrected(tmp_path):
     _, rows = run(tmp_path, "async", "async_rollouts=true", "steps=3", "eval_every=3", "data.prompts_per_step=4",
                   "data.group_size=8", "train.minibatch_size=16", "max_staleness=2")
     # Version 1 is the trainer's weights pushed into the fresh engine process (verified by checksums).
-    assert [r["weight_version"] for r in rows] == [1, 1, 1, 3]
-    assert [r["staleness"] for r in rows[1:]] == [0, 2, 2]  # two syncs per update: two versions behind
+    # Two optimizer steps per update, one sync (the training loop's): a version per update.
+    assert [r["train/optimizer_steps"] for r in rows[1:]] == [2, 2, 2]
+    assert [r["weight_version"] for r in rows] == [1, 1, 1, 2]
+    assert [r["staleness"] for r in rows[1:]] == [0, 1, 1]  # rolled out during the update before: one behind
     # Same weights in two processes: the proximal log-probs equal the behaviour ones, every weight is 1.
     assert rows[1]["is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
     gap = rows[2]["logprob_gap/max"]
@@ -248,5 +250,5 @@ def test_async_rollouts_lag_one_version_and_are_corrected(tmp_path):
     assert rows[2]["clipfrac"] > 0.0  # ...and the trust region around the proximal policy clips
     # min(pi_prox / pi_behaviour, cap): not 1, and within what the largest log-prob gap allows.
     assert rows[2]["is_weight/mean"] != 1.0 and math.exp(-gap) <= rows[2]["is_weight/mean"] <= math.exp(gap)
-    assert rows[3]["staleness/count_2"] == 2.0 and rows[3]["staleness/regenerated"] == 0.0
+    assert rows[3]["staleness/count_1"] == 2.0 and rows[3]["staleness/regenerated"] == 0.0
     assert "eval/reward/mean" in rows[3]

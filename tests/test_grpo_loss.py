@@ -18,9 +18,10 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from engine.loop import guided_velocity
-from flywheel.loop import RolloutBatch
-from trainers.grpo import Config, chosen_steps, grpo_step_loss, grpo_update, trained_fraction
+from engine.denoise import guided_velocity
+from flywheel.rollout_collector import RolloutBatch
+from flywheel.recipe.policy import Policy
+from trainers.grpo import GRPO, Config, chosen_steps, grpo_step_loss, trained_fraction
 
 STEPS, NOISE, ROWS = 3, 0.7, 8
 ADV = torch.tensor([1.0, -0.5, 0.0, 0.8, -1.2, 0.7, 0.3, -0.9])
@@ -130,11 +131,12 @@ def recipe_update(model, transformer, reference, traj, cfg):
     def ref_velocity(x, t, cond, uncond_cond, g):
         return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
 
-    named = list(transformer.named_parameters())
+    policy = Policy(model, list(transformer.named_parameters()), ref_velocity, {})
     batch = RolloutBatch(traj, None, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4)
-    versions = iter(range(1, 100))
-    return grpo_update(batch, model, transformer, ref_velocity, torch.optim.SGD(transformer.parameters(), lr=LR),
-                       Accelerator(cpu=True), lambda: {"weight_version": next(versions)}, named, cfg, step=0)
+    grpo = GRPO(policy, torch.optim.SGD(transformer.parameters(), lr=LR), transformer, cfg, Accelerator(cpu=True))
+    result = grpo.update(batch, step=0)
+    assert result.stepped and result.skip_reason is None
+    return result.metrics
 
 
 @pytest.fixture
@@ -165,7 +167,7 @@ def test_grpo_update_equals_sgd_on_the_hand_written_loss(fresh_model, guidance):
     assert metrics["kl"] == pytest.approx(expected["kl"], rel=1e-4)
     assert metrics["ratio/max_dev"] == pytest.approx(expected["ratio/max_dev"], rel=1e-4)
     assert metrics["is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
-    assert metrics["weight_version_after"] == 2  # two optimizer steps, each synced
+    assert metrics["train/optimizer_steps"] == 2  # minibatch < batch: two optimizer steps (the loop syncs once)
 
 
 def test_decoupled_ppo_clips_against_the_proximal_policy(fresh_model):

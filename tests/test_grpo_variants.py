@@ -18,12 +18,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import flywheel.loop
+import flywheel.rollout_collector
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
-from trainers.grpo import (Config, chosen_steps, fast_window, grpo_update, main, mixgrpo_window, rollout_window,
+from flywheel.recipe.policy import Policy
+from trainers.grpo import (GRPO, Config, chosen_steps, fast_window, main, mixgrpo_window, rollout_window,
                            validate_config, window_span)
 
 from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
@@ -103,17 +104,17 @@ def rollout(model, window, steps=6, sampler="sde", noise=NOISE):
 
 
 def recipe_update(model, traj, cfg, reference=None):
-    from engine.loop import guided_velocity
+    from engine.denoise import guided_velocity
 
     def ref_velocity(x, t, cond, uncond_cond, g):
         return guided_velocity(model, reference, x, t, cond, uncond_cond, g)
 
-    named = list(model.transformer.named_parameters())
+    policy = Policy(model, list(model.transformer.named_parameters()), None if reference is None else ref_velocity,
+                    {})
     batch = RolloutBatch(traj, None, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4)
-    versions = iter(range(1, 100))
-    return grpo_update(batch, model, model.transformer, None if reference is None else ref_velocity,
-                       torch.optim.SGD(model.transformer.parameters(), lr=LR), Accelerator(cpu=True),
-                       lambda: {"weight_version": next(versions)}, named, cfg, step=0)
+    grpo = GRPO(policy, torch.optim.SGD(model.transformer.parameters(), lr=LR), model.transformer, cfg,
+                Accelerator(cpu=True))
+    return grpo.update(batch, step=0).metrics
 
 
 def small_config(*overrides) -> Config:
@@ -155,7 +156,7 @@ def per_row_rollout(model):
     prompts = ["a handwritten three", "the digit seven"]
     requests = [GenerationRequest(prompt=prompts[i // 4], seed=100 + i, steps=6, noise_level=NOISE,
                                   sde_window=FAST_WINDOWS[i]) for i in range(ROWS)]
-    return flywheel.loop.generate_in_order(Engine(model), requests), requests
+    return flywheel.rollout_collector.generate_in_order(Engine(model), requests), requests
 
 
 def test_rows_of_different_windows_come_back_in_order_with_their_own_noise_levels():
@@ -403,7 +404,9 @@ def test_async_rollouts_roll_out_each_steps_own_window_and_guard_uses_the_proxim
                   "train.window_shift_every=1", "train.window_stride=2", "train.guard=true")
     assert [r["trained_steps/first"] for r in rows[1:]] == [0, 2, 4]
     assert rows[1]["is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
-    assert rows[2]["staleness"] == 2 and rows[2]["is_weight/mean"] != 1.0
+    # Step 2's batch was prefetched during update 1 (two optimizer steps, one sync): one version behind.
+    assert rows[1]["train/optimizer_steps"] == 2
+    assert rows[2]["staleness"] == 1 and rows[2]["is_weight/mean"] != 1.0
     assert all(math.isfinite(r["loss"]) and r["guard/shift"] > 0 for r in rows[1:])
 
 

@@ -8,14 +8,14 @@ import torch
 
 from flywheel.grids import AGREE, DISAGREE, GAP, NO_VERDICT, judged_sample_grid, make_verdict_grid
 from flywheel.hacking_watch import HackingWatch
-from flywheel.loop import class_means, evaluate
+from flywheel.rollout_collector import class_means, eval_samples
 from flywheel.runs.rundir import make_image_grid
 from flywheel.prompts import PromptItem
 from rewards import RewardSet
 from rewards.digits import DigitAlignment, digit_split
 from rewards.judges import DigitJudge, Verdict
 
-# ---- per-class metrics in evaluate ----
+# ---- per-class metrics in eval_samples ----
 
 ITEMS = [PromptItem("a handwritten three", {"digit": 3}), PromptItem("the digit three", {"digit": 3}),
          PromptItem("a handwritten six", {"digit": 6}), PromptItem("a picture", {})]
@@ -41,7 +41,7 @@ class MaxPixelJudge:
 
 def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
     judges = {"pix": MeanPixelJudge(), "peak": MaxPixelJudge()}
-    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, judges)
+    metrics, traj = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, judges)
 
     # Hand computation: rows 0-3 are digit 3 (two prompts x two seeds), 4-5 digit 6, 6-7 no class.
     images = traj.images.float()
@@ -61,7 +61,7 @@ def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
     assert not any(k.endswith("/None") for k in metrics)
 
     # A task without classes (no judge declares any) gets no per-class keys.
-    plain, _ = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"peak": MaxPixelJudge()})
+    plain, _ = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"peak": MaxPixelJudge()})
     assert sorted(k for k in plain if "judge" in k) == ["eval/judge/peak/mean"]
     assert "eval/reward/3" not in plain
 
@@ -69,7 +69,7 @@ def test_evaluate_reports_judge_and_reward_per_class(toy_engine):
 def test_evaluate_logs_the_pixel_std_across_each_prompts_seeds_as_eval_diversity(toy_engine):
     """eval/diversity: per prompt, the per-pixel std (population) over its seeds, averaged over pixels, then prompts;
     0 when every seed of a prompt gives one image (the collapse a sample grid shows); absent with one seed."""
-    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 3, EVAL_KWARGS)
+    metrics, traj = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 3, EVAL_KWARGS)
     images = traj.images.double().flatten(1)  # prompt-major: rows 3p..3p+2 are prompt p's seeds
     per_prompt = []
     for p in range(len(ITEMS)):
@@ -78,7 +78,7 @@ def test_evaluate_logs_the_pixel_std_across_each_prompts_seeds_as_eval_diversity
         per_prompt.append(float(((seeds - mean) ** 2).mean(0).sqrt().mean()))
     assert metrics["eval/diversity"] == pytest.approx(sum(per_prompt) / len(per_prompt), rel=1e-5)
     assert metrics["eval/diversity"] > 0.01  # different seeds give different digits
-    one_seed, _ = evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS)
+    one_seed, _ = eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS)
     assert "eval/diversity" not in one_seed
 
 
@@ -97,7 +97,7 @@ def test_evaluate_reward_per_class_leaves_out_invalid_rewards(toy_engine):
     # "a picture" names no digit: digit_alignment masks its rows, and the class mean must skip them.
     items = [PromptItem("a handwritten three", {"digit": 3, "style": "neat"}),
              PromptItem("a picture", {"style": "neat"})]
-    metrics, traj = evaluate(toy_engine, RewardSet("digit_alignment"), items, 2, EVAL_KWARGS, {"s": StyleJudge()})
+    metrics, traj = eval_samples(toy_engine, RewardSet("digit_alignment"), items, 2, EVAL_KWARGS, {"s": StyleJudge()})
     reward = DigitAlignment()(traj.images, traj.prompts, traj.metadata)
     assert metrics["eval/reward/invalid"] == 2.0
     assert metrics["eval/reward/neat"] == pytest.approx(float(reward[:2].mean()), abs=1e-6)
@@ -107,7 +107,7 @@ class _NoGenerate:
     card_id = "toy-digits"
 
     def generate(self, requests):
-        raise AssertionError("evaluate generated before rejecting its classes")
+        raise AssertionError("eval_samples generated before rejecting its classes")
 
 
 @pytest.mark.parametrize("bad_class, expected", [("mean", "mean"), ("a/b", "'/'"), (2.5, "int or a str")])
@@ -117,7 +117,7 @@ def test_evaluate_rejects_a_class_that_cannot_name_a_metric_before_generating(ba
             return [bad_class] * len(prompts)
 
     with pytest.raises(ValueError, match="judge 'j'") as err:
-        evaluate(_NoGenerate(), RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"j": Judge()})
+        eval_samples(_NoGenerate(), RewardSet("digit_alignment"), ITEMS[:1], 1, EVAL_KWARGS, {"j": Judge()})
     assert expected in str(err.value)
 
 
@@ -129,7 +129,7 @@ def test_evaluate_stops_when_a_judge_leaves_a_class_sample_unscored(toy_engine):
             return scores
 
     with pytest.raises(ValueError, match=r"judge 'half' gave a non-finite score to 1 sample"):
-        evaluate(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, {"half": HalfJudge()})
+        eval_samples(toy_engine, RewardSet("digit_alignment"), ITEMS, 2, EVAL_KWARGS, {"half": HalfJudge()})
 
 
 def test_evaluate_rejects_judges_that_disagree_on_classes():
@@ -138,14 +138,14 @@ def test_evaluate_rejects_judges_that_disagree_on_classes():
             return [7 for _ in prompts]
 
     with pytest.raises(ValueError, match="'a' and 'b' put the evaluation samples in different classes"):
-        evaluate(_NoGenerate(), RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS,
+        eval_samples(_NoGenerate(), RewardSet("digit_alignment"), ITEMS, 1, EVAL_KWARGS,
                  {"a": MeanPixelJudge(), "b": Other()})
 
 
 # ---- the watch ----
 
 def eval_row(reward, judge, per_class=None):
-    """Metrics as evaluate writes them; per_class maps a class to (reward, judge)."""
+    """Metrics as eval_samples writes them; per_class maps a class to (reward, judge)."""
     row = {"eval/reward/mean": reward, "eval/reward/std": 0.1, "eval/reward/digit_alignment/mean": reward,
            "eval/judge/svc/mean": judge}
     for c, (r, j) in (per_class or {}).items():
@@ -157,11 +157,11 @@ def eval_row(reward, judge, per_class=None):
 
 def test_watch_fires_when_one_class_reward_rises_while_its_judge_falls():
     watch = HackingWatch(tolerance=0.05)
-    first = watch.update(eval_row(0.50, 0.60, {3: (0.50, 0.60), 6: (0.50, 0.60)}), step=0)
-    second = watch.update(eval_row(0.85, 0.88, {3: (0.80, 0.85), 6: (0.90, 0.91)}), step=40)
+    first = watch.observe(eval_row(0.50, 0.60, {3: (0.50, 0.60), 6: (0.50, 0.60)}), step=0)
+    second = watch.observe(eval_row(0.85, 0.88, {3: (0.80, 0.85), 6: (0.90, 0.91)}), step=40)
     # Digit 6 turns into a blob the reward loves and the judge rejects (3 starts to, less); the overall
     # judge barely moves.
-    third = watch.update(eval_row(0.95, 0.86, {3: (0.92, 0.72), 6: (0.99, 0.62)}), step=80)
+    third = watch.observe(eval_row(0.95, 0.86, {3: (0.92, 0.72), 6: (0.99, 0.62)}), step=80)
     assert first.warning is None and second.warning is None
     assert first.metrics == {"eval/hacking_warning": 0.0, "eval/hacking_signals": 0.0}
     assert [(s.judge, s.cls) for s in third.signals] == [("svc", "6"), ("svc", "3")]  # the largest fall first
@@ -171,14 +171,14 @@ def test_watch_fires_when_one_class_reward_rises_while_its_judge_falls():
     assert third.metrics == {"eval/hacking_warning": 1.0, "eval/hacking_signals": 2.0}
     assert third.new and watch.last is third
     # Still hacked at the next evaluation: still a warning, but not a new one (printed once).
-    fourth = watch.update(eval_row(0.97, 0.85, {3: (0.94, 0.91), 6: (1.0, 0.55)}), step=100)
+    fourth = watch.observe(eval_row(0.97, 0.85, {3: (0.94, 0.91), 6: (1.0, 0.55)}), step=100)
     assert fourth.signals[0].cls == "6" and fourth.signals[0].judge_before == 0.91 and not fourth.new
 
 
 def test_watch_fires_on_the_overall_means_too():
     watch = HackingWatch(tolerance=0.05)
-    watch.update(eval_row(0.6, 0.9), step=20)
-    result = watch.update(eval_row(0.9, 0.7), step=40)
+    watch.observe(eval_row(0.6, 0.9), step=20)
+    result = watch.observe(eval_row(0.9, 0.7), step=40)
     assert [(s.judge, s.cls) for s in result.signals] == [("svc", None)]
     assert "overall since step 20" in result.warning
 
@@ -186,7 +186,7 @@ def test_watch_fires_on_the_overall_means_too():
 def test_watch_catches_a_slow_slide_from_the_best_judge_value():
     # Each step is within the tolerance; the judge's fall from its best value is not.
     watch = HackingWatch(tolerance=0.05)
-    results = [watch.update(eval_row(0.5 + 0.04 * i, 0.9 - 0.03 * i), step=10 * i) for i in range(4)]
+    results = [watch.observe(eval_row(0.5 + 0.04 * i, 0.9 - 0.03 * i), step=10 * i) for i in range(4)]
     assert [r.warning is not None for r in results] == [False, False, True, True]
     assert results[2].signals[0].judge_before == 0.9 and results[2].signals[0].since_step == 0
 
@@ -195,7 +195,7 @@ def test_watch_compares_with_the_previous_evaluation_after_a_dip():
     # Since the best judge value the reward fell; since the previous evaluation it rose.
     watch = HackingWatch(tolerance=0.05)
     for step, (reward, judge) in enumerate([(0.95, 0.90), (0.80, 0.70), (0.90, 0.60)]):
-        result = watch.update(eval_row(reward, judge), step=step)
+        result = watch.observe(eval_row(reward, judge), step=step)
     assert str(result.signals[0]) == "judge svc fell 0.70->0.60 overall since step 1 while reward rose 0.80->0.90"
 
 
@@ -208,15 +208,15 @@ def test_watch_stays_silent_without_a_reward_rise_against_a_judge_fall(sequence)
     # Overall means and class 6 as (reward, judge, reward of 6, judge of 6) at successive evaluations.
     watch = HackingWatch(tolerance=0.05)
     for step, (reward, judge, r6, j6) in enumerate(sequence):
-        result = watch.update(eval_row(reward, judge, {6: (r6, j6)}), step=step)
+        result = watch.observe(eval_row(reward, judge, {6: (r6, j6)}), step=step)
         assert result.warning is None and result.metrics["eval/hacking_warning"] == 0.0, result.warning
 
 
 def test_watch_ignores_non_finite_values_and_rejects_bad_tolerance():
     watch = HackingWatch(tolerance=0.05)
-    watch.update(eval_row(0.5, 0.9), step=0)
-    assert watch.update(eval_row(0.9, math.nan), step=1).warning is None  # no evidence either way
-    assert watch.update(eval_row(0.9, 0.6), step=2).signals[0].since_step == 0  # the NaN left no trace
+    watch.observe(eval_row(0.5, 0.9), step=0)
+    assert watch.observe(eval_row(0.9, math.nan), step=1).warning is None  # no evidence either way
+    assert watch.observe(eval_row(0.9, 0.6), step=2).signals[0].since_step == 0  # the NaN left no trace
     for bad in (-0.1, math.nan, "0.05", True):
         with pytest.raises(ValueError, match="^tolerance must be a finite number >= 0"):
             HackingWatch(tolerance=bad)
@@ -228,8 +228,8 @@ def test_watch_gives_a_class_its_own_wider_tolerance():
     # A class mean is over a tenth of the samples: a 0.07 fall there is within eval noise by default.
     rows = [eval_row(0.80, 0.90, {1: (0.69, 0.91)}), eval_row(0.85, 0.91, {1: (0.75, 0.84)})]
     default, strict = HackingWatch(), HackingWatch(class_tolerance=0.05)
-    assert [default.update(r, step=i).warning for i, r in enumerate(rows)] == [None, None]
-    assert [strict.update(r, step=i).warning is not None for i, r in enumerate(rows)] == [False, True]
+    assert [default.observe(r, step=i).warning for i, r in enumerate(rows)] == [None, None]
+    assert [strict.observe(r, step=i).warning is not None for i, r in enumerate(rows)] == [False, True]
     assert strict.last.signals[0].cls == "1"
 
 

@@ -15,6 +15,7 @@ import torch
 from engine.adaptive import RowCache
 from engine.sampling import flow_timesteps, gaussian_kl, transition_std
 from flywheel.advantages import reward_advantages
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.update import GradientSteps
 from flywheel.sync.transport import tensor_checksums, verify_checksums
 from trainers import grpo
@@ -84,7 +85,7 @@ def test_grpo_draws_a_different_subset_of_steps_at_each_training_step(monkeypatc
     cfg = SimpleNamespace(seed=0, train=SimpleNamespace(timestep_fraction=0.3, timestep_selection="random"))
     for step in (0, 1, 2, 3, 4, 5, 0):
         with pytest.raises(_Drawn):
-            grpo.grpo_update(batch, None, None, None, None, None, None, [], cfg, step)
+            grpo.GRPO(Policy(None, [], None, {}), None, None, cfg, None).update(batch, step)
     assert all(len(d) == 3 for d in drawn)  # round(0.3·10) of the 10 stochastic steps
     assert drawn[-1] == drawn[0]  # a function of (seed, step): a resumed step draws the same
     assert len(set(drawn[:6])) >= 4  # six steps train several different subsets (C(10, 3) = 120 of them)
@@ -134,9 +135,7 @@ def test_gradients_are_all_reduced_once_per_optimizer_step_under_accumulation():
     accelerator = RecordingAccelerator()
     oc = SimpleNamespace(minibatch_size=2, gradient_accumulation_steps=2, updates_per_rollout=None,
                          max_grad_norm=1e9)
-    syncs = []
-    grads = GradientSteps(accelerator, None, torch.optim.SGD([weight], lr=0.1), [("w", weight)],
-                          lambda: syncs.append(1) or {"weight_version": len(syncs)}, oc, step=0)
+    grads = GradientSteps(accelerator, None, torch.optim.SGD([weight], lr=0.1), [("w", weight)], oc, step=0)
     k = 3  # backwards per minibatch (timesteps, say)
     for m, rows in enumerate(grads.minibatches(8)):  # 4 minibatches, 2 per optimizer step
         for i in range(k):
@@ -144,7 +143,7 @@ def test_gradients_are_all_reduced_once_per_optimizer_step_under_accumulation():
         grads.maybe_step(m)
     # 12 backwards; only the last of each optimizer step's 6 all-reduces.
     assert accelerator.all_reduced == [False] * 5 + [True] + [False] * 5 + [True]
-    assert len(syncs) == 2
+    assert grads.metrics()["train/optimizer_steps"] == 2
 
 
 # ---- weight sync: the receiver's checksums must name the same tensors -----------------------------------

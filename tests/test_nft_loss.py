@@ -17,13 +17,13 @@ import torch
 from accelerate import Accelerator
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from flywheel.loop import Flywheel, RolloutBatch
+from flywheel.rollout_collector import Flywheel, RolloutBatch
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.update import update_generator
 from rewards import RewardBatch, RewardSet
 from flywheel.recipe.policy import Policy
-from trainers.nft import (UPDATE_STREAM, NFTConfig, SamplingPolicy, eta_schedule, initial_sampling_weights, nft_loss,
-                          nft_update, optimality_from_advantages, optimality_probability, soft_update, update_draws)
+from trainers.nft import (NFT, UPDATE_STREAM, NFTConfig, SamplingPolicy, eta_schedule, initial_sampling_weights,
+                          nft_loss, optimality_from_advantages, optimality_probability, soft_update, update_draws)
 
 # ---- two samples of two elements, worked by hand -------------------------------------------
 # Sample A: x0 = [1, -1], noise = [0.5, 0.5], t = 1/2, v_theta = [0, 1], v_old = [-1, 1], r = 3/4.
@@ -65,7 +65,7 @@ def test_sample_weights_scale_and_kl_enter_as_documented():
     # KL: mean (v_theta - v_ref)^2 is (0 + 1) / 2 for A and 0 for B; mean over the batch 0.25, weighed by 2.
     v_ref = torch.tensor([[0.0, 0.0], [1.0, -2.0]])
     loss, stats = nft_loss(V_THETA, V_OLD, X0, NOISE, T, R, BETA, v_ref=v_ref, kl_beta=2.0)
-    assert float(stats["kl"]) == pytest.approx(0.25, abs=1e-7)
+    assert float(stats["ref_mse"]) == pytest.approx(0.25, abs=1e-7) and "kl" not in stats
     assert float(loss) == pytest.approx((7 / 12 + 0.65) / 2 + 2 * 0.25, abs=1e-6)
     with pytest.raises(ValueError, match="v_ref"):
         nft_loss(V_THETA, V_OLD, X0, NOISE, T, R, BETA, kl_beta=1.0)
@@ -158,37 +158,22 @@ def test_soft_update_golden_values_and_exact_copy_at_zero():
         soft_update([torch.zeros(2)], [torch.zeros(3)], 0.5)
 
 
-class RecordingRollouts:
-    """Stands in for Rollouts: records what each sync serves and bumps the version."""
-
-    def __init__(self, version: int):
-        self.version, self.served = version, []
-
-    def sync(self, weights):
-        self.served.append({n: w.clone() for n, w in weights.items()})
-        self.version += 1
-        return {"weight_version": self.version, "sync/total_s": 0.5}
-
-
-def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule_and_serves_the_result():
+def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule():
     # named_params in another order than the sampling weights: pairing is by name, not position.
     trained = [("b", torch.nn.Parameter(torch.tensor([3.0, 6.0]))), ("a", torch.nn.Parameter(torch.tensor([[0.0]])))]
     weights = {"a": torch.tensor([[4.0]]), "b": torch.tensor([1.0, 2.0])}
-    rollouts = RecordingRollouts(version=4)
-    sampling = SamplingPolicy(weights, rollouts, model=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25,
-                                                                           eta_max=0.6))
+    sampling = SamplingPolicy(weights, model=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25, eta_max=0.6))
     # After step 0 one step is done, and one is flat: eta = 0 copies theta.
     metrics = sampling.follow(trained, step=0)
     assert weights["a"].tolist() == [[0.0]] and weights["b"].tolist() == [3.0, 6.0]
-    assert metrics == {"sync/total_s": 0.5, "nft/eta": 0.0, "weight_version_after": 5}
+    assert metrics == {"nft/eta": 0.0}  # no sync, no version: the training loop serves theta_old after it
     with torch.no_grad():
         trained[0][1].copy_(torch.tensor([5.0, 2.0]))
         trained[1][1].fill_(8.0)
     # After step 1 (2 done): eta = (2 - 1)·0.25 = 0.25; b = 0.25·[3, 6] + 0.75·[5, 2] = [4.5, 3], a = 0.75·8 = 6.
     metrics = sampling.follow(trained, step=1)
     assert weights["b"].tolist() == [4.5, 3.0] and weights["a"].tolist() == [[6.0]]
-    assert metrics["nft/eta"] == 0.25 and metrics["weight_version_after"] == 6
-    assert rollouts.served[-1]["b"].tolist() == [4.5, 3.0]  # what the engine got is what was soft-updated
+    assert metrics == {"nft/eta": 0.25}
     # Step 10: (10 - 1)·0.25 is over the ceiling 0.6; b = 0.6·[4.5, 3] + 0.4·[5, 2] = [4.7, 2.6].
     metrics = sampling.follow(trained, step=10)
     assert metrics["nft/eta"] == 0.6
@@ -204,6 +189,22 @@ def test_initial_sampling_weights_are_the_trained_ones_or_the_checkpoints_with_t
     assert initial_sampling_weights(policy, {"w": torch.tensor([7.0, 8.0])})["w"].tolist() == [7.0, 8.0]
     with pytest.raises(ValueError, match="name different tensors.*'lora_A'"):
         initial_sampling_weights(policy, {"lora_A": torch.zeros(2)})
+
+
+def test_nft_serves_theta_old_inside_serving_weights_and_checkpoints_it():
+    """The algorithm protocol: rollouts and syncs run inside serving_weights(), where the trained module holds
+    theta_old; outside it the trained weights are back, bit for bit; state_dict is theta_old, by name."""
+    named = [("w", torch.nn.Parameter(torch.tensor([1.0, 2.0])))]
+    nft = NFT(Policy(model=None, named_params=named, ref_velocity=None, card_defaults={}), None, None, RecipeKeys(),
+              None)
+    assert nft.state_dict()["w"].tolist() == [1.0, 2.0]  # a fresh run's theta_old is theta
+    nft.load_state_dict({"w": torch.tensor([7.0, 8.0])})
+    with nft.serving_weights():
+        assert named[0][1].tolist() == [7.0, 8.0]
+    assert named[0][1].tolist() == [1.0, 2.0]
+    assert nft.state_dict()["w"].tolist() == [7.0, 8.0]
+    with pytest.raises(ValueError, match="name different tensors"):
+        nft.load_state_dict({"v": torch.zeros(2)})
 
 
 # ---- the update on the toy model ------------------------------------------------------------
@@ -279,16 +280,22 @@ def oracle_update(model, transformer, old, reference, traj, cfg, times, noise):
 
 
 def frozen_velocity(model, transformer):
-    """old_velocity / ref_velocity for `nft_update`: a frozen module's conditional velocity."""
+    """old_velocity / ref_velocity for `NFT.update`: a frozen module's conditional velocity."""
     def velocity(x, t, cond):
         with torch.no_grad():
             return model.velocity(transformer, x, t, cond)
     return velocity
 
 
-def counting_sync():
-    versions = iter(range(1, 100))
-    return lambda: {"weight_version": next(versions)}
+def nft_update(batch, model, old_velocity, optimizer, cfg, step, ref_velocity=None):
+    """NFT.update on the toy model's trainable weights, with v_old from `old_velocity`: its UpdateResult."""
+    policy = Policy(model, [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad],
+                    ref_velocity, {})
+    nft = NFT(policy, optimizer, model.transformer, cfg, Accelerator(cpu=True))
+    nft.old_velocity = old_velocity
+    result = nft.update(batch, step)
+    assert result.stepped == (result.metrics["train/optimizer_steps"] > 0)
+    return result.metrics
 
 
 @pytest.fixture
@@ -310,10 +317,9 @@ def test_nft_update_equals_sgd_on_the_hand_written_loss(toy, keep_flat_groups):
         for p in reference.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     start = copy.deepcopy(model.transformer.state_dict())
-    named = list(model.transformer.named_parameters())
-    metrics = nft_update(hand_batch(traj), model, model.transformer, frozen_velocity(model, old),
-                         torch.optim.SGD(model.transformer.parameters(), lr=LR), Accelerator(cpu=True),
-                         counting_sync(), named, cfg, step=5, ref_velocity=frozen_velocity(model, reference))
+    metrics = nft_update(hand_batch(traj), model, frozen_velocity(model, old),
+                         torch.optim.SGD(model.transformer.parameters(), lr=LR), cfg, step=5,
+                         ref_velocity=frozen_velocity(model, reference))
     after = copy.deepcopy(model.transformer.state_dict())
 
     times, noise = update_draws(traj, cfg.train, update_generator(cfg.seed, 5, stream=UPDATE_STREAM))
@@ -327,9 +333,9 @@ def test_nft_update_equals_sgd_on_the_hand_written_loss(toy, keep_flat_groups):
         torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, float((value - start[name]).abs().max()))
     assert moved > 1e-4  # the update did something the comparison could see
-    assert metrics["weight_version_after"] == 2  # two optimizer steps, each synced
+    assert metrics["train/optimizer_steps"] == 2  # two optimizer steps (the loop syncs once, after the update)
     assert metrics["nft/trained_samples"] == (7 if keep_flat_groups else 6)
-    assert metrics["kl"] > 0 and math.isfinite(metrics["loss"])
+    assert metrics["ref_mse"] > 0 and math.isfinite(metrics["loss"]) and "kl" not in metrics
 
 
 def make_flywheel_batch(model, steps=STEPS):
@@ -353,13 +359,12 @@ def test_nft_update_on_flywheel_rollouts_is_finite_moves_the_weights_and_is_dete
     def run(step):
         model.transformer.load_state_dict(start)
         optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-4)
-        metrics = nft_update(batch, model, model.transformer, old_velocity, optimizer, Accelerator(cpu=True),
-                             counting_sync(), named, cfg, step)
+        metrics = nft_update(batch, model, old_velocity, optimizer, cfg, step)
         return metrics, copy.deepcopy(model.transformer.state_dict())
 
     metrics, first = run(step=3)
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
-    assert metrics["weight_version_after"] == 1  # one optimizer step, one sync
+    assert metrics["train/optimizer_steps"] == 1
     # One optimizer step, after every forward: the trained and the sampling policy agree bit for bit throughout.
     assert metrics["nft/old_deviation"] == 0.0
     assert any(not torch.equal(first[n], start[n]) for n in start)
@@ -372,14 +377,12 @@ def test_nft_update_on_flywheel_rollouts_is_finite_moves_the_weights_and_is_dete
 
 def test_nft_update_refuses_guided_rollouts_missing_reference_and_too_many_times(toy):
     model = toy
-    named = list(model.transformer.named_parameters())
     old_velocity = frozen_velocity(model, copy.deepcopy(model.transformer))
     optimizer = torch.optim.SGD(model.transformer.parameters(), lr=0.0)
 
     def update(traj, **train):
         cfg = RecipeKeys(train=TrainKeys(**train))
-        return nft_update(hand_batch(traj), model, model.transformer, old_velocity, optimizer,
-                          Accelerator(cpu=True), counting_sync(), named, cfg, 0)
+        return nft_update(hand_batch(traj), model, old_velocity, optimizer, cfg, 0)
 
     with pytest.raises(ValueError, match="CFG-free.*guidance_scale=2.0"):
         update(toy_rollouts(model, steps=2, guidance=2.0))

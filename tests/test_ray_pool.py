@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.
 from engine import Engine, GenerationRequest, load_model  # noqa: E402
 from engine.cards import get_card  # noqa: E402
 from engine.toy.prompts import train_prompts  # noqa: E402
-from flywheel.loop import Flywheel  # noqa: E402
+from flywheel.rollout_collector import Flywheel  # noqa: E402
 from flywheel.lora import add_lora  # noqa: E402
 from flywheel.prompts import PromptItem, PromptSampler  # noqa: E402
 from flywheel.scale import RolloutConfig, build_rollout_engine  # noqa: E402

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from engine import load_model
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.guards import NonFiniteError
-from flywheel.loop import sample_seed
+from flywheel.rollout_collector import sample_seed
 from flywheel.prompts import load_prompts
 from flywheel.runs.rundir import read_metrics
 from rewards import registry

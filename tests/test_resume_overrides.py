@@ -125,18 +125,18 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_its_own_dir(t
     prompts = tmp_path / "eval_prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "the number 3", "digit": 3}) + "\n")
     command = [f"run_dir={tmp_path / 'r'}", *TINY, f"data.eval_prompts={prompts}", "steps=1"]
-    original = trainers.grpo.grpo_update
+    original = trainers.grpo.GRPO.update
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt  # a Ctrl-C in the first update: config, run.json, step 0's row are written
 
-    monkeypatch.setattr(trainers.grpo, "grpo_update", dies)
+    monkeypatch.setattr(trainers.grpo.GRPO, "update", dies)
     with pytest.raises(KeyboardInterrupt):
         grpo(command)
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0]
     with pytest.raises(ResumeError, match=r"no checkpoint in .*Start it again with the same command without resume="):
         grpo([f"resume={tmp_path / 'r'}"])
-    monkeypatch.setattr(trainers.grpo, "grpo_update", original)
+    monkeypatch.setattr(trainers.grpo.GRPO, "update", original)
     grpo(command)  # no overwrite=true needed
     assert "holds a run that stopped before its first training step" in capfd.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0, 1]  # not [0, 0, 1]

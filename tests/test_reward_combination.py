@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flywheel.advantages import group_advantages, reward_advantages
-from flywheel.loop import Flywheel
+from flywheel.rollout_collector import Flywheel
 from flywheel.prompts import PromptItem, PromptSampler
 from rewards import RewardBatch, RewardSet
 from rewards.registry import register, unregister

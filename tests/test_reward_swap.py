@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel.loop import Flywheel
+from flywheel.rollout_collector import Flywheel
 from flywheel.prompts import PromptItem, PromptSampler
 from rewards import RewardSet
 
@@ -40,7 +40,7 @@ def test_set_rewards_between_steps_and_metrics_follow_the_new_scorers(toy_engine
     assert second.metrics["reward/jpeg_incompressibility/mean"] == pytest.approx(sizes.mean().item())
     # A RewardSet object works too, and evaluation scores with the current set.
     wheel.set_rewards(RewardSet("digit_alignment"))
-    metrics, _ = wheel.evaluate(PROMPTS[:1], 2, {"sampler": "ode"})
+    metrics, _ = wheel.eval_samples(PROMPTS[:1], 2, {"sampler": "ode"})
     assert "eval/reward/digit_alignment/mean" in metrics and "eval/reward/jpeg_compressibility/mean" not in metrics
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import Engine, load_model
-from flywheel.loop import Flywheel
+from flywheel.rollout_collector import Flywheel
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.sections import SamplingConfig, eval_request_kwargs, rollout_request_kwargs
 from flywheel.runs.config import ConfigError, parse_config
@@ -61,7 +61,7 @@ def test_each_cached_row_is_what_the_adaptive_loop_gives_that_request_alone(toy)
     wheel = Flywheel(engine, RewardSet("digit_alignment"), PromptSampler(load_prompts("toy-digits"), 4, seed=0), 4,
                      request_kwargs=rollout_request_kwargs(SamplingConfig(sampler="ode", cache_threshold=0.15)))
     items = wheel.sampler.batch(0)
-    from flywheel.loop import sample_seed
+    from flywheel.rollout_collector import sample_seed
 
     for row in (0, 5, 15):
         alone = engine.generate([wheel._request(items[row // 4], sample_seed(0, 0, row))])

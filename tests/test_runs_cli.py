@@ -71,13 +71,15 @@ OLD_ROWS = [
 NEW_SUMMARY = {"name": "new", "recipe": "nft", "card": "toy-digits", "steps_done": 4, "steps_configured": 10,
                "reward_final": 0.8, "reward_final_step": 4, "reward_best": 0.9, "reward_best_step": 2,
                "judge": "digit_svc", "judge_final": 0.6, "judge_at_best_reward": 0.7,
-               "diversity_key": "diversity", "diversity_final": 0.12, "kl_final": 0.05, "wall_s": 75.5,
-               "best_checkpoint_step": 2}
+               "diversity_key": "diversity", "diversity_final": 0.12, "wall_s": 75.5, "best_checkpoint_step": 2,
+               # An NFT run of before ref_mse had its name: its "kl" is the velocity MSE, read as ref_mse.
+               "kl_final": None, "ref_mse_final": 0.05}
 OLD_SUMMARY = {"name": "old", "recipe": "?", "card": "number-card", "steps_done": 3, "steps_configured": 3,
                "reward_final": None, "reward_final_step": 3, "reward_best": 0.5, "reward_best_step": 0,
                "judge": "digit_svc", "judge_final": 0.0625, "judge_at_best_reward": 0.25,
                "diversity_key": "eval/diversity", "diversity_final": None, "kl_final": 0.125,
-               "wall_s": 4.0, "best_checkpoint_step": None}  # 1.5 + 2.25 + 0.25; no best/ (an older run)
+               "wall_s": 4.0, "best_checkpoint_step": None,  # 1.5 + 2.25 + 0.25; no best/ (an older run)
+               "ref_mse_final": None}  # recipe unknown: its kl stays a KL
 
 
 @pytest.fixture
@@ -276,6 +278,7 @@ def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_pa
             "judge_at_best_reward": rows[best_step]["eval/judge/digit_svc/mean"],
             "diversity_key": "eval/diversity" if "eval/diversity" in rows[-1] else "diversity",
             "diversity_final": rows[-1].get("eval/diversity", rows[-1]["diversity"]), "kl_final": None,
+            "ref_mse_final": None,
             "wall_s": rows[-1]["time/wall_s"] if "time/wall_s" in rows[-1]
             else sum(r.get("time/step_s", 0.0) for r in rows),
         }
@@ -317,7 +320,10 @@ def kl_runs(tmp_path):
 def test_a_kl_the_run_did_not_measure_is_left_out_and_a_measured_zero_is_kept(kl_runs):
     runs = {name: cmp.Run.load(path) for name, path in kl_runs.items()}
     kl_final = {name: cmp.summarize(run).kl_final for name, run in runs.items()}
-    assert kl_final == {"nft": None, "nft-old": None, "nft-kl": 0.25, "grpo": 0.0, "dpo": 0.0, "awm": 0.5}
+    ref_mse_final = {name: cmp.summarize(run).ref_mse_final for name, run in runs.items()}
+    # Only GRPO's kl is a KL; the others' (older runs' "kl") is their velocity MSE, in its own column.
+    assert kl_final == {"nft": None, "nft-old": None, "nft-kl": None, "grpo": 0.0, "dpo": None, "awm": None}
+    assert ref_mse_final == {"nft": None, "nft-old": None, "nft-kl": 0.25, "grpo": None, "dpo": 0.0, "awm": 0.5}
     assert runs["nft-old"].series("kl") == [] and runs["nft-old"].last("kl") is None
     assert [p[2] for p in runs["grpo"].series("kl")] == [0.0, 0.0]
     assert [cmp.kl_placeholder(r) for r in runs.values()] == [True, True, False, False, False, False]
@@ -337,20 +343,28 @@ def test_the_plot_draws_no_kl_line_for_a_run_that_did_not_measure_it(kl_runs, tm
         return real_plot(self, *args, **kwargs)
 
     monkeypatch.setattr(Axes, "plot", recording_plot)
-    runs = cmp.load_runs([kl_runs[n] for n in ("nft", "nft-old", "grpo", "nft-kl")])
+    new_nft = write_run(tmp_path / "runs" / "nft-new", [{"step": 0, "eval/reward/mean": 0.4},
+                                                         {"step": 1, "ref_mse": 0.5, "eval/reward/mean": 0.5}], 1,
+                        info={"recipe": "nft"}, train={"kl_beta": 0.01})
+    runs = cmp.load_runs([kl_runs[n] for n in ("nft", "nft-old", "grpo", "nft-kl")] + [new_nft])
     out = cmp.plot_runs(runs, cmp.compare(runs), tmp_path / "kl.png")
     assert_png(out)
     kl_axes = {ax for ax, _ in drawn if ax.get_title() == "KL to reference"}
     assert len(kl_axes) == 2  # against step and against wall time
-    for ax in kl_axes:
-        assert sorted(label for a, label in drawn if a is ax) == ["grpo (grpo)", "nft-kl (nft)"]
-        assert [t.get_text() for t in ax.texts] == ["not logged: nft, nft-old"]
+    for ax in kl_axes:  # GRPO's Gaussian KL alone: NFT's distance is a velocity MSE, on its own axes
+        assert sorted(label for a, label in drawn if a is ax) == ["grpo (grpo)"]
+        assert [t.get_text() for t in ax.texts] == ["not logged: nft, nft-old, nft-kl, nft-new"]
+    mse_axes = {ax for ax, _ in drawn if ax.get_title() == "velocity MSE to reference"}
+    assert len(mse_axes) == 2 and not mse_axes & kl_axes
+    for ax in mse_axes:  # an older run's "kl" and a newer run's "ref_mse" of NFT, side by side
+        assert sorted(label for a, label in drawn if a is ax) == ["nft-kl (nft)", "nft-new (nft)"]
+        assert [t.get_text() for t in ax.texts] == ["not logged: nft, nft-old, grpo"]
     reward_axes = {ax for ax, _ in drawn if ax.get_title() == "eval reward"}
-    for ax in reward_axes:  # every run measured the reward: four lines, no note
-        assert len([1 for a, _ in drawn if a is ax]) == 4 and not ax.texts
+    for ax in reward_axes:  # every run measured the reward: five lines, no note
+        assert len([1 for a, _ in drawn if a is ax]) == 5 and not ax.texts
 
 
-def test_nft_and_awm_losses_log_no_kl_without_a_reference():
+def test_nft_and_awm_losses_log_no_distance_without_a_reference_and_ref_mse_with_one():
     import torch
 
     from trainers.awm import awm_loss
@@ -360,13 +374,15 @@ def test_nft_and_awm_losses_log_no_kl_without_a_reference():
     v, v_old, x0, noise = (torch.randn(2, 3) for _ in range(4))
     t, r = torch.tensor([0.3, 0.7]), torch.tensor([0.2, 0.9])
     _, stats = nft_loss(v, v_old, x0, noise, t, r, beta=1.0)
-    assert "kl" not in stats and "loss" in stats
+    assert "kl" not in stats and "ref_mse" not in stats and "loss" in stats
     _, stats = nft_loss(v, v_old, x0, noise, t, r, beta=1.0, v_ref=v_old, kl_beta=0.0)  # measured, not penalised
-    assert float(stats["kl"]) == pytest.approx(float(((v - v_old) ** 2).mean()), rel=1e-6)
+    assert float(stats["ref_mse"]) == pytest.approx(float(((v - v_old) ** 2).mean()), rel=1e-6)
+    assert "kl" not in stats  # a velocity MSE is not logged as a KL
     _, stats = awm_loss(v, x0, noise, t, torch.tensor([1.0, -1.0]))
-    assert "kl" not in stats and "anchor_kl" not in stats and "loss" in stats
+    assert not {"kl", "ref_mse", "anchor_kl", "anchor_mse"} & set(stats) and "loss" in stats
     _, stats = awm_loss(v, x0, noise, t, torch.tensor([1.0, -1.0]), v_ref=v_old, kl_beta=0.0)
-    assert float(stats["kl"]) == pytest.approx(float(((v - v_old) ** 2).mean()), rel=1e-6)
+    assert float(stats["ref_mse"]) == pytest.approx(float(((v - v_old) ** 2).mean()), rel=1e-6)
+    assert "kl" not in stats
 
 
 # ---- compare --config-diff --------------------------------------------------------------------

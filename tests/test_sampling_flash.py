@@ -122,7 +122,7 @@ def test_engine_flash_tail_matches_the_solver_step_by_step():
     traj = generate(engine, 0.5)
     model, ts = engine.model, traj.timesteps
     from flywheel.recipe.update import trajectory_conditioning
-    from engine.loop import guided_velocity
+    from engine.denoise import guided_velocity
 
     cond, _ = trajectory_conditioning(traj, False)
     with torch.no_grad():

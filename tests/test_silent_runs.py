@@ -65,16 +65,16 @@ def test_a_scorer_that_gives_every_image_half_ends_with_0_of_3_steps_and_exit_3_
 @pytest.mark.slow
 def test_a_run_with_some_skipped_steps_ends_with_n_of_m_and_returns(tmp_path, tiny, monkeypatch, capfd):
     """The first step's groups made flat (no usable sample), the second trains: 1 of 2, a warning, no error."""
-    import flywheel.loop
+    import flywheel.rollout_collector
 
-    original, calls = flywheel.loop.distributed_reward_advantages, []
+    original, calls = flywheel.rollout_collector.distributed_reward_advantages, []
 
     def first_flat(*args, **kwargs):
         adv, usable = original(*args, **kwargs)
         calls.append(1)
         return (torch.zeros_like(adv), torch.zeros_like(usable)) if len(calls) == 1 else (adv, usable)
 
-    monkeypatch.setattr(flywheel.loop, "distributed_reward_advantages", first_flat)
+    monkeypatch.setattr(flywheel.rollout_collector, "distributed_reward_advantages", first_flat)
     from trainers.grpo import main
 
     result = main([f"run_dir={tmp_path / 'partial'}", *tiny, "steps=2"])
@@ -109,11 +109,9 @@ def test_gradient_steps_count_the_optimizer_steps_they_take():
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    versions = iter(range(1, 10))
     for accumulation, expected in ((1, 4), (2, 2), (4, 1)):
         oc = OptimConfig(minibatch_size=2, gradient_accumulation_steps=accumulation)
-        grads = GradientSteps(Accelerator(cpu=True), model, optimizer, list(model.named_parameters()),
-                              lambda: {"weight_version": next(versions)}, oc, step=0)
+        grads = GradientSteps(Accelerator(cpu=True), model, optimizer, list(model.named_parameters()), oc, step=0)
         for m, rows in enumerate(grads.minibatches(8)):
             grads.backward(model(torch.ones(len(rows), 2)).sum(), m, last_of_minibatch=True)
             grads.maybe_step(m)

@@ -35,8 +35,8 @@ def scripted_watch(monkeypatch, fires_at: set[int]):
     """The session's HackingWatch, firing exactly at the evaluations of `fires_at` (a real one runs beside it)."""
 
     class Scripted(HackingWatch):
-        def update(self, metrics, step=None):
-            super().update(metrics, step)
+        def observe(self, metrics, step=None):
+            super().observe(metrics, step)
             if step in fires_at:
                 signal = Signal("digit_svc", "3", 0.9, 0.5, 0.5, 0.9, 0)
                 self.last = WatchResult((signal,), new=True)
@@ -52,16 +52,16 @@ def scripted_watch(monkeypatch, fires_at: set[int]):
 
 def test_hacking_stop_counts_consecutive_signals_and_holds_pruning_while_they_fire():
     stop = HackingStop(2)
-    stop.update({"eval/hacking_warning": 0.0})
+    stop.observe({"eval/hacking_warning": 0.0})
     stop.saved(10)
     assert stop.keep_last(1) == 1 and not stop.should_stop
-    stop.update({"eval/hacking_warning": 1.0})
+    stop.observe({"eval/hacking_warning": 1.0})
     assert stop.keep_last(1) is None and not stop.should_stop  # step 20's checkpoint must not prune step 10's
     stop.saved(20)
-    stop.update({"eval/hacking_warning": 0.0})  # a clean evaluation resets the streak
+    stop.observe({"eval/hacking_warning": 0.0})  # a clean evaluation resets the streak
     assert stop.streak == 0
-    stop.update({"eval/hacking_warning": 1.0})
-    stop.update({"eval/hacking_warning": 1.0})
+    stop.observe({"eval/hacking_warning": 1.0})
+    stop.observe({"eval/hacking_warning": 1.0})
     assert stop.should_stop and stop.last_good_checkpoint == 10
     # The state a checkpoint carries brings the count back on resume.
     again = HackingStop(2, stop.state())
@@ -69,7 +69,7 @@ def test_hacking_stop_counts_consecutive_signals_and_holds_pruning_while_they_fi
     assert "stopped at step 40" in stop.reason(40, 10, 0.9, "runs/x/checkpoints")
     assert "runs/x/checkpoints/step_000010" in stop.reason(40, 10, 0.9, "runs/x/checkpoints")
     off = HackingStop(0)
-    off.update({"eval/hacking_warning": 1.0})
+    off.observe({"eval/hacking_warning": 1.0})
     assert not off.should_stop and off.keep_last(3) == 3  # off: the run and its pruning are as before
     with pytest.raises(ValueError, match="stop_on_hacking"):
         HackingStop(-1)

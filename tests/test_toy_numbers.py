@@ -363,9 +363,9 @@ def base_eval_reward(weights) -> float:
     """toy-numbers' base eval reward as trainers/grpo.py measures step 0 (held-out prompts x 4 seeds, 10 ODE
     steps, guidance 1)."""
     from engine import Engine
-    from flywheel.loop import evaluate
+    from flywheel.rollout_collector import eval_samples
 
-    metrics, _ = evaluate(Engine(load_model("toy-numbers", path=str(weights))), rewards.RewardSet("number_alignment"),
+    metrics, _ = eval_samples(Engine(load_model("toy-numbers", path=str(weights))), rewards.RewardSet("number_alignment"),
                           load_prompts("toy-numbers-heldout"), 4, {"steps": 10, "sampler": "ode", "guidance_scale": 1.0})
     return metrics["eval/reward/number_alignment/mean"]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, GenerationRequest, PromptEmbeds, load_model
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import sde_step_log_prob, sde_t_cap
 from flywheel.sync.engine_process import EngineProcess
 from flywheel.sync.controller import (CopyTransport, DiskTransport, SharedMemoryTransport, SyncState, WeightSyncController)

@@ -47,6 +47,7 @@ docs/recipes/awm.md; the toy default's length: docs/tuning_awm.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -57,14 +58,17 @@ import torch
 
 from engine import Trajectory
 from flywheel.cli import run_main
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
+from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.flow_matching import matching_error, noised
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # Keeps (l + d)^p differentiable at l = 0 (the code's 1e-10).
@@ -146,6 +150,7 @@ class Config(RunConfig):
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     tc = cfg.train
     checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")
     checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
@@ -238,9 +243,9 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: to
     }
     # Only what was measured: without a reference (or an anchor) there is no distance to log, not a 0.
     if v_ref is not None:
-        stats["kl"] = kl.detach()
+        stats["ref_mse"] = kl.detach()  # a velocity MSE, not a KL: its own key (GRPO's "kl" is a Gaussian KL)
     if v_anchor is not None:
-        stats["anchor_kl"] = anchor.detach()
+        stats["anchor_mse"] = anchor.detach()
     return loss, stats
 
 
@@ -373,53 +378,71 @@ def scaled_advantages(advantages: torch.Tensor, tc: AWMConfig) -> torch.Tensor:
     return advantages * (tc.advantage_max / tc.adv_clip_max)
 
 
-def awm_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, sync, cfg, step: int,
-               anchor: EMAAnchor | None = None) -> dict[str, float]:
-    """One AWM update over this rank's rollouts: minibatches x K flow times, optimizer step(s), `sync()` after each.
+class AWM:
+    """AWM's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its optimizer, the
+    config and the EMA anchor (None when train.anchor_beta = 0), whose tensors are the recipe's own.
 
-    `transformer` is the trained module as prepared (DDP-wrapped on several
-    ranks); `policy` gives the model, the trained parameters and the reference
-    velocity (None: no KL term, nothing measured). `cfg.seed` and `cfg.train`
-    are read. `anchor`, when given, adds the EMA term with train.anchor_beta and
-    moves once, at the end.
+    `transformer` is the trained module as prepared (DDP-wrapped on several ranks); `policy` gives the model,
+    the trained parameters and the reference velocity (None: no KL term, nothing measured). `cfg.seed` and
+    `cfg.train` are read. The anchor starts at the weights as they are; `load_state_dict` gives it a
+    checkpoint's.
     """
-    tc = cfg.train
-    traj: Trajectory = batch.trajectory
-    x0_all = traj.latents[:, -1].float()
-    k = tc.timesteps_per_sample
-    generator = draw_generator(cfg.seed, step, accelerator.process_index)
-    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, sync, tc, step)
-    for m, rows in enumerate(grads.minibatches(len(traj))):
-        x0 = x0_all[rows]
-        adv = scaled_advantages(batch.advantages[rows], tc)
-        cond, uncond_cond = trajectory_conditioning(traj.select(rows), tc.cfg_in_train)
-        times, noise = draw_minibatch(traj.timesteps, len(rows), tuple(x0.shape[1:]), tc, generator)
-        for i in range(k):
-            # "schedule": one t for the minibatch's rows; "uniform": one per row.
-            t, eps = times[i].to(x0.device), noise[i].to(x0.device)
-            x_t = noised(x0, eps, t)
-            with torch.no_grad():
-                v_ref = (None if policy.ref_velocity is None
-                         else policy.ref_velocity(x_t, t, cond, uncond_cond, traj.guidance_scale))
-                v_anchor = (None if anchor is None
-                            else anchor.velocity(policy, x_t, t, cond, uncond_cond, traj.guidance_scale))
-            v = policy.velocity(transformer, x_t, t, cond, uncond_cond, traj.guidance_scale)
-            loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=batch.usable[rows], weighting=tc.weighting,
-                                   ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
-                                   anchor_beta=tc.anchor_beta, average=tc.loss_average)
-            grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
-            grads.record({**stats, "t/mean": t.float().mean()})
-        grads.maybe_step(m)
-    metrics = grads.metrics()
-    if anchor is not None:
-        decay = EMAAnchor.decay(step + 1, tc)
-        anchor.update(policy.named_params, decay)
-        metrics["anchor/decay"] = decay
-    return metrics
+
+    def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator):
+        self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
+        self.accelerator = accelerator
+        self.anchor = ema_anchor(policy, cfg.train, {})
+
+    def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        """One AWM update over this rank's rollouts: minibatches x K flow times, optimizer step(s); the anchor
+        (when on) adds its term with train.anchor_beta and moves once, at the end."""
+        cfg, tc, policy, anchor = self.cfg, self.cfg.train, self.policy, self.anchor
+        traj: Trajectory = batch.trajectory
+        x0_all = traj.latents[:, -1].float()
+        k = tc.timesteps_per_sample
+        generator = draw_generator(cfg.seed, step, self.accelerator.process_index)
+        grads = GradientSteps(self.accelerator, self.transformer, self.optimizer, policy.named_params, tc, step)
+        for m, rows in enumerate(grads.minibatches(len(traj))):
+            x0 = x0_all[rows]
+            adv = scaled_advantages(batch.advantages[rows], tc)
+            cond, uncond_cond = trajectory_conditioning(traj.select(rows), tc.cfg_in_train)
+            times, noise = draw_minibatch(traj.timesteps, len(rows), tuple(x0.shape[1:]), tc, generator)
+            for i in range(k):
+                # "schedule": one t for the minibatch's rows; "uniform": one per row.
+                t, eps = times[i].to(x0.device), noise[i].to(x0.device)
+                x_t = noised(x0, eps, t)
+                with torch.no_grad():
+                    v_ref = (None if policy.ref_velocity is None
+                             else policy.ref_velocity(x_t, t, cond, uncond_cond, traj.guidance_scale))
+                    v_anchor = (None if anchor is None
+                                else anchor.velocity(policy, x_t, t, cond, uncond_cond, traj.guidance_scale))
+                v = policy.velocity(self.transformer, x_t, t, cond, uncond_cond, traj.guidance_scale)
+                loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=batch.usable[rows], weighting=tc.weighting,
+                                       ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
+                                       anchor_beta=tc.anchor_beta, average=tc.loss_average)
+                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+                grads.record({**stats, "t/mean": t.float().mean()})
+            grads.maybe_step(m)
+        metrics = grads.metrics()
+        if anchor is not None:
+            decay = EMAAnchor.decay(step + 1, tc)
+            anchor.update(policy.named_params, decay)
+            metrics["anchor/decay"] = decay
+        return gradient_result(metrics)
+
+    def serving_weights(self):
+        return contextlib.nullcontext()  # the engine samples the trained weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self.anchor is None else {ANCHOR_PREFIX + n: v for n, v in self.anchor.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""
+        self.anchor = ema_anchor(self.policy, self.cfg.train, state)
 
 
 # ---------------------------------------------------------------------------------------
-# Main: the policy and its EMA anchor, the rollouts, then the shared loop
+# Main: the policy, the algorithm and its EMA anchor, the rollouts, then the training loop
 # ---------------------------------------------------------------------------------------
 
 
@@ -430,17 +453,11 @@ def main(argv: list[str] | None = None) -> dict:
     policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
-    anchor = ema_anchor(policy, cfg.train, run.recipe_tensors)
     transformer, optimizer = run.prepare(policy, optimizer)
+    awm = AWM(policy, optimizer, transformer, cfg, run.accelerator)
+    awm.load_state_dict(run.recipe_tensors)  # the EMA anchor of a resumed run
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
-
-    def update(batch: RolloutBatch, step: int) -> dict:
-        return awm_update(batch, policy, transformer, optimizer, run.accelerator, rollouts.sync, cfg, step, anchor)
-
-    def recipe_state() -> dict:
-        return {} if anchor is None else {ANCHOR_PREFIX + n: v for n, v in anchor.state_dict().items()}
-
-    return run.train(rollouts, update, recipe_state)
+    return train(run, rollouts, awm)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ docs/recipes/dpo.md; why the toy default still games its reward: docs/tuning_dpo
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -58,13 +59,16 @@ import torch.nn.functional as F
 from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.distributed import all_gather_cat, rank_and_world
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
+from flywheel.recipe.algorithm import UpdateResult, gradient_result, refuse_recipe_tensors
 from flywheel.recipe.flow_matching import matching_error, noised
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # The stream of update_generator for DPO's flow times and noise (never equal to another recipe's draws).
@@ -197,7 +201,7 @@ def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_
     m = margin.detach()
     stats = {
         "loss": loss.detach(),
-        "kl": kl,
+        "ref_mse": kl,  # a velocity MSE, not a KL: its own key (GRPO's "kl" is a Gaussian KL)
         "dpo/implicit_acc": (weight * (m > 0).float()).sum(),
         "dpo/implicit_margin": (weight * m).sum(),
         "dpo/error_w": (weight * e_w.detach()).sum(),
@@ -261,56 +265,72 @@ def padded_pair_count(n_local: int) -> int:
     return int(all_gather_cat(torch.tensor([n_local], dtype=torch.long)).max())
 
 
-def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, sync, cfg, step: int,
-               version: int) -> dict[str, float]:
-    """One DPO update over this rank's rollouts: pairs, minibatches of pairs x K flow times, optimizer step(s).
+class DPO:
+    """Online Diffusion-DPO's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy
+    (whose `ref_velocity` is the reference's), its optimizer and the config; it samples with the trained weights
+    and keeps no tensors of its own. `transformer` is the trained module as prepared (DDP-wrapped on several
+    ranks)."""
 
-    `transformer` is the trained module as prepared (DDP-wrapped on several ranks);
-    `policy.ref_velocity` the reference's velocity; `version` the weight version
-    now (reported back unchanged when no rank has a pair, and no step is taken).
-    """
-    tc = cfg.train
-    traj: Trajectory = batch.trajectory
-    pairs = preference_pairs(batch.rewards.total, batch.rewards.valid, batch.group_ids, tc.pairing, tc.pair_margin)
-    real = len(pairs)
-    slots = padded_pair_count(real)
-    pair_metrics = {"dpo/pairs": float(real), "dpo/groups_used": pairs.groups_used / max(pairs.groups, 1),
-                    "dpo/reward_gap": float(pairs.reward_gap.mean()) if real else 0.0}
-    if slots == 0:
-        return {**pair_metrics, "dpo/no_pair": 1.0, "weight_version_after": version, "train/optimizer_steps": 0.0,
-                "skip_reason": f"no preference pair (no group had a reward gap over train.pair_margin="
-                               f"{tc.pair_margin})"}
-    winners, losers = (pairs.losers, pairs.winners) if tc.swap_pairs else (pairs.winners, pairs.losers)
-    # Slots past this rank's pairs hold row 0 against itself with weight 0: forwards for DDP, no gradient.
-    fill = torch.zeros(slots - real, dtype=torch.long)
-    winners, losers = torch.cat([winners, fill]), torch.cat([losers, fill])
-    counts = torch.cat([torch.ones(real), torch.zeros(slots - real)])
+    def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator):
+        self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
+        self.accelerator = accelerator
 
-    device = traj.latents.device
-    x0_all = traj.latents[:, -1].float()
-    k = tc.timesteps_per_pair
-    times, noise = draw_times_and_noise(traj, slots, tc,
-                                        update_generator(cfg.seed, step, accelerator.process_index, DRAW_STREAM))
-    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, sync, tc, step)
-    for m, slot in enumerate(grads.minibatches(slots)):
-        w_rows, l_rows = winners[slot].tolist(), losers[slot].tolist()
-        n = len(slot)
-        # Winners then losers in one forward, each with its own prompt's conditioning (the same prompt per pair).
-        cond, _ = trajectory_conditioning(traj.select(w_rows + l_rows), use_cfg=False)
-        x0 = torch.cat([x0_all[w_rows], x0_all[l_rows]])
-        weight = (counts[slot] / counts[slot].sum().clamp(min=1.0)).to(device)
-        for i in range(k):
-            t = times[slot, i].to(device).repeat(2)
-            eps = noise[slot, i].to(device).repeat(2, *([1] * (noise.dim() - 2)))
-            x_t = noised(x0, eps, t)
-            with torch.no_grad():
-                v_ref = policy.ref_velocity(x_t, t, cond)
-            v = policy.velocity(transformer, x_t, t, cond)
-            loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight)
-            grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
-            grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
-        grads.maybe_step(m)
-    return {**grads.metrics(), **pair_metrics, "dpo/no_pair": 0.0}
+    def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        """One DPO update over this rank's rollouts: pairs, minibatches of pairs x K flow times, optimizer step(s);
+        none when no rank has a pair."""
+        cfg, tc, policy = self.cfg, self.cfg.train, self.policy
+        traj: Trajectory = batch.trajectory
+        pairs = preference_pairs(batch.rewards.total, batch.rewards.valid, batch.group_ids, tc.pairing,
+                                 tc.pair_margin)
+        real = len(pairs)
+        slots = padded_pair_count(real)
+        pair_metrics = {"dpo/pairs": float(real), "dpo/groups_used": pairs.groups_used / max(pairs.groups, 1),
+                        "dpo/reward_gap": float(pairs.reward_gap.mean()) if real else 0.0}
+        if slots == 0:
+            return UpdateResult({**pair_metrics, "dpo/no_pair": 1.0, "train/optimizer_steps": 0.0}, False,
+                                f"no preference pair (no group had a reward gap over train.pair_margin="
+                                f"{tc.pair_margin})")
+        winners, losers = (pairs.losers, pairs.winners) if tc.swap_pairs else (pairs.winners, pairs.losers)
+        # Slots past this rank's pairs hold row 0 against itself with weight 0: forwards for DDP, no gradient.
+        fill = torch.zeros(slots - real, dtype=torch.long)
+        winners, losers = torch.cat([winners, fill]), torch.cat([losers, fill])
+        counts = torch.cat([torch.ones(real), torch.zeros(slots - real)])
+
+        device = traj.latents.device
+        x0_all = traj.latents[:, -1].float()
+        k = tc.timesteps_per_pair
+        times, noise = draw_times_and_noise(traj, slots, tc, update_generator(cfg.seed, step,
+                                                                              self.accelerator.process_index,
+                                                                              DRAW_STREAM))
+        grads = GradientSteps(self.accelerator, self.transformer, self.optimizer, policy.named_params, tc, step)
+        for m, slot in enumerate(grads.minibatches(slots)):
+            w_rows, l_rows = winners[slot].tolist(), losers[slot].tolist()
+            n = len(slot)
+            # Winners then losers in one forward, each with its own prompt's conditioning (the same prompt per pair).
+            cond, _ = trajectory_conditioning(traj.select(w_rows + l_rows), use_cfg=False)
+            x0 = torch.cat([x0_all[w_rows], x0_all[l_rows]])
+            weight = (counts[slot] / counts[slot].sum().clamp(min=1.0)).to(device)
+            for i in range(k):
+                t = times[slot, i].to(device).repeat(2)
+                eps = noise[slot, i].to(device).repeat(2, *([1] * (noise.dim() - 2)))
+                x_t = noised(x0, eps, t)
+                with torch.no_grad():
+                    v_ref = policy.ref_velocity(x_t, t, cond)
+                v = policy.velocity(self.transformer, x_t, t, cond)
+                loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight)
+                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+                grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
+            grads.maybe_step(m)
+        return gradient_result({**grads.metrics(), **pair_metrics, "dpo/no_pair": 0.0})
+
+    def serving_weights(self):
+        return contextlib.nullcontext()  # the engine samples the trained weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        refuse_recipe_tensors(state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,6 +341,7 @@ def dpo_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, acce
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
     checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
     checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")
@@ -339,7 +360,7 @@ def validate_config(cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Main: the policy and its reference, the rollouts, then the shared loop
+# Main: the policy and its reference, the algorithm, the rollouts, then the training loop
 # ---------------------------------------------------------------------------------------
 
 
@@ -351,13 +372,10 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
+    dpo = DPO(policy, optimizer, transformer, cfg, run.accelerator)
+    dpo.load_state_dict(run.recipe_tensors)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
-
-    def update(batch: RolloutBatch, step: int) -> dict:
-        return dpo_update(batch, policy, transformer, optimizer, run.accelerator, rollouts.sync, cfg, step,
-                          rollouts.version)
-
-    return run.train(rollouts, update)
+    return train(run, rollouts, dpo)
 
 
 if __name__ == "__main__":

@@ -54,20 +54,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import contextlib
+
 import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.sampling import ode_step
 from flywheel.cli import run_main
-from flywheel.loop import RolloutBatch
+from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
+from flywheel.rollout_collector import RolloutBatch
 
 # Keeps this recipe's draws (ReFL's steps, DRaFT-LV's noise) apart from other users of the run's seed.
 DRAW_STREAM = 0x445246  # "DRF"
@@ -415,14 +419,14 @@ def decoded_images(model, latents: torch.Tensor) -> torch.Tensor:
     return middle_frame(images) if is_video(images) else images
 
 
-def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, sync, cfg, step: int,
+def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, accelerator, cfg, step: int,
                  reward: DifferentiableReward, anchor: EMAAnchor | None = None) -> dict[str, float]:
     """One DRaFT / ReFL update over this rank's rollouts: minibatches x grad paths, optimizer step(s).
 
     `transformer` is the trained module as prepared (DDP-wrapped on several ranks); `policy` gives the model, the
     trained parameters and the reference velocity (needed when train.kl_beta > 0); `reward` the differentiable
-    scores; `sync()` runs after every optimizer step. Every sample with a finite reward trains, flat groups
-    included (no advantages here). `anchor`, when given, adds its term and moves once, at the end.
+    scores. Every sample with a finite reward trains, flat groups included (no advantages here). `anchor`, when
+    given, adds its term and moves once, at the end.
     """
     tc = cfg.train
     traj = batch.trajectory
@@ -430,7 +434,7 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
         raise ValueError(f"train.kl_beta={tc.kl_beta} needs the reference model (build_policy(reference=True))")
     g = traj.guidance_scale
     generator = update_generator(cfg.seed, step, accelerator.process_index, stream=DRAW_STREAM)
-    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, sync, tc, step)
+    grads = GradientSteps(accelerator, transformer, optimizer, policy.named_params, tc, step)
     for m, rows in enumerate(grads.minibatches(len(traj))):
         sub = traj.select(rows)
         cond, uncond = trajectory_conditioning(sub, use_cfg=g != 1.0)
@@ -472,6 +476,31 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
 # ---------------------------------------------------------------------------------------
 
 
+class Draft:
+    """DRaFT / ReFL behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its optimizer, the
+    config, the differentiable reward and the EMA anchor (None when train.anchor_beta = 0), whose tensors are
+    the recipe's own. The engine samples the trained weights."""
+
+    def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator, reward: DifferentiableReward):
+        self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
+        self.accelerator, self.reward = accelerator, reward
+        self.anchor = ema_anchor(policy, cfg.train, {})
+
+    def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        return gradient_result(draft_update(batch, self.policy, self.transformer, self.optimizer, self.accelerator,
+                                            self.cfg, step, self.reward, self.anchor))
+
+    def serving_weights(self):
+        return contextlib.nullcontext()  # the engine samples the trained weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self.anchor is None else {ANCHOR_PREFIX + n: v for n, v in self.anchor.average.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""
+        self.anchor = ema_anchor(self.policy, self.cfg.train, state)
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="draft")
     validate_config(cfg)
@@ -479,19 +508,11 @@ def main(argv: list[str] | None = None) -> dict:
     policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
-    anchor = ema_anchor(policy, cfg.train, run.recipe_tensors)
     transformer, optimizer = run.prepare(policy, optimizer)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
-    reward = DifferentiableReward.for_run(cfg, rollouts)
-
-    def update(batch: RolloutBatch, step: int) -> dict:
-        return draft_update(batch, policy, transformer, optimizer, run.accelerator, rollouts.sync, cfg, step, reward,
-                            anchor)
-
-    def recipe_state() -> dict:
-        return {} if anchor is None else {ANCHOR_PREFIX + n: v for n, v in anchor.average.state_dict().items()}
-
-    return run.train(rollouts, update, recipe_state)
+    draft = Draft(policy, optimizer, transformer, cfg, run.accelerator, DifferentiableReward.for_run(cfg, rollouts))
+    draft.load_state_dict(run.recipe_tensors)  # the EMA anchor of a resumed run
+    return train(run, rollouts, draft)
 
 
 if __name__ == "__main__":

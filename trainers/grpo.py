@@ -49,7 +49,9 @@ the sweep behind the toy default: docs/tuning_grpo.md.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,16 +59,19 @@ import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sl
 import torch
 
 from engine import Trajectory
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_std
 from flywheel.cli import run_main
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
+from flywheel.recipe.algorithm import UpdateResult, gradient_result, refuse_recipe_tensors
 from flywheel.recipe.dppo import dppo_loss
-from flywheel.recipe.policy import build_policy, make_optimizer
+from flywheel.recipe.layouts import check_layout_options
+from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # ---------------------------------------------------------------------------------------
@@ -445,54 +450,74 @@ def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: lis
     return log_probs, means
 
 
-def grpo_update(batch: RolloutBatch, model, transformer, ref_velocity, optimizer, accelerator, sync,
-                named_params: list[tuple[str, torch.nn.Parameter]], cfg: Config, step: int,
-                before_each_step=lambda: None) -> dict[str, float]:
-    """One GRPO update over this rank's rollouts: minibatches x chosen steps, then optimizer step(s) + `sync()`.
+class GRPO:
+    """Flow-GRPO's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its
+    optimizer and the config; it samples with the trained weights and keeps no tensors of its own.
 
-    Each row's loss is the mean over its own trained steps (every chosen step when
-    all rows share one window; its window's steps under per-trajectory windows,
-    where a step's forward runs on the rows trained there), and rows are averaged
-    over the usable ones, as Flow-GRPO averages over samples and steps.
-    `before_each_step()` runs before every denoising step's forward (async rollouts adjust threads there).
+    `transformer` is the trained module as prepared (DDP-wrapped on several ranks). `before_each_step()` runs
+    before every denoising step's forward (async rollouts adjust the threads there).
     """
-    tc = cfg.train
-    traj = batch.trajectory
-    fraction, selection = trained_fraction(tc)
-    steps = chosen_steps(traj, fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step), selection)
-    trained = trained_mask(traj, steps)
-    per_row = trained.sum(1)
-    grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
-    minibatches = grads.minibatches(len(traj))
-    # The policy before any optimizer step: async's proximal policy, and Guard's and DPPO's mu_old once the
-    # weights move within the update (before that, the current means are mu_old exactly).
-    several_steps = len(minibatches) > grads.accumulation
-    start = (start_of_update_steps(model, transformer, traj, minibatches, trained, tc.cfg_in_train)
-             if cfg.async_rollouts or ((tc.guard or tc.policy_loss == "dppo") and several_steps) else None)
-    for m, rows in enumerate(minibatches):
-        sub, mask = traj.select(rows), trained[rows]
-        adv, usable = batch.advantages[rows], batch.usable[rows]
-        # usable / number usable, times K / (the row's own trained steps): exactly 1 when every row has all K.
-        weight = (usable.float() / usable.float().sum().clamp(min=1.0)
-                  * (len(steps) / per_row[rows].clamp(min=1)).to(usable.device))
-        here = [j for j in steps if mask[:, j].any()]
-        for i, j in enumerate(here):
-            before_each_step()
-            local = rows_at(mask, j)
-            at = [rows[r] for r in local]
-            loss, stats = grpo_step_loss(model, transformer, ref_velocity, step_rows(sub, local), j, adv[local],
-                                         usable[local], tc,
-                                         proximal=start[0][at, j] if cfg.async_rollouts else None,
-                                         old_mean=None if start is None else start[1][at, j], weight=weight[local])
-            grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
-            grads.record(stats)
-        grads.maybe_step(m)
-    # Which steps were trained (the SDE windows of mixgrpo / fast): the first of any row, the mean first
-    # step over rows, and the mean count per row, in the step's metrics row.
-    first_per_row = torch.where(trained, torch.arange(traj.num_steps), traj.num_steps).amin(1)
-    return {**grads.metrics(), "trained_steps/first": float(steps[0]),
-            "trained_steps/first_mean": float(first_per_row.float().mean()),
-            "trained_steps/count": float(per_row.float().mean())}
+
+    def __init__(self, policy: Policy, optimizer, transformer, cfg: Config, accelerator,
+                 before_each_step: Callable[[], None] = lambda: None):
+        self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
+        self.accelerator, self.before_each_step = accelerator, before_each_step
+
+    def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        """One GRPO update over this rank's rollouts: minibatches x chosen steps, optimizer step(s).
+
+        Each row's loss is the mean over its own trained steps (every chosen step when
+        all rows share one window; its window's steps under per-trajectory windows,
+        where a step's forward runs on the rows trained there), and rows are averaged
+        over the usable ones, as Flow-GRPO averages over samples and steps.
+        """
+        cfg, tc, model, transformer = self.cfg, self.cfg.train, self.policy.model, self.transformer
+        traj = batch.trajectory
+        fraction, selection = trained_fraction(tc)
+        steps = chosen_steps(traj, fraction, torch.Generator().manual_seed(cfg.seed * 7919 + step), selection)
+        trained = trained_mask(traj, steps)
+        per_row = trained.sum(1)
+        grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
+        minibatches = grads.minibatches(len(traj))
+        # The policy before any optimizer step: async's proximal policy, and Guard's and DPPO's mu_old once the
+        # weights move within the update (before that, the current means are mu_old exactly).
+        several_steps = len(minibatches) > grads.accumulation
+        start = (start_of_update_steps(model, transformer, traj, minibatches, trained, tc.cfg_in_train)
+                 if cfg.async_rollouts or ((tc.guard or tc.policy_loss == "dppo") and several_steps) else None)
+        for m, rows in enumerate(minibatches):
+            sub, mask = traj.select(rows), trained[rows]
+            adv, usable = batch.advantages[rows], batch.usable[rows]
+            # usable / number usable, times K / (the row's own trained steps): exactly 1 when every row has all K.
+            weight = (usable.float() / usable.float().sum().clamp(min=1.0)
+                      * (len(steps) / per_row[rows].clamp(min=1)).to(usable.device))
+            here = [j for j in steps if mask[:, j].any()]
+            for i, j in enumerate(here):
+                self.before_each_step()
+                local = rows_at(mask, j)
+                at = [rows[r] for r in local]
+                loss, stats = grpo_step_loss(model, transformer, self.policy.ref_velocity, step_rows(sub, local), j,
+                                             adv[local], usable[local], tc,
+                                             proximal=start[0][at, j] if cfg.async_rollouts else None,
+                                             old_mean=None if start is None else start[1][at, j],
+                                             weight=weight[local])
+                grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
+                grads.record(stats)
+            grads.maybe_step(m)
+        # Which steps were trained (the SDE windows of mixgrpo / fast): the first of any row, the mean first
+        # step over rows, and the mean count per row, in the step's metrics row.
+        first_per_row = torch.where(trained, torch.arange(traj.num_steps), traj.num_steps).amin(1)
+        return gradient_result({**grads.metrics(), "trained_steps/first": float(steps[0]),
+                                "trained_steps/first_mean": float(first_per_row.float().mean()),
+                                "trained_steps/count": float(per_row.float().mean())})
+
+    def serving_weights(self):
+        return contextlib.nullcontext()  # the engine samples the trained weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        refuse_recipe_tensors(state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,6 +544,7 @@ def validate_config(cfg: Config) -> None:
                     "train.kl_form=exact")
     check_window_keys(cfg, checks)
     check_dppo_keys(cfg, checks)
+    check_layout_options(cfg, checks)  # async, Ray, workflow, Flash: the table of what combines
     if cfg.train.guard and card_flag(cfg.model.card, "audio"):
         checks.fail(f"train.guard=true with model.card={cfg.model.card}: GRPO-Guard rescales each step by its one "
                     "transition std, and a joint audio+video card has one per modality (its video-only path "
@@ -571,9 +597,6 @@ def check_window_keys(cfg: Config, checks) -> None:
             checks.fail("train.flash_compress with sampling.cache_threshold / early_exit: both change the ODE steps "
                         "after the window (Flash compresses them, the cache skips model calls on them); set "
                         "train.flash_compress=null or sampling.cache_threshold=0 and early_exit=null")
-        if cfg.async_rollouts:
-            checks.fail("train.flash_compress with async_rollouts=true: the engine process has no Flash solver; "
-                        "set async_rollouts=false or train.flash_compress=null")
     if tc.variant == "flow_grpo":
         return
     span = window_span(cfg.sampling.sampler, cfg.sampling.steps)
@@ -625,17 +648,14 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
+    grpo = GRPO(policy, optimizer, transformer, cfg, run.accelerator)
+    grpo.load_state_dict(run.recipe_tensors)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     if cfg.train.variant != "flow_grpo":  # the window of each step's rollouts, a function of the step alone
         rollouts.flywheel.request_overrides = lambda step, row: window_request(cfg, step, row)
     rollouts.engine.flash_compress = cfg.train.flash_compress  # rollouts only: evaluation samples the ODE
-    share_cores = cpu_core_sharing(rollouts.collector, run.accelerator)
-
-    def update(batch: RolloutBatch, step: int) -> dict:
-        return grpo_update(batch, policy.model, transformer, policy.ref_velocity, optimizer, run.accelerator,
-                           rollouts.sync, policy.named_params, cfg, step, before_each_step=share_cores)
-
-    return run.train(rollouts, update)
+    grpo.before_each_step = cpu_core_sharing(rollouts.collector, run.accelerator)
+    return train(run, rollouts, grpo)
 
 
 if __name__ == "__main__":

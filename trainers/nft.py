@@ -56,13 +56,16 @@ from engine import PromptEmbeds, Trajectory
 from flywheel.advantages import group_advantages
 from flywheel.cli import run_main
 from flywheel.distributed import rank_and_world
-from flywheel.loop import RolloutBatch
+from flywheel.rollout_collector import RolloutBatch
+from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
+from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # A velocity function of (x_t [B, ...], t [B], conditioning) -> v [B, ...], run without grad.
@@ -205,8 +208,8 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, noise
         # How far the trained policy has moved from the sampling one on these inputs (0 before the first step).
         "nft/old_deviation": (w * _per_sample_mean((v_theta.detach() - v_old) ** 2)).sum(),
     }
-    if v_ref is not None:  # without a reference nothing was measured: no "kl" key rather than a 0 that reads as one
-        stats["kl"] = kl.detach()
+    if v_ref is not None:  # without a reference nothing was measured: no key rather than a 0 that reads as one
+        stats["ref_mse"] = kl.detach()  # a velocity MSE, not a KL: its own key (GRPO's "kl" is a Gaussian KL)
     return loss, stats
 
 
@@ -251,32 +254,27 @@ def soft_update(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.T
 
 
 class SamplingPolicy:
-    """theta_old, the policy that rolls out: its weights, the engine's copy that serves them, and its soft update.
+    """theta_old, the policy that rolls out: its weights, the module that gives v_old, and its soft update.
 
     `weights` (name -> tensor, the trainable ones: all of the transformer or the
-    LoRA adapter) are what the soft update moves and what a checkpoint keeps; the
-    engine's own copy of the transformer holds the same values after every sync,
-    and gives v_old. The trained weights never leave the trainer's module.
+    LoRA adapter) are what the soft update moves, what the engine serves (the
+    training loop syncs them, inside `NFT.serving_weights`) and what a
+    checkpoint keeps. `transformer` is the engine's own copy of the transformer,
+    which holds the same values after every sync and gives v_old. The trained
+    weights never leave the trainer's module.
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], rollouts: Rollouts, model, tc: NFTConfig):
-        self.weights, self.rollouts, self.model, self.tc = weights, rollouts, model, tc
-
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.rollouts.engine.model.transformer
+    def __init__(self, weights: dict[str, torch.Tensor], model, tc: NFTConfig, transformer=None):
+        self.weights, self.model, self.tc, self.transformer = weights, model, tc, transformer
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
         """v_old: the conditional velocity of the served weights (no grad)."""
         with torch.no_grad():
             return self.model.velocity(self.transformer, x, t, cond)
 
-    def serving_unchanged(self) -> dict:
-        """The sync an optimizer step triggers: none, since the engine serves theta_old, not theta."""
-        return {"weight_version": self.rollouts.version}
-
     def follow(self, named_params: list[tuple[str, torch.nn.Parameter]], step: int) -> dict:
-        """After step `step`'s update: theta_old <- eta·theta_old + (1 - eta)·theta, then serve it (version + 1).
+        """After step `step`'s optimizer steps: theta_old <- eta·theta_old + (1 - eta)·theta (the loop then
+        serves it, version + 1).
 
         eta is the schedule's at step + 1, the training steps done: the public code raises its step count
         before it soft-updates, so its first update already uses 0.001.
@@ -284,9 +282,7 @@ class SamplingPolicy:
         tc = self.tc
         eta = eta_schedule(step + 1, tc.eta_flat_steps, tc.eta_rate, tc.eta_max)
         soft_update([self.weights[name] for name, _ in named_params], [p for _, p in named_params], eta)
-        synced = self.rollouts.sync(self.weights)
-        metrics = {key: value for key, value in synced.items() if key != "weight_version"}
-        return {**metrics, "nft/eta": eta, "weight_version_after": synced["weight_version"]}
+        return {"nft/eta": eta}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights
@@ -354,60 +350,77 @@ def trained_samples(batch: RolloutBatch, keep_flat_groups: bool) -> torch.Tensor
 
 
 
-def nft_update(batch: RolloutBatch, model, transformer, old_velocity: VelocityFn, optimizer, accelerator,
-               sync: Callable[[], dict], named_params: list[tuple[str, torch.nn.Parameter]], cfg, step: int,
-               ref_velocity: VelocityFn | None = None) -> dict[str, float]:
-    """One DiffusionNFT update over this rank's rollouts: minibatches x K flow times, then optimizer step(s).
+class NFT:
+    """DiffusionNFT's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its
+    optimizer, the config and the sampling policy theta_old, whose weights are the recipe's own tensors and the
+    ones the engine serves (`serving_weights`).
 
-    `cfg.train` holds the NFTConfig keys and the optimizer's (minibatch_size,
-    gradient_accumulation_steps, max_grad_norm); `cfg.seed` seeds the draws.
-    `old_velocity(x_t, t, cond)` is the sampling policy's velocity;
-    `ref_velocity`, the same for the reference model, is needed when
-    train.kl_beta > 0 and logged ("kl") whenever given. `sync()` runs after
-    every optimizer step and returns a dict with "weight_version" (main's does
-    nothing: the engine serves the sampling policy, which moves only with the
-    soft update after this call). Stops with NonFiniteError before an
-    optimizer step whose gradient norm is not finite, and right after one that
-    leaves a non-finite weight.
+    `transformer` is the trained module as prepared (DDP-wrapped on several ranks); `policy.ref_velocity`, the
+    reference model's velocity, is needed when train.kl_beta > 0 and logged ("ref_mse") whenever given.
+    `old_velocity(x_t, t, cond)` gives v_old: the sampling policy's (main points it at the engine's copy).
     """
-    tc = cfg.train
-    traj = batch.trajectory
-    if traj.guidance_scale != 1.0:
-        raise ValueError(f"DiffusionNFT trains CFG-free (paper Sec. 3.3): these rollouts used guidance_scale="
-                         f"{traj.guidance_scale}, so the sampling policy's velocity is not the conditional one the "
-                         "loss uses. Sample with sampling.guidance_scale=1")
-    if tc.kl_beta > 0 and ref_velocity is None:
-        raise ValueError(f"train.kl_beta={tc.kl_beta} needs ref_velocity (the reference model's velocity)")
-    device = traj.latents.device
-    rank, _ = rank_and_world()
-    times, noise = update_draws(traj, tc, update_generator(cfg.seed, step, rank, stream=UPDATE_STREAM))
-    k = times.shape[1]
-    # r from the flywheel's group advantages (normalised over every rank), not from the raw rewards here.
-    r_all = optimality_from_advantages(batch.advantages, tc.adv_clip_max).to(device)
-    included = trained_samples(batch, tc.keep_flat_groups).to(device)
 
-    grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, tc, step)
-    for m, rows in enumerate(grads.minibatches(len(traj))):
-        sub = traj.select(rows)
-        cond, _ = trajectory_conditioning(sub, use_cfg=False)
-        x0, r = sub.latents[:, -1], r_all[rows]
-        weight = included[rows].float() / included[rows].float().sum().clamp(min=1.0)
-        for j in range(k):
-            t, eps = times[rows, j].to(device), noise[rows, j].to(device)
-            t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
-            x_t = (1 - t_b) * x0 + t_b * eps
-            v_old = old_velocity(x_t, t, cond)
-            v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
-            v_theta = model.velocity(transformer, x_t, t, cond)
-            loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
-                                   scale=tc.adv_clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
-            grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=j == k - 1)
-            grads.record(stats)
-        grads.maybe_step(m)
-    metrics = grads.metrics()
-    metrics["nft/r_mean"] = float((r_all * included).sum() / included.sum().clamp(min=1))
-    metrics["nft/trained_samples"] = float(included.sum())
-    return metrics
+    def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator):
+        self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
+        self.accelerator = accelerator
+        self.sampling = SamplingPolicy(initial_sampling_weights(policy, {}), policy.model, cfg.train)
+        self.old_velocity: VelocityFn = self.sampling.velocity
+
+    def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
+        """One DiffusionNFT update over this rank's rollouts: minibatches x K flow times, optimizer step(s), then
+        the soft update of theta_old (Algorithm 1, line 14). Stops with NonFiniteError before an optimizer step
+        whose gradient norm is not finite, and right after one that leaves a non-finite weight."""
+        cfg, tc, model, transformer = self.cfg, self.cfg.train, self.policy.model, self.transformer
+        ref_velocity = self.policy.ref_velocity
+        traj = batch.trajectory
+        if traj.guidance_scale != 1.0:
+            raise ValueError(f"DiffusionNFT trains CFG-free (paper Sec. 3.3): these rollouts used guidance_scale="
+                             f"{traj.guidance_scale}, so the sampling policy's velocity is not the conditional one "
+                             "the loss uses. Sample with sampling.guidance_scale=1")
+        if tc.kl_beta > 0 and ref_velocity is None:
+            raise ValueError(f"train.kl_beta={tc.kl_beta} needs ref_velocity (the reference model's velocity)")
+        device = traj.latents.device
+        rank, _ = rank_and_world()
+        times, noise = update_draws(traj, tc, update_generator(cfg.seed, step, rank, stream=UPDATE_STREAM))
+        k = times.shape[1]
+        # r from the flywheel's group advantages (normalised over every rank), not from the raw rewards here.
+        r_all = optimality_from_advantages(batch.advantages, tc.adv_clip_max).to(device)
+        included = trained_samples(batch, tc.keep_flat_groups).to(device)
+
+        grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
+        for m, rows in enumerate(grads.minibatches(len(traj))):
+            sub = traj.select(rows)
+            cond, _ = trajectory_conditioning(sub, use_cfg=False)
+            x0, r = sub.latents[:, -1], r_all[rows]
+            weight = included[rows].float() / included[rows].float().sum().clamp(min=1.0)
+            for j in range(k):
+                t, eps = times[rows, j].to(device), noise[rows, j].to(device)
+                t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
+                x_t = (1 - t_b) * x0 + t_b * eps
+                v_old = self.old_velocity(x_t, t, cond)
+                v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
+                v_theta = model.velocity(transformer, x_t, t, cond)
+                loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
+                                       scale=tc.adv_clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
+                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=j == k - 1)
+                grads.record(stats)
+            grads.maybe_step(m)
+        metrics = grads.metrics()
+        metrics["nft/r_mean"] = float((r_all * included).sum() / included.sum().clamp(min=1))
+        metrics["nft/trained_samples"] = float(included.sum())
+        metrics.update(self.sampling.follow(self.policy.named_params, step))
+        return gradient_result(metrics)
+
+    def serving_weights(self):
+        """theta_old in the trained module's place: what rollouts sample and what a weight sync serves."""
+        return self.policy.weights_swapped(self.sampling.weights)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sampling.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's theta_old (strict names); {} (a fresh run) starts it at the trained weights."""
+        self.sampling.weights = initial_sampling_weights(self.policy, state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -418,9 +431,7 @@ def nft_update(batch: RolloutBatch, model, transformer, old_velocity: VelocityFn
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: not supported by DiffusionNFT here (the engine serves the sampling "
-                    "policy theta_old, a soft-updated copy, from this process); set async_rollouts=false")
+    check_layout_options(cfg, checks, serve="copy")  # the engine serves theta_old: async, Ray, workflow refused
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
                     "FSDP shards; launch with DDP (or one process)")
@@ -456,19 +467,14 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
-    sampling_weights = initial_sampling_weights(policy, run.recipe_tensors)
+    nft = NFT(policy, optimizer, transformer, cfg, run.accelerator)
+    nft.load_state_dict(run.recipe_tensors)  # theta_old of a resumed run
     # The engine serves theta_old from its own copy of the transformer, made here with theta_old's values
-    # (those of a fresh run are the trained ones); evaluation samples the trained module.
-    with policy.weights_swapped(sampling_weights):
+    # (those of a fresh run are the trained ones); v_old comes from that copy; evaluation samples the trained module.
+    with nft.serving_weights():
         rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state, serve="copy")
-    sampling = SamplingPolicy(sampling_weights, rollouts, policy.model, cfg.train)
-
-    def update(batch: RolloutBatch, step: int) -> dict:
-        metrics = nft_update(batch, policy.model, transformer, sampling.velocity, optimizer, run.accelerator,
-                             sampling.serving_unchanged, policy.named_params, cfg, step, policy.ref_velocity)
-        return {**metrics, **sampling.follow(policy.named_params, step)}
-
-    return run.train(rollouts, update, recipe_state=sampling.state_dict)
+    nft.sampling.transformer = rollouts.engine.model.transformer
+    return train(run, rollouts, nft)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""The building blocks every recipe shares (trainers/<algo>.py keeps only its config section, loss and update).
+"""The building blocks every recipe shares (trainers/<algo>.py keeps its config section, loss and algorithm class).
 
 - `sections`: the shared config sections (run, model, data, sampling, optimizer) and their checks;
 - `policy`: the model, its trainable weights (full or LoRA), the reference policy and the optimizer;
+- `algorithm`: the protocol a recipe implements (`update`, `serving_weights`, `state_dict`);
+- `training_loop`: the loop, eight numbered phases per step, which owns the weight version;
 - `session`: the run (accelerator, run directory, trackers, resume, evaluation with judges,
-  checkpoints, metrics, progress) and the loop that drives an algorithm's `update(batch, step)`;
-- `rollouts`: the engine (colocated or in its own process), weight sync, rewards and the flywheel;
+  checkpoints, metrics, progress, the finish lines) that the loop drives;
+- `rollouts` and `layouts`: the engine in its layout (colocated, a served copy, an engine process, a Ray pool,
+  a workflow stage), weight sync, rewards and the rollout collector;
 - `update`: the gradient side of an update (minibatches, accumulation, clipping, guarded optimizer steps).
 """

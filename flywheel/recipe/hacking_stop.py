@@ -25,7 +25,7 @@ class HackingStop:
         self.streak = int(checkpointed.get("hacking_streak", 0))
         self.last_good_checkpoint: int | None = checkpointed.get("last_good_checkpoint")
 
-    def update(self, metrics: Mapping[str, float]) -> None:
+    def observe(self, metrics: Mapping[str, float]) -> None:
         """After an evaluation (its metrics, with the watch's eval/hacking_warning)."""
         fired = float(metrics.get(WARNING_METRIC, 0.0) or 0.0) != 0.0
         self.streak = self.streak + 1 if fired else 0

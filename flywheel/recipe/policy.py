@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import get_card, load_model
-from engine.loop import guided_velocity
+from engine.denoise import guided_velocity
 from flywheel.lora import adapters_disabled, add_lora
 from flywheel.recipe.preflight import check_built_model, check_lora_targets
 from flywheel.runs.config import ConfigError

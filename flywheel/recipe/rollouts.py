@@ -1,78 +1,39 @@
-"""Where a recipe's samples come from: the engine, weight sync, rewards and the flywheel.
+"""Where a recipe's samples come from: the engine, weight sync, rewards and the rollout collector.
 
-Three layouts, one interface (`collect(step)`, `sync(weights)`, `close()`):
-
-- "colocated" (default): the engine serves the trainer's own module; a sync only bumps the version.
-- "copy": the engine serves its own copy of the model in this process, and a sync copies the weights
-  the recipe gives into it (a recipe whose sampling policy is not the trained one: DiffusionNFT).
-  Evaluation still samples the trained policy, from a second engine over the trainer's module.
-- `async_rollouts=true`: the engine in its own process, fed through shared memory; step s+1 rolls
-  out while step s trains (one trainer process).
+The layout (colocated, a served copy, an engine process, a Ray pool; a workflow stage around any of them) is a
+class of flywheel/recipe/layouts.py, chosen by its factory; this module holds what every layout shares
+(`collect(step)`, `sync()`, `eval_samples(...)`, `close()`).
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from engine import Engine
-from flywheel.loop import Flywheel, RolloutBatch, evaluate
 from flywheel.prompts import PromptSampler, load_prompts
-from flywheel.recipe.policy import Policy, lora_targets
+from flywheel.recipe.layouts import RayPool, WorkflowStage, make_layout
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.sections import rollout_request_kwargs
-from flywheel.recipe.workflow import workflow_stage_engine
-from flywheel.scale.config import build_rewards, build_rollout_engine
+from flywheel.rollout_collector import Flywheel, RolloutBatch, eval_samples
+from flywheel.scale.config import build_rewards
 from flywheel.sync.async_rollouts import AsyncCollector
-from flywheel.sync.controller import CopyTransport, SharedMemoryTransport, WeightSyncController
-from flywheel.sync.engine_process import EngineProcess
 from flywheel.video import MiddleFrameRewards
-
-SERVE_MODES = ("colocated", "copy")
 
 
 class Rollouts:
-    """The engine and the flywheel of a run; `sync(weights)` moves weights into serving and bumps the version."""
+    """The engine and the flywheel of a run; `sync()` moves weights into serving and bumps the version."""
 
     def __init__(self, cfg, accelerator, policy: Policy, version: int, trainer_state: dict,
                  serve: str = "colocated"):
-        """With serve="copy" the copy starts from the trainable weights as they are now: to start it from
-        other ones (a resumed sampling policy), build it inside `policy.weights_swapped(weights)`."""
-        if serve not in SERVE_MODES:
-            raise ValueError(f"serve={serve!r}: valid layouts are {', '.join(SERVE_MODES)}")
+        """serve="copy": the engine serves a copy of the model (a recipe whose sampling policy is not the trained
+        one), started from the trainable weights as they are now (see `layouts.ServedCopy`)."""
         self.policy = policy
         self.collector: AsyncCollector | None = None
         self.pools = []  # Ray actor pools (flywheel.scale): their per-replica metrics go into each row
-        if cfg.model.workflow and serve != "colocated":
-            raise ValueError(f"model.workflow is not supported by this recipe (its engine serves a policy other "
-                             f"than the trained one); unset model.workflow={cfg.model.workflow!r}")
-        if cfg.rollout.backend == "ray":
-            if serve != "colocated" or cfg.async_rollouts or cfg.model.workflow:
-                raise ValueError("rollout.backend=ray serves the trained card's policy, synchronously: set "
-                                 "rollout.backend=local for this recipe, async_rollouts=false, or no model.workflow")
-            lora = None
-            if cfg.model.finetune == "lora":
-                lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": lora_targets(cfg)}
-            self.engine, self.controller = build_rollout_engine(
-                cfg.rollout, cfg.model.card, path=cfg.model.path, weight_version=max(version - 1, 0), lora=lora,
-                initial_weights={n: p.detach() for n, p in policy.named_params}, rank=accelerator.process_index,
-                world=accelerator.num_processes, device=str(accelerator.device))
+        self.layout = make_layout(cfg, serve)  # refuses options that do not combine (layouts.INCOMPATIBLE)
+        self.engine, self.controller = self.layout.build(cfg, accelerator, policy, version)
+        if isinstance(self.layout, RayPool):
             self.pools.append(self.engine)
-        elif cfg.async_rollouts:
-            if serve != "colocated":
-                raise ValueError("async_rollouts=true is not supported by this recipe (its engine serves a "
-                                 "policy other than the trained one); set async_rollouts=false")
-            self.engine, self.controller = _engine_process(cfg, accelerator, policy, version)
-        elif serve == "copy":
-            served = copy.copy(policy.model)  # shares the frozen parts (text encoder, VAE); owns its transformer
-            served.transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
-            self.engine = Engine(served, device=accelerator.device, weight_version=version,
-                                 time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
-            self.controller = WeightSyncController(self.engine, transport=CopyTransport())
-        else:
-            self.engine = Engine(policy.model, device=accelerator.device, weight_version=version,
-                                 time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
-            self.controller = WeightSyncController(self.engine, mode="colocated")
         rewards = build_rewards(cfg.rollout, cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
                                 remote_budget_s=cfg.reward_budget_s, reward_args=cfg.reward_args,
                                 modules=cfg.reward_modules)
@@ -84,18 +45,16 @@ class Rollouts:
             rewards = MiddleFrameRewards(rewards)
         # The flywheel's engine: the trained card's, or the workflow run through it (trained stage's log-probs,
         # final images). Weight sync stays on self.engine, so only the trained card's version moves.
-        rollout_engine = self.engine
-        if cfg.model.workflow:
-            rollout_engine = workflow_stage_engine(cfg, self.engine, accelerator.device)
+        rollout_engine = WorkflowStage.wrap(cfg, self.engine, accelerator.device)
         self.flywheel = Flywheel(
             rollout_engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step, cfg.seed),
             cfg.data.group_size, request_kwargs=rollout_request_kwargs(cfg.sampling), seed=cfg.seed,
             adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std,
             same_noise_per_group=cfg.sampling.same_noise_per_group)
         self.eval_engine = rollout_engine
-        if serve == "copy" or ((cfg.async_rollouts or cfg.rollout.backend == "ray") and cfg.train.ema):
+        if not self.layout.evaluates_served(cfg):
             # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine
-            # process holds only synced weights, never train.ema's average): evaluate the trained module here.
+            # process and Ray hold only synced weights, never train.ema's average): evaluate the trained module.
             self.eval_engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                       time_shift=cfg.sampling.time_shift)
         if cfg.async_rollouts:
@@ -125,11 +84,12 @@ class Rollouts:
             self.collector.prefetch(step + 1)
         return batch
 
-    def evaluate(self, items: list, seeds_per_prompt: int, eval_kwargs: dict, judges: dict):
-        """Evaluation samples of the trained policy at fixed seeds: (metrics, trajectory), see flywheel.loop.evaluate."""
+    def eval_samples(self, items: list, seeds_per_prompt: int, eval_kwargs: dict, judges: dict):
+        """Evaluation samples of the trained policy at fixed seeds: (metrics, trajectory); see
+        flywheel.rollout_collector.eval_samples."""
         fw = self.flywheel
-        return evaluate(self.eval_engine, fw.rewards, items, seeds_per_prompt, {**fw.request_kwargs, **eval_kwargs},
-                        judges)
+        return eval_samples(self.eval_engine, fw.rewards, items, seeds_per_prompt,
+                            {**fw.request_kwargs, **eval_kwargs}, judges)
 
     def metrics(self) -> dict:
         out = self.collector.metrics() if self.collector is not None else {}
@@ -163,26 +123,3 @@ def cpu_core_sharing(collector: AsyncCollector | None, accelerator):
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
     return share
-
-
-def _engine_process(cfg, accelerator, policy: Policy, version: int):
-    """Async rollouts: the engine in its own process, fed the trainer's weights through shared memory."""
-    if accelerator.num_processes > 1:
-        raise ValueError("async_rollouts=true needs a single trainer process (the engine takes the other cores); "
-                         f"this run has {accelerator.num_processes}")
-    lora = None
-    if cfg.model.finetune == "lora":
-        lora = {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": lora_targets(cfg)}
-    # The engine starts one version below the trainer's: the first sync below, which gives it the
-    # trainer's weights, lands on the trainer's version, so that a version names the same weights in a
-    # resumed run as in one that never stopped (a fresh run: the card's weights 0, the trainer's 1).
-    engine = EngineProcess.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
-                                 lora=lora, weight_version=max(version - 1, 0), compile=cfg.model.compile)
-    controller = WeightSyncController(engine, transport=SharedMemoryTransport())
-    # The engine process starts from the card's weights: give it the trainer's (LoRA init, resume), checked once.
-    controller.verify = True
-    controller.sync({n: p.detach() for n, p in policy.named_params})
-    controller.verify = False
-    # The trained Parameters move into one buffer laid out like the engine's: each sync is one memcpy.
-    controller.transport.share_layout(engine, dict(policy.named_params))
-    return engine, controller

@@ -1,18 +1,20 @@
 """One run of a recipe: accelerator, run directory, trackers, resume, evaluation with judges, checkpoints,
-metrics, progress, and the loop that drives the algorithm's update.
+metrics, progress and the finish lines: the blocks the training loop (flywheel/recipe/training_loop.py) uses.
 
     run = RecipeRun(cfg, recipe="grpo")                         # accelerator, threads
     policy = build_policy(cfg, run.device, reference=...)       # the model's own checks: still nothing written
     optimizer = make_optimizer(policy, cfg.train)
     run.resume(policy, optimizer)                              # the run dir; config.yaml or the checkpoint
     transformer, optimizer = run.prepare(policy, optimizer)     # DDP / FSDP wrapping
+    algorithm = GRPO(policy, optimizer, transformer, cfg, run.accelerator)  # flywheel/recipe/algorithm.py
+    algorithm.load_state_dict(run.recipe_tensors)               # the recipe's own tensors, on resume
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
-    result = run.train(rollouts, update)                        # update(batch, step) -> metrics
+    summary = train(run, rollouts, algorithm)                   # flywheel.recipe.training_loop.train
 
 With train.ema, the run keeps an EMA of the trained weights (flywheel/recipe/ema.py) that evaluation uses and
 that is exported beside the trained LoRA (lora_ema/ and lora/); rollouts and weight sync keep the trained weights.
 
-The main process holds the run directory's lock (`RunDirLock`) from `RecipeRun(...)` to the end of `train`.
+The main process holds the run directory's lock (`RunDirLock`) from `RecipeRun(...)` to the end of the loop.
 A step that takes no optimizer step says so on the progress bar; a run with such steps ends with the line
 "N of M steps took an optimizer step", and a run in which none did raises NothingTrainedError once
 everything is saved (exit 3 from the command line).
@@ -27,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +39,6 @@ from flywheel.grids import judged_sample_grid
 from flywheel.guards import check_finite
 from flywheel.hacking_watch import HackingWatch
 from flywheel.lora import lora_state_dict, save_lora_for_diffusers
-from flywheel.loop import RolloutBatch
 from flywheel.prompts import load_prompts
 from flywheel.recipe.best import LORA_DIRNAME, WEIGHTS_FILENAME, BestCheckpoint
 from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
@@ -62,15 +61,12 @@ RECIPE_TENSOR_PREFIX = "recipe/"
 # train.ema's average of the trained weights in a checkpoint (its own prefix: a recipe's tensors stay its own).
 EMA_TENSOR_PREFIX = "ema/"
 
-Update = Callable[[RolloutBatch, int], dict]
-
-# Why a step took no optimizer step, when no update was called (an update that takes none gives its own reason).
-FLAT_STEP = "every group's rewards were equal (flat groups: no advantage to learn from)"
-MASKED_STEP = "the rewards masked every sample"
+# Row keys whose mean must be finite: a NaN there stops the run at its step.
+FINITE_KEYS = ("loss", "kl", "ref_mse")
 
 
 class RecipeRun:
-    """The run-level machinery of a recipe; the algorithm comes in as `update(batch, step) -> metrics`."""
+    """The run-level machinery of a recipe, which the training loop (flywheel/recipe/training_loop.py) drives."""
 
     def __init__(self, cfg, recipe: str):
         from accelerate import Accelerator
@@ -210,27 +206,11 @@ class RecipeRun:
         self.policy, self.optimizer = policy, optimizer
         return train_transformer, optimizer
 
-    # --- the loop ---------------------------------------------------------------------------------
+    # --- the blocks the training loop (flywheel/recipe/training_loop.py) uses ------------------------
 
-    def train(self, rollouts: Rollouts, update: Update, recipe_state: Callable[[], dict] | None = None) -> dict:
-        """Roll out, update, evaluate, log and checkpoint for steps start..cfg.steps; returns the run's summary.
-
-        `update(batch, step)` runs the algorithm's optimizer steps and returns its
-        metrics, including "weight_version_after" and "train/optimizer_steps" (how
-        many it took: `GradientSteps.metrics` gives both), and "skip_reason" (a
-        string) when it took none. A step with no usable sample (all masked, or
-        every group's rewards equal) takes no optimizer step and calls no update.
-        Each step without one is said on the progress bar and counted; a run in
-        which no step took one raises NothingTrainedError once everything is saved.
-        `recipe_state()` gives the recipe's own tensors to checkpoint (see `resume`).
-        The run directory's lock is let go on the way out, however the run ends.
-        """
-        try:
-            return self._train(rollouts, update, recipe_state)
-        finally:
-            self.dir.release()
-
-    def _train(self, rollouts: Rollouts, update: Update, recipe_state: Callable[[], dict] | None) -> dict:
+    def begin(self, rollouts: Rollouts) -> dict | None:
+        """Before the first step: the resume's data position checked, judges, the hacking watch (fed the
+        evaluations before a resume), best/, trackers; the step-0 evaluation of a fresh run (returned, logged)."""
         cfg, accelerator = self.cfg, self.accelerator
         if rollouts.flywheel.sampler.position(self.start_step) != self.trainer_state.get(
                 "data_position", rollouts.flywheel.sampler.position(self.start_step)):
@@ -248,89 +228,39 @@ class RecipeRun:
                   "card has no judges, so the hacking watch never fires", file=sys.stderr, flush=True)
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
-                self.watch.update(earlier, earlier["step"])
+                self.watch.observe(earlier, earlier["step"])
         if tracker_names(cfg.tracker):
             accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)),
                                       init_kwargs=self._tracker_kwargs)
-        started = time.perf_counter() - self.wall_offset
+        if self.start_step != 0:
+            return None
+        with self.full_params():
+            base_eval = self.evaluate(0)
+        self.log({"step": 0, "weight_version": rollouts.version, "time/wall_s": 0.0, **base_eval})
+        return base_eval
 
-        base_eval = None
-        if self.start_step == 0:
-            with self.full_params():
-                base_eval = self.evaluate(0)
-            self.log({"step": 0, "weight_version": rollouts.version, "time/wall_s": 0.0, **base_eval})
-        progress = _progress(self.recipe, self.is_main, self.start_step, cfg.steps)
-        row: dict = {}
-        version = rollouts.version
-        skipped = self.trainer_state.get("skipped_steps", 0)
-        masked_run = self.trainer_state.get("masked_run", 0)
-        self.skip_reasons: dict[str, int] = {}  # why this session's steps took no optimizer step
-        stopping = False
-        try:
-            for step in range(self.start_step, cfg.steps):
-                step_start = time.perf_counter()
-                with self.full_params():
-                    batch = rollouts.collect(step, trainer_version=version)
-                t0 = time.perf_counter()
-                signal = all_reduce_mean({"usable": float(batch.usable.sum()),
-                                          "valid": float(batch.rewards.valid.sum())})
-                if signal["usable"] > 0:
-                    masked_run = 0
-                    train_metrics = update(batch, step)
-                    if "train/optimizer_steps" not in train_metrics:
-                        raise RuntimeError(f"the {self.recipe} update returned no 'train/optimizer_steps': every "
-                                           "update says how many optimizer steps it took (GradientSteps.metrics)")
-                    skip_reason = train_metrics.pop("skip_reason", "the update took none")
-                else:
-                    # No sample carries a signal (all masked, or every group's rewards equal): an optimizer
-                    # step would still move the weights through AdamW's momentum and weight decay. Skip it.
-                    masked_run = masked_run + 1 if signal["valid"] == 0 else 0
-                    if masked_run >= cfg.train.max_masked_steps:
-                        raise RuntimeError(
-                            f"step {step + 1}: the rewards masked every sample of the last {masked_run} steps "
-                            f"(train.max_masked_steps={cfg.train.max_masked_steps}); see the reward/*/invalid "
-                            f"metrics in {self.dir.metrics_path} and the scorer's errors")
-                    skip_reason = (MASKED_STEP if signal["valid"] == 0 else FLAT_STEP)
-                    train_metrics = {"weight_version_after": version, "train/optimizer_steps": 0.0}
-                if train_metrics["train/optimizer_steps"] == 0:
-                    skipped += 1
-                    self.skip_reasons[skip_reason] = self.skip_reasons.get(skip_reason, 0) + 1
-                    if self.is_main:
-                        _progress_write(f"warning: step {step + 1} took no optimizer step: {skip_reason}")
-                train_metrics["train/skipped_steps"] = skipped
-                train_metrics.update(self.move_ema(step + 1))
-                train_metrics["time/train_s"] = time.perf_counter() - t0 - train_metrics.get("sync/total_s", 0.0)
-                train_metrics["time/wait_s"] = t0 - step_start
-                version = train_metrics["weight_version_after"]
-                row = {"step": step + 1, **all_reduce_mean({**batch.metrics, **train_metrics})}
-                row["weight_version"] = batch.trajectory.weight_version
-                row["time/step_s"] = time.perf_counter() - step_start
-                for key in ("loss", "kl"):
-                    if key in row:
-                        check_finite(row[key], f"the mean {key}", step + 1)
-                row.update(rollouts.metrics())
-                done = step + 1
-                stopping = False
-                if done % cfg.eval_every == 0 or done == cfg.steps:
-                    with self.full_params():
-                        row.update(self.evaluate(done))
-                    stopping = self.stop_for_hacking()
-                row["time/wall_s"] = time.perf_counter() - started
-                self.log(row)
-                if done % cfg.save_every == 0 or done == cfg.steps:
-                    self.save(done, {"weight_version": version, "data_position": rollouts.flywheel.sampler.position(done),
-                                     "skipped_steps": skipped, "masked_run": masked_run, **rollouts.state_dict()},
-                              recipe_state() if recipe_state is not None else {})
-                progress.update(1)
-                progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}",
-                                     **({"kl": f"{row['kl']:.2e}"} if "kl" in row else {}), v=version,
-                                     **({"skipped": skipped} if skipped else {}),
-                                     **({"HACKING?": self.watch.last.short} if self.watch.last.short else {}))
-                if stopping:
-                    break
-        finally:
-            progress.close()
-            rollouts.close()
+    def progress(self):
+        """The run's progress bar (main process), from the step it starts at."""
+        return _progress(self.recipe, self.is_main, self.start_step, self.cfg.steps)
+
+    def show_progress(self, progress, row: dict, version: int, skipped: int) -> None:
+        progress.update(1)
+        progress.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}",
+                             **{k: f"{row[k]:.2e}" for k in ("kl", "ref_mse") if k in row}, v=version,
+                             **({"skipped": skipped} if skipped else {}),
+                             **({"HACKING?": self.watch.last.short} if self.watch.last.short else {}))
+
+    @staticmethod
+    def check_row(row: dict) -> None:
+        """A non-finite mean loss (or KL, or distance to the reference) stops the run at its step."""
+        for key in FINITE_KEYS:
+            if key in row:
+                check_finite(row[key], f"the mean {key}", row["step"])
+
+    def end(self, base_eval: dict | None, row: dict, skipped: int, skip_reasons: dict[str, int],
+            stopping: bool) -> dict:
+        """After the last step (or a train.stop_on_hacking stop): the finish lines and the run's summary."""
+        self.skip_reasons = skip_reasons
         stopped = None
         if stopping:
             stopped = self.hacking_stop.reason(row["step"], self.best and self.best.step,
@@ -342,8 +272,6 @@ class RecipeRun:
             if self.is_main:
                 print(stopped, flush=True)
         return summary
-
-    # --- the blocks the loop uses -------------------------------------------------------------------
 
     def move_ema(self, steps_done: int) -> dict:
         """After a training step: move train.ema's average on its schedule (`train_ema_decay`); its metrics.
@@ -377,13 +305,13 @@ class RecipeRun:
         # back, bit for bit, before the next rollout, and the engine's version (which names the trained
         # weights, and which no swap bumps) is left alone. eval/ema says which weights were measured.
         with self.ema_weights():
-            metrics, traj = self.rollouts.evaluate(items, cfg.sampling.eval_seeds,
+            metrics, traj = self.rollouts.eval_samples(items, cfg.sampling.eval_seeds,
                                                    eval_request_kwargs(cfg.sampling), self.judges)
         if self.ema is not None:
             metrics["eval/ema"] = 1.0
-        watched = self.watch.update(metrics, step)
+        watched = self.watch.observe(metrics, step)
         metrics.update(watched.metrics)
-        self.hacking_stop.update(metrics)
+        self.hacking_stop.observe(metrics)
         if self.best is not None:
             self.best.consider(step, metrics, self._write_best)
             metrics.update(self.best.metrics())

@@ -1,16 +1,17 @@
 """The gradient side of an update, the same for every recipe: minibatches, gradient accumulation, clipping,
-optimizer steps guarded against non-finite numbers, and a weight sync after every optimizer step.
+and optimizer steps guarded against non-finite numbers. No weight sync: the training loop syncs once after an
+update that stepped (flywheel/recipe/algorithm.py).
 
 A recipe's update reads:
 
-    grads = GradientSteps(accelerator, transformer, optimizer, named_params, sync, cfg.train, step)
+    grads = GradientSteps(accelerator, transformer, optimizer, named_params, cfg.train, step)
     for m, rows in enumerate(grads.minibatches(len(batch))):
         for k in range(K):                                   # K loss terms per minibatch (timesteps...)
             loss, stats = my_loss(...)
             grads.backward(loss / grads.backwards_per_step(K), m, last_of_minibatch=k == K - 1)
             grads.record(stats)
         grads.maybe_step(m)
-    return grads.metrics()
+    return gradient_result(grads.metrics())            # flywheel.recipe.algorithm.UpdateResult
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from engine import PromptEmbeds, Trajectory
-from engine.loop import concat_embeds
+from engine.denoise import concat_embeds
 from flywheel.guards import check_finite, check_finite_weights
 
 
@@ -70,16 +71,15 @@ class GradientSteps:
     "max_dev" or "/max" keep their maximum.
     """
 
-    def __init__(self, accelerator, transformer, optimizer, named_params, sync, oc, step: int):
+    def __init__(self, accelerator, transformer, optimizer, named_params, oc, step: int):
         self.accelerator, self.transformer, self.optimizer = accelerator, transformer, optimizer
-        self.named_params, self.sync, self.oc, self.step = named_params, sync, oc, step
+        self.named_params, self.oc, self.step = named_params, oc, step
         self.params = [p for _, p in named_params]
         self.accumulation = 1
         self.n_minibatches = 0
         self._totals: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._grad_norms: list[torch.Tensor] = []
-        self._sync_metrics: dict = {}
 
     def minibatches(self, n: int) -> list[list[int]]:
         """Row indices of this rank's minibatches (train.minibatch_size rows each, the last may be shorter)."""
@@ -111,7 +111,7 @@ class GradientSteps:
                 self._counts[k] = self._counts.get(k, 0) + 1
 
     def maybe_step(self, minibatch: int) -> bool:
-        """After minibatch `minibatch`: an optimizer step (and a sync) when its accumulation group is complete."""
+        """After minibatch `minibatch`: an optimizer step when its accumulation group is complete."""
         if (minibatch + 1) % self.accumulation:
             return False
         grad_norm = self.accelerator.clip_grad_norm_(self.params, self.oc.max_grad_norm)
@@ -121,15 +121,12 @@ class GradientSteps:
         self.optimizer.zero_grad(set_to_none=True)
         check_finite_weights(self.named_params, self.step + 1, "lower train.learning_rate or train.max_grad_norm")
         self._grad_norms.append(grad_norm.detach())
-        self._sync_metrics = self.sync()
         return True
 
     def metrics(self) -> dict[str, float]:
-        """The update's metrics: mean (or max) of each recorded stat, the grad norm, sync timings, the version."""
+        """The update's metrics: mean (or max) of each recorded stat, the grad norm, the optimizer steps taken."""
         out = {k: float(v / self._counts[k]) for k, v in self._totals.items()}
         if self._grad_norms:
             out["grad_norm"] = float(torch.stack(self._grad_norms).mean())
-        out.update({k: v for k, v in self._sync_metrics.items() if k != "weight_version"})
-        out["weight_version_after"] = self._sync_metrics["weight_version"]
-        out["train/optimizer_steps"] = float(len(self._grad_norms))  # RecipeRun counts the steps that took none
+        out["train/optimizer_steps"] = float(len(self._grad_norms))  # the loop counts the steps that took none
         return out

@@ -49,9 +49,6 @@ def check_workflow_keys(cfg, checks: ConfigChecks) -> None:
     if paths[stage] != cfg.model.card:
         checks.fail(f"model.card={cfg.model.card!r}: stage {stage!r} of {workflow_id!r} runs card "
                     f"{paths[stage]!r}; set model.card={paths[stage]}")
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true with model.workflow: the engine process serves one card, not a workflow; "
-                    "set async_rollouts=false")
     unknown = sorted(set(cfg.model.workflow_paths) - set(paths.values()))
     if unknown:
         checks.fail(f"model.workflow_paths names card(s) {', '.join(unknown)} that {workflow_id!r} does not run; "

@@ -19,6 +19,13 @@ A metric a run did not measure is left out for that run (not plotted, "-" in
 the table). Recipes log only what they measure; older runs of NFT, AWM and
 GRPO (`train.log_kl=false`) wrote `kl` as 0.0 with no reference model to
 measure it against, and `kl_placeholder` recognises those from the config.
+
+Two distances to the reference are kept apart: `kl`, GRPO's Gaussian KL of
+the per-step transitions, and `ref_mse`, the velocity MSE that NFT, AWM and
+DPO measure (a different quantity on another scale). Each has its own column
+in the summary and its own panel in the plot. Runs of those three recipes
+written before `ref_mse` had its name logged it as `kl`; they are read as
+`ref_mse` (`Run.ref_mse_key`).
 """
 
 from __future__ import annotations
@@ -38,14 +45,17 @@ from flywheel.runs.rundir import CONFIG_FILENAME, METRICS_FILENAME, atomic_write
 RUN_INFO_FILENAME = "run.json"
 UNKNOWN = "?"  # recipe or card of a run that does not say
 REWARD_KEY = "eval/reward/mean"
-KL_KEY = "kl"
+KL_KEY = "kl"  # GRPO's Gaussian KL to the reference
+REF_MSE_KEY = "ref_mse"  # the velocity MSE to the reference of NFT, AWM and DPO
+# The recipes whose distance to the reference is a velocity MSE: their older runs logged it as `kl`.
+VELOCITY_MSE_RECIPES = ("nft", "awm", "dpo")
 # Diversity of the eval samples where the recipe logs it, else of the training rollouts.
 DIVERSITY_KEYS = ("eval/diversity", "diversity")
 WALL_KEY = "time/wall_s"
 STEP_TIME_KEY = "time/step_s"
 _JUDGE_PREFIX, _JUDGE_SUFFIX = "eval/judge/", "/mean"
 
-# The plot: 2 rows (against step, against wall time) x 4 metrics; its size in pixels is
+# The plot: 2 rows (against step, against wall time) x 5 metrics; its size in pixels is
 # FIGURE_INCHES * FIGURE_DPI (no tight bounding box, so the size does not depend on the labels).
 FIGURE_INCHES = (16.0, 7.0)
 FIGURE_DPI = 100
@@ -187,6 +197,17 @@ class Run:
         """Whether the run measured `key`: it logged it, and not as a placeholder (see `kl_placeholder`)."""
         return any(key in r for r in self.rows) and not (key == KL_KEY and kl_placeholder(self))
 
+    def kl_key(self) -> str | None:
+        """The key of the run's Gaussian KL to the reference: `kl`, unless the recipe measures a velocity MSE."""
+        return None if self.recipe in VELOCITY_MSE_RECIPES else KL_KEY
+
+    def ref_mse_key(self) -> str | None:
+        """The key of the run's velocity MSE to the reference: `ref_mse`, or `kl` in an older run of NFT, AWM or
+        DPO; None when the run has none."""
+        if any(REF_MSE_KEY in r for r in self.rows):
+            return REF_MSE_KEY
+        return KL_KEY if self.recipe in VELOCITY_MSE_RECIPES else None
+
     def series(self, key: str) -> list[tuple[int, float, float]]:
         """(step, wall time, value) of every row where `key` holds a finite number; none when not measured."""
         if not self.measured(key):
@@ -257,9 +278,10 @@ class RunSummary:
     judge_at_best_reward: float | None  # the judge at the best reward's step: high reward, low judge = hacking?
     diversity_key: str | None
     diversity_final: float | None
-    kl_final: float | None
+    kl_final: float | None  # GRPO's Gaussian KL
     wall_s: float | None
     best_checkpoint_step: int | None = None  # the step best/ holds (flywheel/recipe/best.py); None: no best/
+    ref_mse_final: float | None = None  # the velocity MSE to the reference (NFT, AWM, DPO)
 
     def to_json(self) -> dict:
         """A dict strict JSON can hold (NaN becomes null)."""
@@ -281,7 +303,8 @@ def summarize(run: Run, judge: str | None = None) -> RunSummary:
         judge_at_best = next((v for s, _, v in run.series(judge_key(judge)) if s == best[0]), None)
     diversity_key = run.diversity_key()
     diversity = run.last(diversity_key) if diversity_key else None
-    kl = run.last(KL_KEY)
+    kl = run.last(run.kl_key()) if run.kl_key() else None
+    ref_mse = run.last(run.ref_mse_key()) if run.ref_mse_key() else None
     return RunSummary(
         name=run.name, path=str(run.path), recipe=run.recipe, card=run.card,
         steps_done=run.steps_done, steps_configured=run.steps_configured,
@@ -289,7 +312,8 @@ def summarize(run: Run, judge: str | None = None) -> RunSummary:
         reward_best=best[1] if best else None, reward_best_step=best[0] if best else None,
         judge=judge, judge_final=judge_final[1] if judge_final else None, judge_at_best_reward=judge_at_best,
         diversity_key=diversity_key, diversity_final=diversity[1] if diversity else None,
-        kl_final=kl[1] if kl else None, wall_s=run.wall_s, best_checkpoint_step=best_checkpoint_step(run.path))
+        kl_final=kl[1] if kl else None, wall_s=run.wall_s, best_checkpoint_step=best_checkpoint_step(run.path),
+        ref_mse_final=ref_mse[1] if ref_mse else None)
 
 
 def best_checkpoint_step(path: Path) -> int | None:
@@ -586,7 +610,8 @@ def import_pyplot():
 
 
 def plot_runs(runs: list[Run], summaries: list[RunSummary], out: str | os.PathLike) -> Path:
-    """Write a PNG of eval reward, judge, KL and diversity against step (top row) and wall time (bottom row).
+    """Write a PNG of eval reward, judge, KL, velocity MSE to the reference and diversity against step (top row)
+    and wall time (bottom row): GRPO's Gaussian KL and the others' velocity MSE each on their own axes.
 
     One line per run, labelled "<run name> (<recipe>)", the same colour in
     every panel. The judge panel shows each run's judge of its summary. The
@@ -596,7 +621,8 @@ def plot_runs(runs: list[Run], summaries: list[RunSummary], out: str | os.PathLi
     judges = sorted({s.judge for s in summaries if s.judge})
     panels = [("eval reward", lambda run, s: REWARD_KEY),
               (f"eval judge ({', '.join(judges) or 'none'})", lambda run, s: judge_key(s.judge) if s.judge else None),
-              ("KL to reference", lambda run, s: KL_KEY),
+              ("KL to reference", lambda run, s: run.kl_key()),
+              ("velocity MSE to reference", lambda run, s: run.ref_mse_key()),
               ("diversity", lambda run, s: s.diversity_key)]
     fig, axes = plt.subplots(2, len(panels), figsize=FIGURE_INCHES, dpi=FIGURE_DPI, squeeze=False)
     try:

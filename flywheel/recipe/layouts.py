@@ -1,0 +1,195 @@
+"""Rollout layouts: where the engine that rolls out runs, and how trained weights reach it.
+
+One class per layout, behind one factory (`make_layout`), and one table of the
+options that do not combine (`INCOMPATIBLE`), checked once, with the config
+(`check_layout_options`, which every recipe's validate_config calls):
+
+- `Colocated` (default): the engine serves the trainer's own module; a sync only bumps the version.
+- `ServedCopy` (serve="copy"): the engine serves its own copy of the model in this process, and a sync copies
+  the weights the recipe serves into it (DiffusionNFT's theta_old). Evaluation samples the trained module.
+- `EngineProcess` (`async_rollouts=true`): the engine in its own process, fed through shared memory; step s+1
+  rolls out while step s trains (one trainer process).
+- `RayPool` (`rollout.backend=ray`): engine replicas in Ray actors (flywheel/scale), synced together.
+
+A workflow (`model.workflow`) is a stage around the layout's engine, not a layout of its own: `WorkflowStage`
+runs the whole workflow for rollouts and keeps weight sync on the trained card's engine.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from engine import Engine
+from flywheel.recipe.policy import Policy, lora_targets
+from flywheel.recipe.workflow import workflow_stage_engine
+from flywheel.sync.controller import CopyTransport, SharedMemoryTransport, WeightSyncController
+
+SERVE_MODES = ("colocated", "copy")
+
+# Options that do not combine: (option, other option, why). `active_options` says which are on.
+INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
+    ("async_rollouts=true", "serve=copy", "the engine process serves the trained weights, not a sampling policy "
+                                          "apart from them; set async_rollouts=false"),
+    ("rollout.backend=ray", "serve=copy", "Ray replicas serve the trained weights, not a sampling policy apart "
+                                          "from them; set rollout.backend=local"),
+    ("rollout.backend=ray", "async_rollouts=true", "Ray replicas roll out synchronously; set "
+                                                   "async_rollouts=false or rollout.backend=local"),
+    ("rollout.backend=ray", "model.workflow", "Ray replicas serve one card, not a workflow; set "
+                                              "rollout.backend=local or unset model.workflow"),
+    ("model.workflow", "serve=copy", "a workflow stage runs the trained module, not a sampling policy apart "
+                                     "from it; unset model.workflow"),
+    ("async_rollouts=true", "model.workflow", "the engine process serves one card, not a workflow; set "
+                                              "async_rollouts=false"),
+    ("train.flash_compress", "async_rollouts=true", "the engine process has no Flash solver; set "
+                                                    "async_rollouts=false or train.flash_compress=null"),
+)
+
+
+def active_options(cfg, serve: str = "colocated") -> set[str]:
+    """The names (as `INCOMPATIBLE` spells them) of the layout options this config and recipe turn on."""
+    on = set()
+    if cfg.async_rollouts:
+        on.add("async_rollouts=true")
+    if cfg.rollout.backend == "ray":
+        on.add("rollout.backend=ray")
+    if cfg.model.workflow:
+        on.add("model.workflow")
+    if serve == "copy":
+        on.add("serve=copy")
+    if getattr(cfg.train, "flash_compress", None) is not None:
+        on.add("train.flash_compress")
+    return on
+
+
+def layout_refusals(cfg, serve: str = "colocated") -> list[str]:
+    """One line for each pair of `INCOMPATIBLE` that this config turns on together (none: the layout is valid)."""
+    if serve not in SERVE_MODES:
+        return [f"serve={serve!r}: valid layouts are {', '.join(SERVE_MODES)}"]
+    on = active_options(cfg, serve)
+    return [f"{a} with {b}: {why}" for a, b, why in INCOMPATIBLE if a in on and b in on]
+
+
+def check_layout_options(cfg, checks, serve: str = "colocated") -> None:
+    """The config check of the layout options (a recipe whose engine serves a copy passes serve="copy")."""
+    for refusal in layout_refusals(cfg, serve):
+        checks.fail(refusal.replace("serve=copy", "this recipe (its engine serves a policy other than the trained "
+                                    "one)", 1))
+
+
+# --- the layouts -------------------------------------------------------------------------------------
+
+
+class Colocated:
+    """The engine serves the trainer's own module: a sync bumps the version and moves nothing."""
+
+    name = "colocated"
+
+    @staticmethod
+    def evaluates_served(cfg) -> bool:
+        """The served module is the trained one: evaluation uses the rollout engine (train.ema swaps in place)."""
+        return True
+
+    def build(self, cfg, accelerator, policy: Policy, version: int):
+        engine = Engine(policy.model, device=accelerator.device, weight_version=version,
+                        time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
+        return engine, WeightSyncController(engine, mode="colocated")
+
+
+class ServedCopy:
+    """The engine serves its own copy of the transformer (the frozen parts shared), synced by copying.
+
+    The copy starts from the trainable weights as they are when it is built: to start it from others (a
+    resumed sampling policy), build it inside `policy.weights_swapped(weights)`.
+    """
+
+    name = "copy"
+
+    @staticmethod
+    def evaluates_served(cfg) -> bool:
+        """The copy samples the recipe's sampling policy: evaluation samples the trained module instead."""
+        return False
+
+    def build(self, cfg, accelerator, policy: Policy, version: int):
+        served = copy.copy(policy.model)  # shares the frozen parts (text encoder, VAE); owns its transformer
+        served.transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
+        engine = Engine(served, device=accelerator.device, weight_version=version,
+                        time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
+        return engine, WeightSyncController(engine, transport=CopyTransport())
+
+
+class EngineProcess:
+    """The engine in its own process, fed the trainer's weights through shared memory (async rollouts)."""
+
+    name = "engine_process"
+
+    @staticmethod
+    def evaluates_served(cfg) -> bool:
+        """The process holds only synced weights, never train.ema's average: with it, evaluate the trained module."""
+        return not cfg.train.ema
+
+    def build(self, cfg, accelerator, policy: Policy, version: int):
+        from flywheel.sync.engine_process import EngineProcess as Process
+
+        if accelerator.num_processes > 1:
+            raise ValueError("async_rollouts=true needs a single trainer process (the engine takes the other cores); "
+                             f"this run has {accelerator.num_processes}")
+        # The engine starts one version below the trainer's: the first sync below, which gives it the
+        # trainer's weights, lands on the trainer's version, so that a version names the same weights in a
+        # resumed run as in one that never stopped (a fresh run: the card's weights 0, the trainer's 1).
+        engine = Process.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
+                               lora=_lora(cfg), weight_version=max(version - 1, 0), compile=cfg.model.compile)
+        controller = WeightSyncController(engine, transport=SharedMemoryTransport())
+        # The engine process starts from the card's weights: give it the trainer's (LoRA init, resume), checked once.
+        controller.verify = True
+        controller.sync({n: p.detach() for n, p in policy.named_params})
+        controller.verify = False
+        # The trained Parameters move into one buffer laid out like the engine's: each sync is one memcpy.
+        controller.transport.share_layout(engine, dict(policy.named_params))
+        return engine, controller
+
+
+class RayPool:
+    """Engine replicas in Ray actors, synced together (flywheel/scale); the pool is its own engine."""
+
+    name = "ray"
+
+    @staticmethod
+    def evaluates_served(cfg) -> bool:
+        """The replicas hold only synced weights, as the engine process does."""
+        return not cfg.train.ema
+
+    def build(self, cfg, accelerator, policy: Policy, version: int):
+        from flywheel.scale.config import build_rollout_engine
+
+        return build_rollout_engine(
+            cfg.rollout, cfg.model.card, path=cfg.model.path, weight_version=max(version - 1, 0), lora=_lora(cfg),
+            initial_weights={n: p.detach() for n, p in policy.named_params}, rank=accelerator.process_index,
+            world=accelerator.num_processes, device=str(accelerator.device))
+
+
+class WorkflowStage:
+    """model.workflow: the flywheel rolls out the whole workflow through the layout's engine (the trained stage's
+    log-probs, the final outputs); weight sync stays on that engine, so only the trained card's version moves."""
+
+    @staticmethod
+    def wrap(cfg, engine, device):
+        return workflow_stage_engine(cfg, engine, device) if cfg.model.workflow else engine
+
+
+def make_layout(cfg, serve: str = "colocated"):
+    """The layout of this config and recipe; ValueError naming the options that do not combine."""
+    refusals = layout_refusals(cfg, serve)
+    if refusals:
+        raise ValueError("; ".join(refusals))
+    if cfg.rollout.backend == "ray":
+        return RayPool()
+    if cfg.async_rollouts:
+        return EngineProcess()
+    return ServedCopy() if serve == "copy" else Colocated()
+
+
+def _lora(cfg) -> dict | None:
+    """The LoRA an engine outside this process builds to receive the trained adapter (None: full weights)."""
+    if cfg.model.finetune != "lora":
+        return None
+    return {"rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": lora_targets(cfg)}

@@ -1,0 +1,134 @@
+"""The training loop of every recipe: eight numbered phases per step, over the algorithm protocol.
+
+    run = RecipeRun(cfg, recipe="grpo")                   # accelerator, run dir, resume (flywheel/recipe/session.py)
+    algorithm = GRPO(policy, optimizer, transformer, cfg, run.accelerator)   # trainers/grpo.py
+    rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
+    summary = train(run, rollouts, algorithm)
+
+The loop owns the weight version: it syncs once after an update that stepped
+(flywheel/recipe/algorithm.py says what the algorithm must do). A step whose
+batch carries no signal (every sample masked, or every group's rewards equal)
+calls no update: an optimizer step would still move the weights through
+AdamW's momentum and weight decay. Each step without an optimizer step is
+said on the progress bar and counted; a run in which none took one raises
+NothingTrainedError once everything is saved. The run directory's lock is let
+go on the way out, however the run ends.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from flywheel.distributed import all_reduce_mean
+from flywheel.recipe.algorithm import Algorithm, UpdateResult
+
+# Why a step took no optimizer step, when no update was called (an update that takes none gives its own reason).
+FLAT_STEP = "every group's rewards were equal (flat groups: no advantage to learn from)"
+MASKED_STEP = "the rewards masked every sample"
+
+
+def train(run, rollouts, algorithm: Algorithm) -> dict:
+    """Steps run.start_step..cfg.steps of `algorithm` on `rollouts`; returns the run's summary (RecipeRun.finish)."""
+    try:
+        return _train(run, rollouts, algorithm)
+    finally:
+        run.dir.release()
+
+
+def _train(run, rollouts, algorithm: Algorithm) -> dict:
+    cfg = run.cfg
+    started = time.perf_counter() - run.wall_offset  # time/wall_s continues a resumed run's
+    base_eval = run.begin(rollouts)  # resume checks, judges, trackers, the step-0 evaluation
+    version = rollouts.version
+    steps = StepAccounting(run.trainer_state, cfg.train.max_masked_steps, run.dir.metrics_path, run.is_main)
+    row, stopping, progress = {}, False, run.progress()
+    try:
+        for step in range(run.start_step, cfg.steps):
+            done, step_start = step + 1, time.perf_counter()
+            # 1. Roll out: this step's samples, from the weights the algorithm serves (async: prefetched).
+            with run.full_params(), algorithm.serving_weights():
+                batch = rollouts.collect(step, trainer_version=version)
+            # 2. Score and advantages: the collector did both, over every rank; is there anything to learn?
+            t0 = time.perf_counter()
+            signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum())})
+            # 3. Update: the algorithm's optimizer steps (none when no sample carries a signal).
+            result = algorithm.update(batch, step) if steps.has_signal(signal, step) else steps.no_signal(signal)
+            metrics = steps.count(result, step)
+            t1 = time.perf_counter()
+            # 4. Sync: new weights into serving, version + 1, only when the update moved them.
+            if result.stepped:
+                with algorithm.serving_weights():
+                    synced = rollouts.sync()
+                version = synced.pop("weight_version")
+                metrics.update(synced)
+            metrics["weight_version_after"] = version
+            # 5. EMA: train.ema's average of the trained weights, on its schedule.
+            metrics.update(run.move_ema(done))
+            metrics.update({"time/train_s": t1 - t0, "time/wait_s": t0 - step_start})
+            row = {"step": done, **all_reduce_mean({**batch.metrics, **metrics}),
+                   "weight_version": batch.trajectory.weight_version, "time/step_s": time.perf_counter() - step_start}
+            run.check_row(row)
+            row.update(rollouts.metrics())
+            # 6. Evaluate: judges, the hacking watch, best/ (main process), on eval_every and at the end.
+            stopping = False
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                with run.full_params():
+                    row.update(run.evaluate(done))
+                stopping = run.stop_for_hacking()
+            # 7. Log: metrics.jsonl and the trackers.
+            row["time/wall_s"] = time.perf_counter() - started
+            run.log(row)
+            # 8. Checkpoint: weights, optimizer, RNG, the loop's state and the algorithm's tensors.
+            if done % cfg.save_every == 0 or done == cfg.steps:
+                run.save(done, {"weight_version": version, "data_position": rollouts.flywheel.sampler.position(done),
+                                **steps.state_dict(), **rollouts.state_dict()}, algorithm.state_dict())
+            run.show_progress(progress, row, version, steps.skipped)
+            if stopping:
+                break
+    finally:
+        progress.close()
+        rollouts.close()
+    return run.end(base_eval, row, steps.skipped, steps.reasons, stopping)
+
+
+class StepAccounting:
+    """The steps that took no optimizer step (and why), and the run of all-masked ones that stops a run."""
+
+    def __init__(self, trainer_state: dict, max_masked_steps: int, metrics_path, is_main: bool):
+        self.skipped = trainer_state.get("skipped_steps", 0)  # over every session of the run
+        self.masked_run = trainer_state.get("masked_run", 0)
+        self.reasons: dict[str, int] = {}  # this session's only
+        self.max_masked_steps, self.metrics_path, self.is_main = max_masked_steps, metrics_path, is_main
+
+    def has_signal(self, signal: dict, step: int) -> bool:
+        """Whether any sample of the step carries a signal; stops a run whose rewards mask every sample too long."""
+        if signal["usable"] > 0:
+            self.masked_run = 0
+            return True
+        self.masked_run = self.masked_run + 1 if signal["valid"] == 0 else 0
+        if self.masked_run >= self.max_masked_steps:
+            raise RuntimeError(f"step {step + 1}: the rewards masked every sample of the last {self.masked_run} steps "
+                               f"(train.max_masked_steps={self.max_masked_steps}); see the reward/*/invalid metrics "
+                               f"in {self.metrics_path} and the scorer's errors")
+        return False
+
+    @staticmethod
+    def no_signal(signal: dict) -> UpdateResult:
+        """The result of a step whose batch carries no signal: no update was called."""
+        return UpdateResult({"train/optimizer_steps": 0.0}, False, MASKED_STEP if signal["valid"] == 0 else FLAT_STEP)
+
+    def count(self, result: UpdateResult, step: int) -> dict:
+        """The step's metrics with the run's count of skipped steps; a step without an optimizer step is said."""
+        if not result.stepped:
+            self.skipped += 1
+            reason = result.skip_reason or "the update took none"
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            if self.is_main:
+                from tqdm.auto import tqdm
+
+                tqdm.write(f"warning: step {step + 1} took no optimizer step: {reason}", file=sys.stderr)
+        return {**result.metrics, "train/skipped_steps": self.skipped}
+
+    def state_dict(self) -> dict:
+        return {"skipped_steps": self.skipped, "masked_run": self.masked_run}

@@ -1,0 +1,235 @@
+"""The training loop over the algorithm protocol, the rollout layouts' table and factory, and the renamed modules."""
+
+import contextlib
+import importlib
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flywheel.recipe import layouts
+from flywheel.recipe.algorithm import Algorithm, UpdateResult, gradient_result
+from flywheel.recipe.training_loop import FLAT_STEP, train
+
+# ---- the loop: it owns the weight version and syncs once after an update that stepped ---------------------
+
+
+class FakeRollouts:
+    def __init__(self, usable):
+        self.usable, self.version, self.events, self.closed = usable, 0, [], False
+        self.flywheel = SimpleNamespace(sampler=SimpleNamespace(position=lambda step: step))
+
+    def collect(self, step, trainer_version):
+        self.events.append(("collect", step, trainer_version))
+        n = self.usable[step]
+        return SimpleNamespace(usable=torch.ones(n), rewards=SimpleNamespace(valid=torch.ones(4)), metrics={},
+                               trajectory=SimpleNamespace(weight_version=self.version))
+
+    def sync(self):
+        self.version += 1
+        self.events.append(("sync", self.version))
+        return {"weight_version": self.version, "sync/bytes": 8.0}
+
+    def metrics(self):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def close(self):
+        self.closed = True
+
+
+class FakeAlgorithm:
+    """Steps on the steps named in `steps_on`; records what the loop did around it."""
+
+    def __init__(self, rollouts, steps_on):
+        self.rollouts, self.steps_on, self.serving = rollouts, steps_on, False
+
+    def update(self, batch, step):
+        self.rollouts.events.append(("update", step))
+        n = 1.0 if step in self.steps_on else 0.0
+        return gradient_result({"loss": 0.5, "train/optimizer_steps": n}, skip_reason="no pair")
+
+    @contextlib.contextmanager
+    def serving_weights(self):
+        self.serving = True
+        self.rollouts.events.append(("serving",))
+        try:
+            yield
+        finally:
+            self.serving = False
+
+    def state_dict(self):
+        return {"theta_old": torch.zeros(1)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class FakeRun:
+    def __init__(self, steps):
+        self.cfg = SimpleNamespace(steps=steps, eval_every=100, save_every=2, train=SimpleNamespace(max_masked_steps=5))
+        self.trainer_state, self.start_step, self.wall_offset, self.is_main = {}, 0, 0.0, False
+        self.dir = SimpleNamespace(metrics_path="metrics.jsonl", release=lambda: setattr(self, "released", True))
+        self.rows, self.saved, self.released = [], [], False
+
+    def begin(self, rollouts):
+        return {}
+
+    def progress(self):
+        return SimpleNamespace(close=lambda: None)
+
+    def full_params(self):
+        return contextlib.nullcontext()
+
+    def move_ema(self, done):
+        return {}
+
+    def check_row(self, row):
+        pass
+
+    def evaluate(self, step):
+        return {"eval/reward/mean": 1.0}
+
+    def stop_for_hacking(self):
+        return False
+
+    def log(self, row):
+        self.rows.append(row)
+
+    def save(self, step, state, tensors):
+        self.saved.append((step, state, sorted(tensors)))
+
+    def show_progress(self, *args):
+        pass
+
+    def end(self, base_eval, row, skipped, reasons, stopping):
+        return {"skipped": skipped, "reasons": reasons}
+
+
+def test_the_loop_syncs_once_after_an_update_that_stepped_inside_the_served_weights():
+    rollouts = FakeRollouts(usable=[4, 4, 0, 4])  # step 2 has no usable sample: no update is called
+    algorithm = FakeAlgorithm(rollouts, steps_on={0, 3})  # step 1's update takes no optimizer step
+    run = FakeRun(steps=4)
+    assert isinstance(algorithm, Algorithm)
+    summary = train(run, rollouts, algorithm)
+    updates = [e[1] for e in rollouts.events if e[0] == "update"]
+    syncs = [e for e in rollouts.events if e[0] == "sync"]
+    assert updates == [0, 1, 3] and syncs == [("sync", 1), ("sync", 2)]  # one sync per update that stepped
+    # Every rollout and every sync ran inside serving_weights() (the event before it).
+    for i, event in enumerate(rollouts.events):
+        if event[0] in ("collect", "sync"):
+            assert rollouts.events[i - 1] == ("serving",), event
+    assert [e[2] for e in rollouts.events if e[0] == "collect"] == [0, 1, 1, 1]  # the loop's version, passed on
+    assert [r["weight_version_after"] for r in run.rows] == [1, 1, 1, 2]
+    assert [r["train/skipped_steps"] for r in run.rows] == [0, 1, 2, 2]
+    assert "sync/bytes" in run.rows[0] and "sync/bytes" not in run.rows[1]
+    assert summary == {"skipped": 2, "reasons": {"no pair": 1, FLAT_STEP: 1}}
+    assert [(s, st["weight_version"], t) for s, st, t in run.saved] == [(2, 1, ["theta_old"]), (4, 2, ["theta_old"])]
+    assert rollouts.closed and run.released
+
+
+def test_a_run_of_masked_steps_stops_the_loop_and_releases_the_run_dir():
+    rollouts = FakeRollouts(usable=[0, 0, 0])
+    original = rollouts.collect
+
+    def masked(step, trainer_version):
+        batch = original(step, trainer_version)
+        batch.rewards.valid = torch.zeros(4)
+        return batch
+
+    rollouts.collect = masked
+    run = FakeRun(steps=3)
+    run.cfg.train.max_masked_steps = 2
+    with pytest.raises(RuntimeError, match=r"step 2: the rewards masked every sample of the last 2 steps"):
+        train(run, rollouts, FakeAlgorithm(rollouts, steps_on=set()))
+    assert run.released and rollouts.closed
+    assert [(r['step'], r['train/skipped_steps']) for r in run.rows] == [(1, 1)]  # step 1 logged, step 2 stopped
+
+
+def test_an_update_result_says_the_same_as_its_optimizer_step_count():
+    assert UpdateResult({"train/optimizer_steps": 2.0}, True).stepped
+    with pytest.raises(ValueError, match="train/optimizer_steps"):
+        UpdateResult({"loss": 1.0}, True)
+    with pytest.raises(ValueError, match="disagrees"):
+        UpdateResult({"train/optimizer_steps": 0.0}, True)
+    assert gradient_result({"train/optimizer_steps": 0.0}, "why").skip_reason == "why"
+    assert gradient_result({"train/optimizer_steps": 1.0}, "why").skip_reason is None
+
+
+def test_every_recipe_is_an_algorithm():
+    from trainers.awm import AWM
+    from trainers.dpo import DPO
+    from trainers.grpo import GRPO
+    from trainers.nft import NFT
+
+    for cls in (GRPO, NFT, AWM, DPO):
+        assert all(callable(getattr(cls, name)) for name in ("update", "serving_weights", "state_dict",
+                                                              "load_state_dict")), cls
+
+
+# ---- layouts: one table of what combines, one factory ------------------------------------------------------
+
+
+def layout_cfg(async_rollouts=False, backend="local", workflow=None, flash=None, ema=False):
+    return SimpleNamespace(async_rollouts=async_rollouts, rollout=SimpleNamespace(backend=backend),
+                           model=SimpleNamespace(workflow=workflow), train=SimpleNamespace(flash_compress=flash, ema=ema))
+
+
+ON = {"async_rollouts=true": {"async_rollouts": True}, "rollout.backend=ray": {"backend": "ray"},
+      "model.workflow": {"workflow": "toy.digits_then_refine"}, "train.flash_compress": {"flash": 0.5}}
+
+
+@pytest.mark.parametrize("first, second, why", layouts.INCOMPATIBLE, ids=lambda x: str(x)[:24])
+def test_each_pair_of_the_table_is_refused_by_the_check_and_the_factory(first, second, why):
+    keys, serve = {}, "colocated"
+    for option in (first, second):
+        if option == "serve=copy":
+            serve = "copy"
+        else:
+            keys.update(ON[option])
+    cfg = layout_cfg(**keys)
+    refusals = layouts.layout_refusals(cfg, serve)
+    assert refusals == [f"{first} with {second}: {why}"], refusals
+    with pytest.raises(ValueError, match="with"):
+        layouts.make_layout(cfg, serve)
+    failed = []
+    layouts.check_layout_options(cfg, SimpleNamespace(fail=failed.append), serve)
+    assert len(failed) == 1 and why in failed[0]
+
+
+def test_the_factory_picks_one_layout_class_per_config():
+    assert isinstance(layouts.make_layout(layout_cfg()), layouts.Colocated)
+    assert isinstance(layouts.make_layout(layout_cfg(), serve="copy"), layouts.ServedCopy)
+    assert isinstance(layouts.make_layout(layout_cfg(async_rollouts=True)), layouts.EngineProcess)
+    assert isinstance(layouts.make_layout(layout_cfg(backend="ray")), layouts.RayPool)
+    assert isinstance(layouts.make_layout(layout_cfg(workflow="toy.digits_then_refine")), layouts.Colocated)
+    assert layouts.layout_refusals(layout_cfg(flash=0.4)) == []  # Flash alone, and colocated, combine
+    with pytest.raises(ValueError, match="serve='ray': valid layouts are colocated, copy"):
+        layouts.make_layout(layout_cfg(), serve="ray")
+    # Evaluation samples the trained weights: the copy never holds them, the processes not train.ema's average.
+    # (Asked of the factory's instances, as Rollouts asks.)
+    assert layouts.make_layout(layout_cfg(ema=True)).evaluates_served(layout_cfg(ema=True))
+    assert not layouts.make_layout(layout_cfg(), serve="copy").evaluates_served(layout_cfg())
+    assert layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg())
+    assert not layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg(ema=True))
+    for ema in (False, True):
+        assert layouts.make_layout(layout_cfg(backend="ray")).evaluates_served(layout_cfg(ema=ema)) == (not ema)
+
+
+# ---- renamed modules stay importable for one release --------------------------------------------------------
+
+
+@pytest.mark.parametrize("old, new, name, new_name", [("flywheel.loop", "flywheel.rollout_collector", "evaluate",
+                                                       "eval_samples"),
+                                                      ("engine.loop", "engine.denoise", "denoise", "denoise")])
+def test_the_old_module_names_warn_and_give_the_new_ones(old, new, name, new_name):
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+    assert getattr(module, name) is getattr(importlib.import_module(new), new_name)
