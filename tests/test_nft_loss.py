@@ -175,7 +175,7 @@ def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule_and_serves_the
     trained = [("b", torch.nn.Parameter(torch.tensor([3.0, 6.0]))), ("a", torch.nn.Parameter(torch.tensor([[0.0]])))]
     weights = {"a": torch.tensor([[4.0]]), "b": torch.tensor([1.0, 2.0])}
     rollouts = RecordingRollouts(version=4)
-    sampling = SamplingPolicy(weights, rollouts, model=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25,
+    sampling = SamplingPolicy(weights, rollouts, policy=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25,
                                                                            eta_max=0.6))
     # After step 0 one step is done, and one is flat: eta = 0 copies theta.
     metrics = sampling.follow(trained, step=0)

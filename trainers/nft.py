@@ -134,6 +134,7 @@ from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
+from flywheel.recipe.swapped_weights import swapped_in
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # A velocity function of (x_t [B, ...], t [B], conditioning) -> v [B, ...], run without grad.
@@ -322,25 +323,23 @@ def soft_update(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.T
 
 
 class SamplingPolicy:
-    """theta_old, the policy that rolls out: its weights, the engine's copy that serves them, and its soft update.
+    """theta_old, the policy that rolls out: its weights, the rollouts that serve them, and its soft update.
 
     `weights` (name -> tensor, the trainable ones: all of the transformer or the
-    LoRA adapter) are what the soft update moves and what a checkpoint keeps; the
-    engine's own copy of the transformer holds the same values after every sync,
-    and gives v_old. The trained weights never leave the trainer's module.
+    LoRA adapter, in the weights' dtype) are what the soft update moves, what the
+    engine serves (a sync hands them over; each rollout swaps them into the one
+    transformer) and what a checkpoint keeps. v_old is the trained module's
+    velocity with them swapped in for the forward (no second copy of the model:
+    flywheel/recipe/swapped_weights.py).
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], rollouts: Rollouts, model, tc: NFTConfig):
-        self.weights, self.rollouts, self.model, self.tc = weights, rollouts, model, tc
-
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.rollouts.engine.model.transformer
+    def __init__(self, weights: dict[str, torch.Tensor], rollouts: Rollouts, policy: Policy, tc: NFTConfig):
+        self.weights, self.rollouts, self.policy, self.tc = weights, rollouts, policy, tc
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
-        """v_old: the conditional velocity of the served weights (no grad)."""
-        with torch.no_grad():
-            return self.model.velocity(self.transformer, x, t, cond)
+        """v_old: the conditional velocity of the sampling weights (no grad); the trained ones are back after."""
+        with torch.no_grad(), swapped_in(self.policy.named_params, self.weights, what="the sampling policy"):
+            return self.policy.model.velocity(self.policy.transformer, x, t, cond)
 
     def serving_unchanged(self) -> dict:
         """The sync an optimizer step triggers: none, since the engine serves theta_old, not theta."""
@@ -528,11 +527,11 @@ def main(argv: list[str] | None = None) -> dict:
     run.resume(policy, optimizer)
     transformer, optimizer = run.prepare(policy, optimizer)
     sampling_weights = initial_sampling_weights(policy, run.recipe_tensors)
-    # The engine serves theta_old from its own copy of the transformer, made here with theta_old's values
-    # (those of a fresh run are the trained ones); evaluation samples the trained module.
-    with policy.weights_swapped(sampling_weights):
-        rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state, serve="copy")
-    sampling = SamplingPolicy(sampling_weights, rollouts, policy.model, cfg.train)
+    # The engine serves theta_old (a fresh run's: the trained weights) by swapping it into the trained module
+    # for each rollout; evaluation samples the trained weights.
+    rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state, serve="swapped",
+                        served_weights=sampling_weights)
+    sampling = SamplingPolicy(sampling_weights, rollouts, policy, cfg.train)
 
     def update(batch: RolloutBatch, step: int) -> dict:
         metrics = nft_update(batch, policy.model, transformer, sampling.velocity, optimizer, run.accelerator,

@@ -3,16 +3,17 @@
 Three layouts, one interface (`collect(step)`, `sync(weights)`, `close()`):
 
 - "colocated" (default): the engine serves the trainer's own module; a sync only bumps the version.
-- "copy": the engine serves its own copy of the model in this process, and a sync copies the weights
-  the recipe gives into it (a recipe whose sampling policy is not the trained one: DiffusionNFT).
-  Evaluation still samples the trained policy, from a second engine over the trainer's module.
+- "swapped": the engine serves the trainer's own module with the weights of the last sync swapped in
+  for every rollout (a recipe whose sampling policy is not the trained one: DiffusionNFT), so there is
+  no second copy of the model; a sync hands the weights over (SwappedTransport). Evaluation samples the
+  trained weights, from a second engine over the same module.
 - `async_rollouts=true`: the engine in its own process, fed through shared memory; step s+1 rolls
   out while step s trains (one trainer process).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 
 import torch
 
@@ -21,25 +22,27 @@ from flywheel.loop import Flywheel, RolloutBatch, evaluate
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.policy import Policy, lora_targets
 from flywheel.recipe.sections import rollout_request_kwargs
+from flywheel.recipe.swapped_weights import SwappedTransport
 from flywheel.recipe.workflow import workflow_stage_engine
 from flywheel.scale.config import build_rewards, build_rollout_engine
 from flywheel.sync.async_rollouts import AsyncCollector
-from flywheel.sync.controller import CopyTransport, SharedMemoryTransport, WeightSyncController
+from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController
 from flywheel.sync.engine_process import EngineProcess
 from flywheel.video import MiddleFrameRewards
 
-SERVE_MODES = ("colocated", "copy")
+SERVE_MODES = ("colocated", "swapped")
 
 
 class Rollouts:
     """The engine and the flywheel of a run; `sync(weights)` moves weights into serving and bumps the version."""
 
     def __init__(self, cfg, accelerator, policy: Policy, version: int, trainer_state: dict,
-                 serve: str = "colocated"):
-        """With serve="copy" the copy starts from the trainable weights as they are now: to start it from
-        other ones (a resumed sampling policy), build it inside `policy.weights_swapped(weights)`."""
+                 serve: str = "colocated", served_weights: dict[str, torch.Tensor] | None = None):
+        """serve="swapped" serves `served_weights` (named like the trained parameters) until the first sync."""
         if serve not in SERVE_MODES:
             raise ValueError(f"serve={serve!r}: valid layouts are {', '.join(SERVE_MODES)}")
+        if (serve == "swapped") != (served_weights is not None):
+            raise ValueError("serve='swapped' takes the weights it serves first (served_weights), and only it does")
         self.policy = policy
         self.collector: AsyncCollector | None = None
         self.pools = []  # Ray actor pools (flywheel.scale): their per-replica metrics go into each row
@@ -63,12 +66,11 @@ class Rollouts:
                 raise ValueError("async_rollouts=true is not supported by this recipe (its engine serves a "
                                  "policy other than the trained one); set async_rollouts=false")
             self.engine, self.controller = _engine_process(cfg, accelerator, policy, version)
-        elif serve == "copy":
-            served = copy.copy(policy.model)  # shares the frozen parts (text encoder, VAE); owns its transformer
-            served.transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
-            self.engine = Engine(served, device=accelerator.device, weight_version=version,
+        elif serve == "swapped":
+            self.engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                  time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
-            self.controller = WeightSyncController(self.engine, transport=CopyTransport())
+            transport = SwappedTransport(policy.named_params, served_weights)
+            self.controller = WeightSyncController(self.engine, transport=transport)
         else:
             self.engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                  time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
@@ -93,8 +95,8 @@ class Rollouts:
             adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std,
             same_noise_per_group=cfg.sampling.same_noise_per_group)
         self.eval_engine = rollout_engine
-        if serve == "copy" or ((cfg.async_rollouts or cfg.rollout.backend == "ray") and cfg.train.ema):
-            # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine
+        if serve == "swapped" or ((cfg.async_rollouts or cfg.rollout.backend == "ray") and cfg.train.ema):
+            # The served weights are not the ones to evaluate (swapped in: the sampling policy; the engine
             # process holds only synced weights, never train.ema's average): evaluate the trained module here.
             self.eval_engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                       time_shift=cfg.sampling.time_shift)
@@ -116,10 +118,17 @@ class Rollouts:
             weights = {n: p.detach() for n, p in self.policy.named_params}
         return self.controller.sync(weights)
 
+    def serving(self) -> contextlib.AbstractContextManager:
+        """The context rollouts run in: the served weights swapped into the trained module ("swapped"), or none."""
+        if isinstance(self.controller.transport, SwappedTransport):
+            return self.controller.transport.serving()
+        return contextlib.nullcontext()
+
     def collect(self, step: int, trainer_version: int) -> RolloutBatch:
         """The rollouts of `step`: generated now, or (async) while the previous step trained."""
         if self.collector is None:
-            return self.flywheel.collect(step)
+            with self.serving():
+                return self.flywheel.collect(step)
         batch = self.collector.get(step, trainer_version=trainer_version)
         if step + 1 < self.total_steps:
             self.collector.prefetch(step + 1)
