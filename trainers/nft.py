@@ -78,6 +78,7 @@ code unless it says otherwise):
    public code counts optimizer steps: the same with one per batch). As the
    code, the soft update after the i-th step (i = 1, 2, ...) uses eta_i, so the
    first one already uses 0.001 (this recipe used eta_0 = 0 there before).
+10. theta_old is the trained tensors only, swapped into the one transformer (code: a 2nd LoRA adapter); same maths.
 
 Defaults, and what was changed from the paper's for the built-in toy task (toy-digits,
 8 prompts x 16 samples, ODE with 10 steps, full fine-tune; held-out eval reward at
