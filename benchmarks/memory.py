@@ -39,6 +39,11 @@ RECIPES = ("grpo", "nft", "awm", "dpo")
 FINETUNES = ("lora", "full")
 # The transformer: (joint blocks, heads, head dim). The full size is over 50M parameters.
 SIZES = {"full": (6, 8, 64), "quick": (2, 4, 32)}
+# Every recipe trains 2 flow times per sample (one forward and backward each), NFT's and DPO's default: GRPO both
+# of the 2 denoising steps (its default int(0.99·2) = 1 would do half the training forwards), AWM 2 uniform times
+# (its default 6 times of the rollout's grid need more denoising steps).
+RECIPE_ARGS = {"grpo": ["train.timestep_fraction=1.0"],
+               "awm": ["train.time_sampling=uniform", "train.timesteps_per_sample=2"]}
 PROMPTS = "a red cat\na blue dog\n"
 MB = 2**20
 
@@ -49,7 +54,8 @@ def run_args(recipe: str, finetune: str, folder: Path, prompts: Path, run_dir: P
             "tracker=none", "threads=1", f"steps={steps}", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
             "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
             "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "sampling.guidance_scale=1",
-            "rewards=jpeg_compressibility:1.0", "eval_every=1000", "sample_every=1000", "save_every=1000"]
+            "rewards=jpeg_compressibility:1.0", "eval_every=1000", "sample_every=1000", "save_every=1000",
+            *RECIPE_ARGS.get(recipe, [])]
 
 
 # ---- the child: one recipe in a fresh process ---------------------------------------------------------

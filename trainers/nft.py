@@ -135,7 +135,6 @@ from flywheel.recipe.rollouts import Rollouts
 from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
                                       check_shared_sections, resolve_config)
 from flywheel.recipe.session import RecipeRun
-from flywheel.recipe.swapped_weights import swapped_in
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
 
 # A velocity function of (x_t [B, ...], t [B], conditioning) -> v [B, ...], run without grad.
@@ -339,7 +338,7 @@ class SamplingPolicy:
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
         """v_old: the conditional velocity of the sampling weights (no grad); the trained ones are back after."""
-        with torch.no_grad(), swapped_in(self.policy.named_params, self.weights, what="the sampling policy"):
+        with torch.no_grad(), self.policy.weights_swapped(self.weights):
             return self.policy.model.velocity(self.policy.transformer, x, t, cond)
 
     def serving_unchanged(self) -> dict:
