@@ -7,9 +7,9 @@
 A random SD3Transformer2DModel (6 joint blocks, 8 heads of 64: 54.5M parameters; --quick: 1.1M) with the
 tiny SD3 folder's text encoders and VAE is written to a temporary folder, and each recipe runs in a fresh
 process of its own (peaks never mix): 2 training steps of 2 prompts x 2 samples at 32x32, 2 denoising steps,
-guidance 1, the jpeg_compressibility reward, an evaluation of the 2 prompts at the start and the end, each
-recipe's other keys at their defaults (GRPO, AWM and DPO hold a reference policy, NFT does not: see
-docs/memory.md). On a GPU the peak is `torch.cuda.max_memory_allocated`; on a CPU it is the process's peak
+guidance 1, the jpeg_compressibility reward, an evaluation of the 2 prompts at the start and the end, 2 flow
+times trained per sample (RECIPE_ARGS), each recipe's other keys at their defaults (GRPO, AWM and DPO hold a
+reference policy, NFT does not: see docs/memory.md). On a GPU the peak is `torch.cuda.max_memory_allocated`; on a CPU it is the process's peak
 resident set (VmHWM) above its RSS once torch, diffusers and the recipe are imported (the libraries' own
 memory is left out). Both are read when the run saves its first checkpoint, after its last evaluation:
 `*_peak_run_*` adds the checkpoint and the LoRA export after it (safetensors serialises a checkpoint in
