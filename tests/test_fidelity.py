@@ -166,7 +166,7 @@ def test_guided_velocity_takes_one_time_per_row_with_guidance():
 def test_nft_first_soft_update_uses_the_released_codes_eta():
     trained = [("w", torch.nn.Parameter(torch.tensor([1.0])))]
     weights = {"w": torch.tensor([0.0])}
-    sampling = SamplingPolicy(weights, model=None, tc=NFTConfig())
+    sampling = SamplingPolicy(weights, policy=None, tc=NFTConfig())
     # The code's global_step is 1 when it soft-updates after the first optimizer step: eta = min(0.001·1, 0.5).
     assert sampling.follow(trained, step=0)["nft/eta"] == pytest.approx(0.001)
     assert float(weights["w"]) == pytest.approx(0.999)  # 0.001·0 + 0.999·1

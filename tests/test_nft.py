@@ -200,3 +200,65 @@ def test_guided_rollouts_are_refused_and_sde_rollouts_train(tmp_path):
     _, rows = run(tmp_path, "sde", *SMALL, "steps=1", "eval_every=1", "sampling.sampler=sde",
                   "train.timesteps_per_sample=1")
     assert rows[1]["grad_norm"] > 0 and rows[1]["weight_version"] == 0
+
+
+# ---- memory: theta_old is the trained tensors' size, and there is one transformer ------------------
+
+
+def recipe_objects(tmp_path, monkeypatch, name, *overrides):
+    """What main builds (the rollouts and the algorithm), stopped before training."""
+    import trainers.nft as nft_module
+
+    built = {}
+
+    def capture(run, rollouts, algorithm):
+        built.update(rollouts=rollouts, algorithm=algorithm)
+        run.dir.release()
+        return {}
+
+    monkeypatch.setattr(nft_module, "train", capture)
+    main([f"run_dir={tmp_path / name}", *QUICK, *SMALL, *overrides])
+    return built["rollouts"], built["algorithm"]
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_nft_holds_no_second_transformer_and_theta_old_is_the_trained_tensors_only(tmp_path, monkeypatch, finetune):
+    rollouts, nft = recipe_objects(tmp_path, monkeypatch, finetune, f"model.finetune={finetune}")
+    theta_old = nft.state_dict()
+    try:
+        policy = rollouts.policy
+        transformer = policy.transformer
+        # Rollouts and evaluation run the trained module itself: no engine holds a copy of the model.
+        assert rollouts.engine.model.transformer is transformer
+        assert rollouts.eval_engine.model.transformer is transformer
+        trained = dict(policy.named_params)
+        assert theta_old.keys() == trained.keys()
+        assert all(theta_old[n].shape == p.shape and theta_old[n].data_ptr() != p.data_ptr()
+                   for n, p in trained.items())
+        model_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
+        trained_bytes = sum(p.numel() * p.element_size() for p in trained.values())
+        assert sum(t.numel() * t.element_size() for t in theta_old.values()) == trained_bytes
+        if finetune == "lora":
+            assert all("lora_" in n for n in theta_old) and trained_bytes < 0.2 * model_bytes
+        else:
+            assert trained_bytes == model_bytes
+
+        # Rollouts sample theta_old, swapped in by the loop (nft.serving_weights): the module sees other sampling
+        # weights during a rollout and holds the trained ones again after it.
+        weights_now = {n: p.detach().clone() for n, p in trained.items()}
+        moved = {n: w + 0.01 for n, w in theta_old.items()}
+        expected = {n: w.clone() for n, w in moved.items()}  # `moved` holds the trained values while swapped in
+        seen = []
+        hook = transformer.register_forward_pre_hook(
+            lambda module, args: seen.append(all(torch.equal(p, expected[n]) for n, p in policy.named_params)))
+        try:
+            nft.sampling.weights = moved
+            with nft.serving_weights():
+                rollouts.collect(0, trainer_version=rollouts.version)
+        finally:
+            hook.remove()
+        assert seen and all(seen)
+        assert all(torch.equal(p, weights_now[n]) for n, p in policy.named_params)
+        assert all(torch.equal(moved[n], expected[n]) for n in moved)
+    finally:
+        rollouts.close()

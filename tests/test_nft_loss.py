@@ -162,7 +162,7 @@ def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule():
     # named_params in another order than the sampling weights: pairing is by name, not position.
     trained = [("b", torch.nn.Parameter(torch.tensor([3.0, 6.0]))), ("a", torch.nn.Parameter(torch.tensor([[0.0]])))]
     weights = {"a": torch.tensor([[4.0]]), "b": torch.tensor([1.0, 2.0])}
-    sampling = SamplingPolicy(weights, model=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25, eta_max=0.6))
+    sampling = SamplingPolicy(weights, policy=None, tc=NFTConfig(eta_flat_steps=1, eta_rate=0.25, eta_max=0.6))
     # After step 0 one step is done, and one is flat: eta = 0 copies theta.
     metrics = sampling.follow(trained, step=0)
     assert weights["a"].tolist() == [[0.0]] and weights["b"].tolist() == [3.0, 6.0]

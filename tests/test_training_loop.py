@@ -187,8 +187,8 @@ ON = {"async_rollouts=true": {"async_rollouts": True}, "rollout.backend=ray": {"
 def test_each_pair_of_the_table_is_refused_by_the_check_and_the_factory(first, second, why):
     keys, serve = {}, "colocated"
     for option in (first, second):
-        if option == "serve=copy":
-            serve = "copy"
+        if option == "serve=swapped":
+            serve = "swapped"
         else:
             keys.update(ON[option])
     cfg = layout_cfg(**keys)
@@ -203,17 +203,17 @@ def test_each_pair_of_the_table_is_refused_by_the_check_and_the_factory(first, s
 
 def test_the_factory_picks_one_layout_class_per_config():
     assert isinstance(layouts.make_layout(layout_cfg()), layouts.Colocated)
-    assert isinstance(layouts.make_layout(layout_cfg(), serve="copy"), layouts.ServedCopy)
+    assert isinstance(layouts.make_layout(layout_cfg(), serve="swapped"), layouts.SwappedIn)
     assert isinstance(layouts.make_layout(layout_cfg(async_rollouts=True)), layouts.EngineProcess)
     assert isinstance(layouts.make_layout(layout_cfg(backend="ray")), layouts.RayPool)
     assert isinstance(layouts.make_layout(layout_cfg(workflow="toy.digits_then_refine")), layouts.Colocated)
     assert layouts.layout_refusals(layout_cfg(flash=0.4)) == []  # Flash alone, and colocated, combine
-    with pytest.raises(ValueError, match="serve='ray': valid layouts are colocated, copy"):
+    with pytest.raises(ValueError, match="serve='ray': valid layouts are colocated, swapped"):
         layouts.make_layout(layout_cfg(), serve="ray")
-    # Evaluation samples the trained weights: the copy never holds them, the processes not train.ema's average.
+    # Evaluation samples the trained weights: swapped-in rollouts never sample them, the processes not train.ema's average.
     # (Asked of the factory's instances, as Rollouts asks.)
     assert layouts.make_layout(layout_cfg(ema=True)).evaluates_served(layout_cfg(ema=True))
-    assert not layouts.make_layout(layout_cfg(), serve="copy").evaluates_served(layout_cfg())
+    assert not layouts.make_layout(layout_cfg(), serve="swapped").evaluates_served(layout_cfg())
     assert layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg())
     assert not layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg(ema=True))
     for ema in (False, True):

@@ -36,6 +36,7 @@ unless it says otherwise):
    by default); not here: its fp16 autocast with a GradScaler.
 8. Rollouts with classifier-free guidance are refused (v_old must have sampled x0).
 9. The eta schedule counts training steps; the first soft update uses eta_1 = 0.001.
+10. theta_old is the trained tensors only, swapped into the one transformer (code: a 2nd LoRA adapter); same maths.
 
 Usage, the equations and deviations in full, logged metrics and the measured runs:
 docs/recipes/nft.md; the toy default's tuning: docs/tuning_nft.md.
@@ -254,23 +255,23 @@ def soft_update(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.T
 
 
 class SamplingPolicy:
-    """theta_old, the policy that rolls out: its weights, the module that gives v_old, and its soft update.
+    """theta_old, the policy that rolls out: its weights, the velocity v_old they give, and its soft update.
 
     `weights` (name -> tensor, the trainable ones: all of the transformer or the
-    LoRA adapter) are what the soft update moves, what the engine serves (the
-    training loop syncs them, inside `NFT.serving_weights`) and what a
-    checkpoint keeps. `transformer` is the engine's own copy of the transformer,
-    which holds the same values after every sync and gives v_old. The trained
-    weights never leave the trainer's module.
+    LoRA adapter, in the weights' dtype) are what the soft update moves, what the
+    engine serves (the training loop swaps them into the one transformer around
+    rollouts and syncs, inside `NFT.serving_weights`) and what a checkpoint keeps.
+    v_old is the trained module's velocity with them swapped in for the forward:
+    no second copy of the model (flywheel/recipe/swapped_weights.py).
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], model, tc: NFTConfig, transformer=None):
-        self.weights, self.model, self.tc, self.transformer = weights, model, tc, transformer
+    def __init__(self, weights: dict[str, torch.Tensor], policy: Policy, tc: NFTConfig):
+        self.weights, self.policy, self.tc = weights, policy, tc
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
-        """v_old: the conditional velocity of the served weights (no grad)."""
-        with torch.no_grad():
-            return self.model.velocity(self.transformer, x, t, cond)
+        """v_old: the conditional velocity of the sampling weights (no grad); the trained ones are back after."""
+        with torch.no_grad(), self.policy.weights_swapped(self.weights):
+            return self.policy.model.velocity(self.policy.transformer, x, t, cond)
 
     def follow(self, named_params: list[tuple[str, torch.nn.Parameter]], step: int) -> dict:
         """After step `step`'s optimizer steps: theta_old <- eta·theta_old + (1 - eta)·theta (the loop then
@@ -357,13 +358,13 @@ class NFT:
 
     `transformer` is the trained module as prepared (DDP-wrapped on several ranks); `policy.ref_velocity`, the
     reference model's velocity, is needed when train.kl_beta > 0 and logged ("ref_mse") whenever given.
-    `old_velocity(x_t, t, cond)` gives v_old: the sampling policy's (main points it at the engine's copy).
+    `old_velocity(x_t, t, cond)` gives v_old: the sampling policy's (theta_old swapped into the trained module).
     """
 
     def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator):
         self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
         self.accelerator = accelerator
-        self.sampling = SamplingPolicy(initial_sampling_weights(policy, {}), policy.model, cfg.train)
+        self.sampling = SamplingPolicy(initial_sampling_weights(policy, {}), policy, cfg.train)
         self.old_velocity: VelocityFn = self.sampling.velocity
 
     def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
@@ -431,7 +432,7 @@ class NFT:
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
-    check_layout_options(cfg, checks, serve="copy")  # the engine serves theta_old: async, Ray, workflow refused
+    check_layout_options(cfg, checks, serve="swapped")  # the engine serves theta_old: async, Ray, workflow refused
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
                     "FSDP shards; launch with DDP (or one process)")
@@ -469,11 +470,9 @@ def main(argv: list[str] | None = None) -> dict:
     transformer, optimizer = run.prepare(policy, optimizer)
     nft = NFT(policy, optimizer, transformer, cfg, run.accelerator)
     nft.load_state_dict(run.recipe_tensors)  # theta_old of a resumed run
-    # The engine serves theta_old from its own copy of the transformer, made here with theta_old's values
-    # (those of a fresh run are the trained ones); v_old comes from that copy; evaluation samples the trained module.
-    with nft.serving_weights():
-        rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state, serve="copy")
-    nft.sampling.transformer = rollouts.engine.model.transformer
+    # The engine serves the trained module; the loop swaps theta_old into it around rollouts and syncs
+    # (nft.serving_weights), and evaluation samples the trained weights.
+    rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state, serve="swapped")
     return train(run, rollouts, nft)
 
 

@@ -5,7 +5,9 @@ options that do not combine (`INCOMPATIBLE`), checked once, with the config
 (`check_layout_options`, which every recipe's validate_config calls):
 
 - `Colocated` (default): the engine serves the trainer's own module; a sync only bumps the version.
-- `ServedCopy` (serve="copy"): the engine serves its own copy of the model in this process, and a sync copies
+- `SwappedIn` (serve="swapped"): the engine serves the trainer's own module, with the recipe's sampling weights
+  swapped in around each rollout and sync by the algorithm's `serving_weights()` (DiffusionNFT's theta_old: the
+  trained tensors only, no second transformer; flywheel/recipe/swapped_weights.py); a sync copies
   the weights the recipe serves into it (DiffusionNFT's theta_old). Evaluation samples the trained module.
 - `EngineProcess` (`async_rollouts=true`): the engine in its own process, fed through shared memory; step s+1
   rolls out while step s trains (one trainer process).
@@ -17,26 +19,25 @@ runs the whole workflow for rollouts and keeps weight sync on the trained card's
 
 from __future__ import annotations
 
-import copy
 
 from engine import Engine
 from flywheel.recipe.policy import Policy, lora_targets
 from flywheel.recipe.workflow import workflow_stage_engine
 from flywheel.sync.controller import CopyTransport, SharedMemoryTransport, WeightSyncController
 
-SERVE_MODES = ("colocated", "copy")
+SERVE_MODES = ("colocated", "swapped")
 
 # Options that do not combine: (option, other option, why). `active_options` says which are on.
 INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
-    ("async_rollouts=true", "serve=copy", "the engine process serves the trained weights, not a sampling policy "
+    ("async_rollouts=true", "serve=swapped", "the engine process serves the trained weights, not a sampling policy "
                                           "apart from them; set async_rollouts=false"),
-    ("rollout.backend=ray", "serve=copy", "Ray replicas serve the trained weights, not a sampling policy apart "
+    ("rollout.backend=ray", "serve=swapped", "Ray replicas serve the trained weights, not a sampling policy apart "
                                           "from them; set rollout.backend=local"),
     ("rollout.backend=ray", "async_rollouts=true", "Ray replicas roll out synchronously; set "
                                                    "async_rollouts=false or rollout.backend=local"),
     ("rollout.backend=ray", "model.workflow", "Ray replicas serve one card, not a workflow; set "
                                               "rollout.backend=local or unset model.workflow"),
-    ("model.workflow", "serve=copy", "a workflow stage runs the trained module, not a sampling policy apart "
+    ("model.workflow", "serve=swapped", "a workflow stage runs the trained module, not a sampling policy apart "
                                      "from it; unset model.workflow"),
     ("async_rollouts=true", "model.workflow", "the engine process serves one card, not a workflow; set "
                                               "async_rollouts=false"),
@@ -54,8 +55,8 @@ def active_options(cfg, serve: str = "colocated") -> set[str]:
         on.add("rollout.backend=ray")
     if cfg.model.workflow:
         on.add("model.workflow")
-    if serve == "copy":
-        on.add("serve=copy")
+    if serve == "swapped":
+        on.add("serve=swapped")
     if getattr(cfg.train, "flash_compress", None) is not None:
         on.add("train.flash_compress")
     return on
@@ -70,9 +71,9 @@ def layout_refusals(cfg, serve: str = "colocated") -> list[str]:
 
 
 def check_layout_options(cfg, checks, serve: str = "colocated") -> None:
-    """The config check of the layout options (a recipe whose engine serves a copy passes serve="copy")."""
+    """The config check of the layout options (a recipe whose engine serves other weights than the trained ones passes serve="swapped")."""
     for refusal in layout_refusals(cfg, serve):
-        checks.fail(refusal.replace("serve=copy", "this recipe (its engine serves a policy other than the trained "
+        checks.fail(refusal.replace("serve=swapped", "this recipe (its engine serves a policy other than the trained "
                                     "one)", 1))
 
 
@@ -95,24 +96,21 @@ class Colocated:
         return engine, WeightSyncController(engine, mode="colocated")
 
 
-class ServedCopy:
-    """The engine serves its own copy of the transformer (the frozen parts shared), synced by copying.
+class SwappedIn:
+    """The engine serves the trainer's own module; the algorithm swaps its sampling weights in around every
+    rollout and sync (`serving_weights()`), so no copy of the transformer exists. A sync copies the weights it
+    is given (the swapped-in ones: a copy onto themselves) and reports their bytes, as the engine's own copy
+    once did; evaluation runs outside the swap, on the trained weights."""
 
-    The copy starts from the trainable weights as they are when it is built: to start it from others (a
-    resumed sampling policy), build it inside `policy.weights_swapped(weights)`.
-    """
-
-    name = "copy"
+    name = "swapped"
 
     @staticmethod
     def evaluates_served(cfg) -> bool:
-        """The copy samples the recipe's sampling policy: evaluation samples the trained module instead."""
+        """Rollouts sample the recipe's sampling policy: evaluation gets an engine of its own (same module)."""
         return False
 
     def build(self, cfg, accelerator, policy: Policy, version: int):
-        served = copy.copy(policy.model)  # shares the frozen parts (text encoder, VAE); owns its transformer
-        served.transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
-        engine = Engine(served, device=accelerator.device, weight_version=version,
+        engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                         time_shift=cfg.sampling.time_shift, compile=cfg.model.compile)
         return engine, WeightSyncController(engine, transport=CopyTransport())
 
@@ -185,7 +183,7 @@ def make_layout(cfg, serve: str = "colocated"):
         return RayPool()
     if cfg.async_rollouts:
         return EngineProcess()
-    return ServedCopy() if serve == "copy" else Colocated()
+    return SwappedIn() if serve == "swapped" else Colocated()
 
 
 def _lora(cfg) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +13,7 @@ from engine import get_card, load_model
 from engine.denoise import guided_velocity
 from flywheel.lora import adapters_disabled, add_lora
 from flywheel.recipe.preflight import check_built_model, check_lora_targets
+from flywheel.recipe.swapped_weights import swapped_in
 from flywheel.runs.config import ConfigError
 
 # velocity(x, t, cond, uncond_cond, guidance) of a frozen policy (the reference, or a recipe's sampling policy).
@@ -45,23 +46,14 @@ class Policy:
         """A detached copy of the trainable weights (e.g. a recipe's sampling policy)."""
         return {n: p.detach().clone() for n, p in self.named_params}
 
-    @contextlib.contextmanager
-    def weights_swapped(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Run the transformer with `weights` in place of the trainable ones (no grad), then put them back.
+    def weights_swapped(self, weights: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Run the transformer with `weights` in place of the trainable ones, then put them back (bit for bit).
 
         For a second policy of the same shape (a sampling policy, an EMA) without a
-        second copy of the frozen weights: LoRA swaps only the adapter.
+        second copy of the frozen weights: LoRA swaps only the adapter, and weights of
+        the parameters' dtype are exchanged in place (flywheel/recipe/swapped_weights.py).
         """
-        saved = {n: p.detach().clone() for n, p in self.named_params}
-        try:
-            with torch.no_grad():
-                for n, p in self.named_params:
-                    p.copy_(weights[n])
-            yield
-        finally:
-            with torch.no_grad():
-                for n, p in self.named_params:
-                    p.copy_(saved[n])
+        return swapped_in(self.named_params, weights)
 
 
 def build_policy(cfg, device: torch.device, reference: bool) -> Policy:

@@ -25,8 +25,8 @@ class Rollouts:
 
     def __init__(self, cfg, accelerator, policy: Policy, version: int, trainer_state: dict,
                  serve: str = "colocated"):
-        """serve="copy": the engine serves a copy of the model (a recipe whose sampling policy is not the trained
-        one), started from the trainable weights as they are now (see `layouts.ServedCopy`)."""
+        """serve="swapped": the engine serves the trained module with the recipe's sampling weights swapped in
+        by its `serving_weights()` (a recipe whose sampling policy is not the trained one; `layouts.SwappedIn`)."""
         self.policy = policy
         self.collector: AsyncCollector | None = None
         self.pools = []  # Ray actor pools (flywheel.scale): their per-replica metrics go into each row
