@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.report import add_report_args, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
+
 RECIPES = ("grpo", "nft", "awm", "dpo")
 FINETUNES = ("lora", "full")
 # The transformer: (joint blocks, heads, head dim). The full size is over 50M parameters.
@@ -186,8 +188,7 @@ def parse_list(value: str, valid: tuple[str, ...], flag: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a 1.1M-parameter transformer (a smoke run)")
-    parser.add_argument("--json", type=Path, help="write the flat keys here")
+    add_report_args(parser, quick="a 1.1M-parameter transformer (a smoke run)")
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, from " + ", ".join(RECIPES))
     parser.add_argument("--finetune", default=",".join(FINETUNES), help="comma-separated: lora, full")
     parser.add_argument("--root", type=Path, default=ROOT, help="the project tree whose recipes run (default: this)")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        Path(spec["out"]).write_text(json.dumps(child(spec)))
+        write_json(spec["out"], child(spec))
         return {}
     recipes = parse_list(args.recipes, RECIPES, "--recipes")
     finetunes = parse_list(args.finetune, FINETUNES, "--finetune")
@@ -228,8 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(table(result, recipes, finetunes))
     print("whole run (with the checkpoint and the LoRA export):")
     print(table(result, recipes, finetunes, kind="peak_run"))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 
