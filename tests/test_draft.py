@@ -184,11 +184,11 @@ def test_loss_is_minus_the_scaled_mean_valid_reward_plus_the_regularisers():
     valid = torch.isfinite(reward)
     loss, stats = draft_loss(reward, valid, reward_scale=2.0)
     assert float(loss) == pytest.approx(-0.8) and float(stats["draft/reward"]) == pytest.approx(0.4)
-    assert float(stats["draft/valid_samples"]) == 2 and "kl" not in stats
+    assert float(stats["draft/valid_samples"]) == 2 and "ref_mse" not in stats
     loss, stats = draft_loss(reward, valid, 1.0, kl=torch.tensor(0.5), kl_beta=0.1, anchor=torch.tensor(2.0),
                              anchor_beta=0.01)
     assert float(loss) == pytest.approx(-0.4 + 0.05 + 0.02)
-    assert float(stats["kl"]) == 0.5 and float(stats["anchor_kl"]) == 2.0
+    assert float(stats["ref_mse"]) == 0.5 and float(stats["anchor_mse"]) == 2.0
     v = torch.tensor([[1.0, 2.0]], requires_grad=True)
     distance = velocity_distance([(None, None, v)], lambda x, t: torch.tensor([[0.0, 4.0]]))
     assert float(distance.detach()) == pytest.approx((1 + 4) / 2)
@@ -275,10 +275,10 @@ def test_the_grad_path_lands_on_the_rollouts_samples_and_every_mode_trains(tmp_p
     assert on[1]["draft/reward"] == on[1]["reward/mean"]
     assert without_timings(on) == without_timings(off)
     _, refl = run(tmp_path, "refl", *SMALL, "steps=1", "eval_every=1", "train.mode=refl", "train.kl_beta=0.1")
-    assert refl[1]["grad_norm"] > 0 and refl[1]["kl"] == 0.0  # the first forward is the reference's weights
+    assert refl[1]["grad_norm"] > 0 and refl[1]["ref_mse"] == 0.0  # the first forward is the reference's weights
     assert 0 < refl[1]["t/mean"] < 0.35  # late steps of the 6-step grid
     _, lv = run(tmp_path, "lv", *SMALL, "steps=1", "eval_every=1", "train.lv_samples=2", "train.anchor_beta=1")
-    assert lv[1]["grad_norm"] > 0 and lv[1]["anchor_kl"] == 0.0 and "anchor/decay" in lv[1]
+    assert lv[1]["grad_norm"] > 0 and lv[1]["anchor_mse"] == 0.0 and "anchor/decay" in lv[1]
 
 
 @pytest.mark.slow
@@ -309,7 +309,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
     assert resumed["run_dir"] == str(interrupted)
     rows = read_metrics(interrupted / "metrics.jsonl")
     assert without_timings(rows) == without_timings(straight)
-    assert rows[4]["anchor_kl"] > 0  # the anchor lags the weights once its decay is above 0
+    assert rows[4]["anchor_mse"] > 0  # the anchor lags the weights once its decay is above 0
     ours, theirs = checkpoint(interrupted, 4), checkpoint(tmp_path / "straight", 4)
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
@@ -323,7 +323,7 @@ def test_lora_trains_only_the_adapter(tmp_path):
     saved = checkpoint(tmp_path / "lora", 2)
     assert saved and all("lora_" in k for k in saved)
     assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0 for k, v in saved.items())
-    assert rows[1]["kl"] == 0.0 and rows[2]["kl"] > 0.0  # B = 0 at first: the adapted model is the reference
+    assert rows[1]["ref_mse"] == 0.0 and rows[2]["ref_mse"] > 0.0  # B = 0 at first: the adapted model is the reference
 
 
 @pytest.mark.slow

@@ -345,10 +345,10 @@ def draft_loss(reward: torch.Tensor, valid: torch.Tensor, reward_scale: float, k
     stats = {"draft/reward": mean_reward.detach(), "draft/valid_samples": valid.float().sum()}
     if kl is not None:
         loss = loss + kl_beta * kl
-        stats["kl"] = kl.detach()
+        stats["ref_mse"] = kl.detach()  # a velocity MSE, not a KL (GRPO's "kl" is a Gaussian KL)
     if anchor is not None:
         loss = loss + anchor_beta * anchor
-        stats["anchor_kl"] = anchor.detach()
+        stats["anchor_mse"] = anchor.detach()
     stats["loss"] = loss.detach()
     return loss, stats
 

@@ -46,9 +46,9 @@ RUN_INFO_FILENAME = "run.json"
 UNKNOWN = "?"  # recipe or card of a run that does not say
 REWARD_KEY = "eval/reward/mean"
 KL_KEY = "kl"  # GRPO's Gaussian KL to the reference
-REF_MSE_KEY = "ref_mse"  # the velocity MSE to the reference of NFT, AWM and DPO
+REF_MSE_KEY = "ref_mse"  # the velocity MSE to the reference of NFT, AWM, DPO and DRaFT
 # The recipes whose distance to the reference is a velocity MSE: their older runs logged it as `kl`.
-VELOCITY_MSE_RECIPES = ("nft", "awm", "dpo")
+VELOCITY_MSE_RECIPES = ("nft", "awm", "dpo", "draft")
 # Diversity of the eval samples where the recipe logs it, else of the training rollouts.
 DIVERSITY_KEYS = ("eval/diversity", "diversity")
 WALL_KEY = "time/wall_s"
