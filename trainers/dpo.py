@@ -47,7 +47,6 @@ docs/recipes/dpo.md; why the toy default still games its reward: docs/tuning_dpo
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -60,7 +59,7 @@ from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.distributed import all_gather_cat, rank_and_world
 from flywheel.rollout_collector import RolloutBatch
-from flywheel.recipe.algorithm import UpdateResult, gradient_result, refuse_recipe_tensors
+from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
@@ -265,7 +264,7 @@ def padded_pair_count(n_local: int) -> int:
     return int(all_gather_cat(torch.tensor([n_local], dtype=torch.long)).max())
 
 
-class DPO:
+class DPO(ServesTrainedWeights):
     """Online Diffusion-DPO's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy
     (whose `ref_velocity` is the reference's), its optimizer and the config; it samples with the trained weights
     and keeps no tensors of its own. `transformer` is the trained module as prepared (DDP-wrapped on several
@@ -322,15 +321,6 @@ class DPO:
                 grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
             grads.maybe_step(m)
         return gradient_result({**grads.metrics(), **pair_metrics, "dpo/no_pair": 0.0})
-
-    def serving_weights(self):
-        return contextlib.nullcontext()  # the engine samples the trained weights
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        refuse_recipe_tensors(state)
 
 
 # ---------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ the sweep behind the toy default: docs/tuning_grpo.md.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from engine.denoise import guided_velocity
 from engine.sampling import gaussian_kl, sde_t_cap, step_log_prob, transition_std
 from flywheel.cli import run_main
 from flywheel.rollout_collector import RolloutBatch
-from flywheel.recipe.algorithm import UpdateResult, gradient_result, refuse_recipe_tensors
+from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradient_result
 from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
@@ -450,7 +449,7 @@ def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: lis
     return log_probs, means
 
 
-class GRPO:
+class GRPO(ServesTrainedWeights):
     """Flow-GRPO's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its
     optimizer and the config; it samples with the trained weights and keeps no tensors of its own.
 
@@ -509,15 +508,6 @@ class GRPO:
         return gradient_result({**grads.metrics(), "trained_steps/first": float(steps[0]),
                                 "trained_steps/first_mean": float(first_per_row.float().mean()),
                                 "trained_steps/count": float(per_row.float().mean())})
-
-    def serving_weights(self):
-        return contextlib.nullcontext()  # the engine samples the trained weights
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        refuse_recipe_tensors(state)
 
 
 # ---------------------------------------------------------------------------------------

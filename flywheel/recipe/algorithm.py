@@ -78,6 +78,20 @@ class Algorithm(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
+class ServesTrainedWeights:
+    """The three protocol calls of a recipe that samples with the trained weights and keeps no tensors of its
+    own (GRPO, DPO): inherit them, write `update`."""
+
+    def serving_weights(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine samples the trained weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        refuse_recipe_tensors(state)
+
+
 def gradient_result(metrics: dict[str, float], skip_reason: str = "the update took none") -> UpdateResult:
     """The UpdateResult of an update whose metrics come from `GradientSteps.metrics()` (plus its own keys)."""
     stepped = metrics["train/optimizer_steps"] > 0
