@@ -51,9 +51,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,6 +65,95 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: never ask t
 PROMPT = "a photo of a red fox in the snow"
 SIDES = ("engine", "engine_eager", "pipeline")
 LABELS = {"engine": "engine, compiled", "engine_eager": "engine, eager", "pipeline": "diffusers pipeline"}
+# The model's forwards alone, replayed with the inputs one engine rollout gave them: each engine side's
+# time over its forwards' time is that side's overhead (scheduler steps, CFG bookkeeping, buffers, host work).
+FORWARDS = {"engine": "forwards_compiled", "engine_eager": "forwards_eager"}
+# Each engine side next to its forwards in the rotation, so that a pair sees the same load.
+TIMED = ("engine", "forwards_compiled", "engine_eager", "forwards_eager", "pipeline")
+
+
+def engine_overhead(engine_times: list[float], forward_times: list[float]) -> dict[str, float]:
+    """The engine's overhead over the model's forwards alone, from paired rounds: each round's engine time over
+    its forwards time, minus 1; the median over rounds, and the rounds' min and max."""
+    if not engine_times or len(engine_times) != len(forward_times):
+        raise ValueError(f"engine_overhead needs one forwards time per engine time, got {len(engine_times)} and "
+                         f"{len(forward_times)}")
+    if min(forward_times) <= 0:
+        raise ValueError(f"forwards times must be positive, got {forward_times}")
+    overheads = [e / f - 1.0 for e, f in zip(engine_times, forward_times)]
+    return {"median": statistics.median(overheads), "min": min(overheads), "max": max(overheads)}
+
+
+def device_timer(device, clock: str = "wall") -> Callable[[Callable[[], object]], float]:
+    """Seconds of one call of `run()`. On CUDA the queue is drained before the clock starts and before it stops
+    (torch.cuda.synchronize), so the time is the kernels' and not their launches'. On CPU every op has
+    finished when it returns: nothing to wait for. clock "process" (CPU only) reads this process's CPU seconds
+    (time.process_time) instead of the wall clock: other processes' load on a shared machine then stays out."""
+    import torch
+
+    if clock == "process" and device.type == "cuda":
+        raise ValueError("--clock process measures CPU seconds: on CUDA the kernels' time is on the wall clock")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = time.process_time if clock == "process" else time.perf_counter
+
+    def timed(run) -> float:
+        sync()
+        start = now()
+        run()
+        sync()
+        return now() - start
+
+    return timed
+
+
+class ForwardRecorder:
+    """The inputs of every transformer call and of the decode during one rollout, for replaying them alone."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls: list[tuple[tuple, dict]] = []
+        self.decoded: torch.Tensor | None = None
+
+    @staticmethod
+    def _copy(value):
+        import torch
+
+        return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+    def record(self, rollout: Callable[[], object]) -> "ForwardRecorder":
+        model, original_decode = self.model, self.model.decode
+
+        def hook(module, args, kwargs):
+            self.calls.append((tuple(self._copy(a) for a in args), {k: self._copy(v) for k, v in kwargs.items()}))
+
+        def decode(latents):
+            self.decoded = latents.detach().clone()
+            return original_decode(latents)
+
+        handle = model.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+        model.decode = decode
+        try:
+            rollout()
+        finally:
+            handle.remove()
+            del model.decode  # the class's method again
+        if not self.calls or self.decoded is None:
+            raise RuntimeError(f"the rollout made {len(self.calls)} transformer calls and "
+                               f"{'a' if self.decoded is not None else 'no'} decode: nothing to replay")
+        return self
+
+    def replay(self, transformer) -> Callable[[], object]:
+        """A call running the recorded forwards through `transformer` (the eager module or its compiled
+        wrapper), then the decode: nothing else."""
+        import torch
+
+        def run():
+            with torch.no_grad():
+                for args, kwargs in self.calls:
+                    transformer(*args, **kwargs)
+                return self.model.decode(self.decoded)
+
+        return run
 
 
 def peak_allocated_bytes(run, device) -> int:
@@ -289,7 +381,10 @@ def build_sides(args) -> tuple[dict, int]:
     torch.set_num_threads(args.threads) if args.device == "cpu" else None
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     family = FAMILIES[args.family]
-    pipe, model, pixels = family.setup(family.large if args.large else family.small, device, dtype)
+    sizes = dict(family.large if args.large else family.small)
+    if args.layers is not None:
+        sizes["num_layers"] = args.layers
+    pipe, model, pixels = family.setup(sizes, device, dtype)
     engines = {"engine": Engine(model, device=device, compile=True), "engine_eager": Engine(model, device=device)}
     batch, steps, guidance = args.batch, args.steps, family.guidance
     encoder = engines["engine_eager"]
@@ -316,6 +411,10 @@ def build_sides(args) -> tuple[dict, int]:
 
     runs = {side: (run_pipeline if side == "pipeline" else (lambda seed, e=engines[side]: run_engine(e, seed)))
             for side in SIDES}
+    recorder = ForwardRecorder(model).record(lambda: run_engine(engines["engine_eager"], 0))
+    for side, forwards in FORWARDS.items():
+        replay = recorder.replay(engines[side].serving_transformer())
+        runs[forwards] = lambda seed, replay=replay: replay()  # the same inputs every round: times do not hang on them
     return runs, sum(p.numel() for p in pipe.transformer.parameters())
 
 
@@ -327,15 +426,14 @@ def measure(args) -> dict:
     for side, run in runs.items():
         images = run(0)
         assert tuple(images.shape[:2]) == (args.batch, 3), (side, images.shape)  # images, or videos [B, 3, F, H, W]
+    timed = device_timer(torch.device(args.device), args.clock)
     times = {side: [] for side in runs}
     for r in tqdm(range(args.rounds), desc="rounds", disable=args.rounds < 2):
-        order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
+        order = TIMED[r % len(TIMED):] + TIMED[:r % len(TIMED)]
         for side in order:
-            t0 = time.perf_counter()
-            runs[side](r + 1)
-            times[side].append(time.perf_counter() - t0)
-    memory = {side: peak_allocated_bytes(lambda: run(args.rounds + 1), torch.device(args.device))
-              for side, run in runs.items()}
+            times[side].append(timed(lambda: runs[side](r + 1)))
+    memory = {side: peak_allocated_bytes(lambda: runs[side](args.rounds + 1), torch.device(args.device))
+              for side in SIDES}
     return {"times": times, "memory": memory, "transformer_params": params}
 
 
@@ -346,10 +444,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--large", action="store_true", help="12 layers, width 1536, 64x64 latents (for a GPU)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer blocks instead of the size's (e.g. --large --layers 24: SD3.5-Medium's "
+                             "depth and width)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 6, --quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    parser.add_argument("--clock", default="wall", choices=["wall", "process"],
+                        help="wall seconds, or (CPU only) this process's CPU seconds: steadier on a shared machine")
     args = parser.parse_args()
     if args.rounds is None:
         args.rounds = 1 if args.quick else 6
@@ -365,7 +468,7 @@ def main() -> None:
     result = {
         "family": args.family, "device": args.device, "dtype": args.dtype, "model": "large" if args.large else "small",
         "transformer_params": measured["transformer_params"], "batch": args.batch, "steps": args.steps,
-        "cfg": family.guidance, "rounds": args.rounds, "threads": args.threads,
+        "cfg": family.guidance, "rounds": args.rounds, "threads": args.threads, "layers_override": args.layers,
         "diffusers_images_per_s": images_per_s["pipeline"], "diffusers_peak_mem_mb": mib["pipeline"],
         "memory_measure": "peak tensor memory allocated during one call over the memory allocated before it",
     }
@@ -376,10 +479,28 @@ def main() -> None:
         result[f"{prefix}speedup_round_min"] = min(ratios[side])
         result[f"{prefix}speedup_round_max"] = max(ratios[side])
         result[f"{prefix}memory_over_diffusers"] = memory_ratio[side]
+    overhead = {side: engine_overhead(times[side], times[forwards]) for side, forwards in FORWARDS.items()}
+    for side, suffix in (("engine_eager", "eager"), ("engine", "compiled")):
+        result[f"forwards_{suffix}_s"] = statistics.median(times[FORWARDS[side]])
+        result[f"engine_{suffix}_s"] = statistics.median(times[side])
+        result[f"engine_overhead_{suffix}"] = overhead[side]["median"]
+        result[f"engine_overhead_{suffix}_round_min"] = overhead[side]["min"]
+        result[f"engine_overhead_{suffix}_round_max"] = overhead[side]["max"]
+    result["forwards_measure"] = ("the transformer calls and the decode of one engine rollout, replayed with the "
+                                  "same inputs and nothing else; overhead = engine time / forwards time - 1, "
+                                  "median of paired rounds")
+    result["clock"] = args.clock
+    result["timing_sync"] = ("torch.cuda.synchronize before and after each timed call" if args.device == "cuda"
+                             else "none needed: CPU ops finish before they return")
 
     print_table([Column("", 20, align="<"), Column("images/s", 10, ".2f"), Column("speedup", 9, ".2f"),
                  Column("peak MiB", 10, ".1f"), Column("memory ratio", 14, ".2f")],
                 [(LABELS[side], images_per_s[side], speedup[side], mib[side], memory_ratio[side]) for side in SIDES])
+    print_table([Column("", 20, align="<"), Column("engine s", 10, ".3f"), Column("forwards s", 12, ".3f"),
+                 Column("overhead", 10, ".3f")],
+                [(LABELS[side], result[f"engine_{suffix}_s"], result[f"forwards_{suffix}_s"],
+                  result[f"engine_overhead_{suffix}"]) for side, suffix in (("engine_eager", "eager"),
+                                                                            ("engine", "compiled"))])
     print(f"({result['model']} {family.label}, {result['transformer_params'] / 1e6:.1f}M params, {args.device} "
           f"{args.dtype}, batch {args.batch}, {args.steps} steps, CFG {family.guidance}; speedup: median of "
           f"{args.rounds} paired rounds; memory: {result['memory_measure']})")
