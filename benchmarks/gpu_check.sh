@@ -4,6 +4,7 @@
 # so the wheel travels with the tree. Here, once:
 #     pip download diffusers==0.42.1 --no-deps -d .wheels
 # then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".wheels"], timeout_s=420)
+# benchmarks/gpu_suite.sh runs this figure among every other GPU figure (prefer it).
 # The figures come back in $OUT (rollout_vs_diffusers_gpu.json and .txt). If an import fails there,
 # download that package's wheel into .wheels as well.
 set -euo pipefail
