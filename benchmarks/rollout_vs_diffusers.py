@@ -24,10 +24,17 @@ A family is one row of `FAMILIES`: how its random pipeline is built, the
 engine's model over that pipeline, and how the stock pipeline is called on
 precomputed embeddings.
 
-Three sides: the engine with `compile=True` (engine/compiling.py; `model.compile=true`
+Three sides (and the forwards below): the engine with `compile=True` (engine/compiling.py; `model.compile=true`
 in a recipe), the engine eager (the default), and the stock pipeline.
 `speedup_vs_diffusers` is the compiled engine's, `eager_speedup_vs_diffusers`
 the eager one's.
+
+The model's forwards alone (`forwards_eager_s`, `forwards_compiled_s`): the transformer calls of one eager
+engine rollout, recorded with their inputs, replayed through the eager module or the compiled engine's
+compiled wrapper, then the rollout's image decode; nothing else. `engine_overhead_eager` and
+`engine_overhead_compiled` are the median over rounds of engine time / forwards time - 1 in the same round
+(goal <= 0.03 eager). A family's other model calls (LTX-2's audio decode, an editing family's source-image
+encode) are not replayed: they count as engine time.
 
 Speed: the sides share one process and one set of weights, and are called in
 turn, round after round (the order rotates), after a warm-up call each (it
