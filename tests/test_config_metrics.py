@@ -26,8 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "config_metrics.json"
-OVERRIDES = ["steps=3", "eval_every=3", "sample_every=3", "save_every=3", "data.prompts_per_step=2",
-             "data.group_size=4", "sampling.eval_seeds=1", "tracker=none", "threads=1"]
+OVERRIDES = ["steps=3", "eval.every=3", "sample_every=3", "save_every=3", "data.prompts_per_step=2",
+             "data.group_size=4", "eval.seeds=1", "tracker=none", "threads=1"]
 # Keys renamed on purpose since the goldens were recorded, per recipe: old -> new (the values must still match).
 # Issue 24: a velocity MSE to the reference (or to AWM's EMA anchor) is no longer logged as a KL; GRPO's "kl",
 # a Gaussian KL, keeps its name. (NFT's is renamed too, but no shipped NFT config has a reference: train.kl_beta=0.)

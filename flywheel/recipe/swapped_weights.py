@@ -1,6 +1,6 @@
 """Other weights swapped into the one trained module: a second policy of the same shape without a second model.
 
-train.ema's average, AWM's EMA anchor and DiffusionNFT's sampling policy theta_old are each a dict of the
+the EMA average, AWM's EMA anchor and DiffusionNFT's sampling policy theta_old are each a dict of the
 trained parameters' names to tensors (the LoRA adapter's alone for a LoRA run). `swapped_in` runs the trained
 module with such a dict in place of its trainable weights and puts them back, bit for bit; the frozen base
 weights are never copied.
