@@ -87,7 +87,7 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None, int]], round
     from engine import Engine, load_model
     from flywheel.rollout_collector import EVAL_SEED_OFFSET, eval_samples, item_request
     from flywheel.prompts import load_prompts
-    from flywheel.recipe.sections import EvalConfig, SamplingConfig, eval_request_kwargs
+    from flywheel.config.sections import EvalConfig, SamplingConfig, eval_request_kwargs
     from rewards import RewardSet
 
     engine = Engine(load_model("toy-digits"))

@@ -470,7 +470,7 @@ def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
     The recipe's own `validate_config` runs here too, so a bad config fails
     before any recipe has spent minutes running.
     """
-    from flywheel.runs.config import ConfigError, parse_config
+    from flywheel.config.parsing import ConfigError, parse_config
 
     module = importlib.import_module(f"trainers.{trainer_of(recipe)}")
     try:
@@ -483,7 +483,7 @@ def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
 
 def comparable_settings(cfg) -> dict[str, Any]:
     """The values of `COMPARABLE_KEYS` in a resolved config (eval steps: `sampling.steps` when unset)."""
-    from flywheel.runs.checks import config_value
+    from flywheel.config.validation import config_value
 
     settings = {key: config_value(cfg, key) for key in COMPARABLE_KEYS}
     if settings["eval.steps"] is None:

@@ -64,8 +64,9 @@ from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator

@@ -67,8 +67,9 @@ from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import card_flag, check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator

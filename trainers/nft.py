@@ -63,8 +63,9 @@ from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import (AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig,
-                                      SamplingConfig, check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -261,7 +262,7 @@ class SamplingPolicy:
     engine serves (the training loop swaps them into the one transformer around
     rollouts and syncs, inside `NFT.serving_weights`) and what a checkpoint keeps.
     v_old is the trained module's velocity with them swapped in for the forward:
-    no second copy of the model (flywheel/recipe/swapped_weights.py).
+    no second copy of the model (flywheel/recipe/policy.py `swapped_in`).
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], policy: Policy, tc: NFTConfig):

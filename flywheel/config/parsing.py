@@ -64,7 +64,8 @@ from flywheel.runs.rundir import atomic_write_text
 
 __all__ = [
     "CONFIG_RELATIVE", "ConfigError", "RESUME_HISTORY_KEY", "apply_config_files", "apply_overrides", "config_help",
-    "config_to_dict", "field_docstrings", "load_config", "parse_config", "save_config", "split_argv",
+    "config_to_dict", "field_docstrings", "load_config", "parse_config", "resolve_config", "save_config",
+    "split_argv",
 ]
 
 # The top-level key of a run's config.yaml under which resumes record the keys they changed
@@ -450,6 +451,22 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
         key, value = _split_override(item)
         _assign(root, cls, key.split("."), value, _CLI, keys=keys)
     return _finish(root)
+
+
+def resolve_config(config_class: type, argv: list[str], recipe: str | None = None):
+    """A recipe's config from its command line; with resume=RUN, the run's saved config.yaml is the base, and the
+    CLI's keys that differ from it must be ones a resume may change (flywheel/runs/resume.py); `recipe` must be
+    the run's."""
+    cfg = parse_config(config_class, argv)
+    if cfg.resume:
+        from flywheel.runs.resume import resume_config  # it parses with this module: imported when resuming
+
+        if cfg.overwrite:
+            raise ConfigError("resume= continues a run and overwrite=true deletes one: give only one of them")
+        # The newest checkpoint that verifies (a corrupt newer one is skipped with a warning);
+        # a run dir without its config.yaml is refused rather than resumed with defaults.
+        cfg = resume_config(config_class, argv, cfg.resume, recipe)
+    return cfg
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -288,3 +288,34 @@ class RunConfig:
     """where rollouts and rewards run (this process, an engine process, Ray actors) and their timing"""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """train one stage of a multi-stage workflow, scored on the workflow's final output"""
+
+
+# ---- the engine requests the sampling and eval sections make --------------------------------------------------
+
+
+def audio_request_kwargs(sampling: SamplingConfig) -> dict:
+    """The audio fields of a request: none without sound, so video-only cards see unchanged requests."""
+    if not sampling.audio:
+        return {}
+    return dict(audio=True, audio_guidance_scale=sampling.audio_guidance_scale)
+
+
+def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
+    """The GenerationRequest fields of a training rollout, from the sampling section."""
+    kwargs = dict(steps=sampling.steps, sampler=sampling.sampler, noise_level=sampling.noise_level,
+                  guidance_scale=sampling.guidance_scale, sde_window=sampling.sde_window,
+                  height=sampling.height, width=sampling.width, frames=sampling.frames,
+                  **audio_request_kwargs(sampling))
+    if sampling.audio:
+        kwargs["audio_noise_level"] = sampling.audio_noise_level
+    if sampling.cache_threshold > 0 or sampling.early_exit is not None:  # the plain loop's requests otherwise
+        kwargs.update(cache_threshold=sampling.cache_threshold, early_exit=sampling.early_exit)
+    return kwargs
+
+
+def eval_request_kwargs(sampling: SamplingConfig, evaluation: EvalConfig) -> dict:
+    """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time (no SDE
+    window: the rollouts' window may not fit eval.steps, and an ODE has none)."""
+    return {"sampler": "ode", "guidance_scale": evaluation.guidance_scale,
+            "steps": evaluation.steps or sampling.steps, "sde_window": None, "audio_noise_level": None,
+            "cache_threshold": evaluation.cache_threshold, "early_exit": None}

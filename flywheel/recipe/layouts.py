@@ -7,7 +7,7 @@ options that do not combine (`INCOMPATIBLE`), checked once, with the config
 - `Colocated` (default): the engine serves the trainer's own module; a sync only bumps the version.
 - `SwappedIn` (serve="swapped"): the engine serves the trainer's own module, with the recipe's sampling weights
   swapped in around each rollout and sync by the algorithm's `serving_weights()` (DiffusionNFT's theta_old: the
-  trained tensors only, no second transformer; flywheel/recipe/swapped_weights.py); a sync copies
+  trained tensors only, no second transformer; flywheel/recipe/policy.py `swapped_in`); a sync copies
   the weights the recipe serves into it (DiffusionNFT's theta_old). Evaluation samples the trained module.
 - `EngineProcess` (`rollout.asynchronous=true`): the engine in its own process, fed through shared memory; step s+1
   rolls out while step s trains (one trainer process).

@@ -19,13 +19,16 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.card_folders import check_card_path
 from engine.types import MAX_STEPS
-from flywheel.runs.checks import ConfigChecks
-from flywheel.runs.config import ConfigError
+from flywheel.config.parsing import ConfigError
 from flywheel.runs.rundir import RunDir, RunDirInUseError
 from rewards.registry import REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, resolve_args
+
+if TYPE_CHECKING:
+    from flywheel.config.validation import ConfigChecks
 
 # A bound on `steps` that no real run reaches (1e7 steps of one second each is four months): a typo such as
 # steps=1e12 is refused instead of starting a run whose progress bar and schedules are meaningless.

@@ -13,7 +13,7 @@ from engine import Engine
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.layouts import RayPool, WorkflowStage, make_layout
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.sections import rollout_request_kwargs
+from flywheel.config.sections import rollout_request_kwargs
 from flywheel.rollout_collector import Flywheel, RolloutBatch, eval_samples
 from flywheel.scale.config import build_rewards
 from flywheel.sync.async_rollouts import AsyncCollector

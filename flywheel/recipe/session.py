@@ -45,9 +45,9 @@ from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
 from flywheel.recipe.hacking_stop import HackingStop
 from flywheel.recipe.policy import Policy, fsdp_full_params
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import eval_request_kwargs
+from flywheel.config.sections import eval_request_kwargs
 from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trainable, save_checkpoint
-from flywheel.runs.config import config_to_dict, save_config
+from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names

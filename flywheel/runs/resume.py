@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from flywheel.runs.checkpoint import CheckpointError, checkpoint_step, resolve_resume
-from flywheel.runs.config import (
+from flywheel.config.parsing import (
     RESUME_HISTORY_KEY,
     ConfigError,
     apply_config_files,
