@@ -117,7 +117,7 @@ def test_recipe_docstrings_hold_equations_not_logs(module):
 @pytest.mark.parametrize("heading, slug", [
     ("Flow-GRPO's published settings", "flow-grpos-published-settings"),
     ("MixGRPO (`train.variant=mixgrpo`)", "mixgrpo-trainvariantmixgrpo"),
-    ("Combining rewards: reward.aggregation", "combining-rewards-reward.aggregation"),
+    ("Combining rewards: rewards_mode", "combining-rewards-rewards_mode"),
     ("Adaptive (cached) denoise loop", "adaptive-cached-denoise-loop"),
     ("In Python: AsyncEngine", "in-python-asyncengine"),
     ("A  B", "a--b"),

@@ -253,7 +253,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_draft():
     validate_config(defaults)
     numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_draft.yaml")])
     validate_config(numbers)
-    assert numbers.model.card == "toy-numbers" and numbers.rewards.startswith("number_alignment")
+    assert numbers.model.card == "toy-numbers" and numbers.reward.scorers.startswith("number_alignment")
 
 
 # ---- the run --------------------------------------------------------------------------------------------

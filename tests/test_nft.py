@@ -94,7 +94,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
     validate_config(defaults)
     numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_nft.yaml")])
     validate_config(numbers)
-    assert numbers.model.card == "toy-numbers" and numbers.rewards.startswith("number_alignment")
+    assert numbers.model.card == "toy-numbers" and numbers.reward.scorers.startswith("number_alignment")
     # That it agrees with GRPO's on the task and budget: tests/test_time_to_target.py, for every recipe.
 
 
