@@ -100,7 +100,7 @@ class Flywheel:
                  overlap_scoring: bool = False, rollout_chunk_size: int | None = None, global_std: bool = False,
                  same_noise_per_group: bool = False):
         """`rollout_chunk_size`: rows per engine call (None: all rows at once, or half of them when
-        `rollout.overlap_scoring` is on, so that there is a next chunk to overlap with). `global_std`: normalise
+        `overlap_scoring` is on, so that there is a next chunk to overlap with). `global_std`: normalise
         advantages by the std of the whole step's rewards instead of each group's (Flow-GRPO's option).
         `same_noise_per_group`: every sample of a group starts from its first sample's initial noise (MixGRPO's
         init_same_noise); the SDE noise of each sample stays its own."""

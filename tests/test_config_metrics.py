@@ -140,15 +140,18 @@ def old_named(config: Path, out: Path) -> Path:
 def test_old_key_names_log_the_same_golden_metrics(tmp_path):
     """The config and the overrides as they were when the goldens were recorded (the old key names, which the
     golden file keeps under `overrides`): the same rows bit for bit, each old name warned about once."""
-    recorded, config = golden(), ROOT / "configs" / "toy_numbers_awm.yaml"
+    recorded, config = golden(), ROOT / "configs" / "toy_awm.yaml"
     old_config = old_named(config, tmp_path / config.name)
-    assert {"rewards", "eval_every", "train.global_std"} <= set(yaml_keys(old_config))
+    assert {"rewards", "train.global_std"} <= set(yaml_keys(old_config))
     assert {"eval_every=3", "sampling.eval_seeds=1"} <= set(recorded["overrides"])
     stderr = []
     got = run_config(old_config, tmp_path / "run", recorded["overrides"], recipe_of(config), stderr)
     want = [deterministic(row, RENAMED["awm"]) for row in recorded["configs"][config.name]]
     if cpu_capability() == recorded["cpu_capability"]:
         assert got == want
+    else:  # another CPU's kernels round differently
+        assert [sorted(r) for r in got] == [sorted(r) for r in want]
+        assert all(_close(w[k], g[k]) for w, g in zip(want, got) for k in w)
     for old, new in (("rewards", "reward.scorers"), ("eval_every", "eval.every"),
                      ("train.global_std", "advantage.global_std"), ("sampling.eval_seeds", "eval.seeds")):
         assert stderr[0].count(f"config key {old!r}") == 1 and f"is now {new!r}" in stderr[0], old
