@@ -87,15 +87,15 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None, int]], round
     from engine import Engine, load_model
     from flywheel.rollout_collector import EVAL_SEED_OFFSET, eval_samples, item_request
     from flywheel.prompts import load_prompts
-    from flywheel.recipe.sections import SamplingConfig, eval_request_kwargs
+    from flywheel.config.sections import EvalConfig, SamplingConfig, eval_request_kwargs
     from rewards import RewardSet
 
     engine = Engine(load_model("toy-digits"))
     rewards = RewardSet("digit_alignment")
     items = load_prompts("toy-digits-heldout")
-    sampling = SamplingConfig(eval_steps=steps)
-    seeds = sampling.eval_seeds
-    base_kwargs = eval_request_kwargs(sampling)
+    sampling, evaluation = SamplingConfig(), EvalConfig(steps=steps)
+    seeds = evaluation.seeds
+    base_kwargs = eval_request_kwargs(sampling, evaluation)
     kwargs = {"plain": base_kwargs}
     kwargs.update({setting_name(th, ee, order): {**base_kwargs, "cache_threshold": th, "early_exit": ee,
                                                   "cache_order": order}

@@ -5,8 +5,8 @@
 
 Runs the GRPO recipe twice, side by side in one process run, with the same
 config: once synchronous (colocated engine: roll out, then train) and once
-with `async_rollouts=true` (the engine in its own process generates step s+1
-while the trainer trains on step s, `max_staleness` 1). Reports
+with `rollout.asynchronous=true` (the engine in its own process generates step s+1
+while the trainer trains on step s, `rollout.max_staleness` 1). Reports
 `async_speedup` (steps/s of async over sync; goal >= 1.3 on 2 cores) and the
 final train and eval rewards of both.
 
@@ -38,7 +38,7 @@ def run(mode_overrides: list[str], steps: int, overrides: list[str]) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        result = grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval_every={steps}",
+        result = grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval.every={steps}",
                             f"sample_every={10**9}", f"save_every={10**9}", *mode_overrides, *overrides])
         wall = time.perf_counter() - start
         rows = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if r["step"] >= 1]
@@ -73,7 +73,7 @@ def main() -> None:
     steps = 10 if args.quick else args.steps
 
     sync = run([], steps, args.overrides)
-    asynchronous = run(["async_rollouts=true"], steps, args.overrides)
+    asynchronous = run(["rollout.asynchronous=true"], steps, args.overrides)
     cores = os.cpu_count() or 1
     with mock.patch("os.cpu_count", return_value=1):  # the recipe then runs torch on one thread
         single = run([], max(4, steps // 4), args.overrides)

@@ -54,9 +54,9 @@ def run_args(recipe: str, finetune: str, folder: Path, prompts: Path, run_dir: P
     """One recipe's command line: the same batch, resolution, sampler steps, reward and evaluation for all."""
     return [f"run_dir={run_dir}", "model.card=sd3", f"model.path={folder}", f"model.finetune={finetune}",
             "tracker=none", "threads=1", f"steps={steps}", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
-            "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
-            "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "sampling.guidance_scale=1",
-            "rewards=jpeg_compressibility:1.0", "eval_every=1000", "sample_every=1000", "save_every=1000",
+            "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "eval.steps=1",
+            "eval.seeds=1", "sampling.height=32", "sampling.width=32", "sampling.guidance_scale=1",
+            "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000", "sample_every=1000", "save_every=1000",
             *RECIPE_ARGS.get(recipe, [])]
 
 

@@ -39,7 +39,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval_every={10**9}",
+        grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval.every={10**9}",
                    f"sample_every={10**9}", f"save_every={10**9}", *args.overrides])
         wall = time.perf_counter() - start
         rows = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if r["step"] >= 2]

@@ -75,7 +75,7 @@ when GRPO's median never reached the target), `best_speedup_over_grpo_worst_seed
 `best_speedup_over_grpo_at_least` (when GRPO's median is "inf": GRPO's median
 whole run time over the best recipe's median time, a lower bound; else null),
 `best_judge_at_target` (the best recipe's worst seed), `target`, `min_judge`,
-`seeds`, `judge`, `quick`, `samples_per_step`, `eval_every`, `card`,
+`seeds`, `judge`, `quick`, `samples_per_step`, `eval.every`, `card`,
 `eval_guidance_scale`, `stop_after_target`. A PNG (`--plot`) shows eval
 reward and judge against wall time: each recipe's median over seeds with its
 min-max band, the target and the judge bar drawn, each recipe's median time to
@@ -127,9 +127,10 @@ NEVER_RUN_STEP = 10**9  # sample_every / save_every: only at the end of the run
 POLL_S = 1.0  # --stop-after-target: how often a running recipe's metrics are read
 
 # Settings that must be equal across recipes for their times to compare.
-COMPARABLE_KEYS = ("model.card", "rewards", "data.prompts", "data.eval_prompts", "data.prompts_per_step", "data.group_size",
-                   "seed", "eval_every", "sampling.eval_guidance_scale", "sampling.eval_seeds",
-                   "sampling.eval_steps", "sampling.height", "sampling.width")
+COMPARABLE_KEYS = ("model.card", "reward.scorers", "data.prompts", "data.eval_prompts", "data.prompts_per_step",
+                   "data.group_size",
+                   "seed", "eval.every", "eval.guidance_scale", "eval.seeds",
+                   "eval.steps", "sampling.height", "sampling.width")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class QuickMode:
 # a target the judge is low too (number_svc 0.22 at reward 0.31); it is still reported.
 QUICK = QuickMode(steps=30, eval_every=3, eval_seeds=1, target=0.3, stop_after_target=0, min_judge=0.0)
 QUICK_SEED = 0
-# The full run: three seeds, each run ended two evaluations (10 steps at eval_every 5) after its target, so the
+# The full run: three seeds, each run ended two evaluations (10 steps at eval.every 5) after its target, so the
 # values just after the crossing are seen and no run spends its remaining steps once it is decided.
 FULL_SEEDS = (0, 1, 2)
 FULL_STOP_AFTER_TARGET = 2
@@ -469,7 +470,7 @@ def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
     The recipe's own `validate_config` runs here too, so a bad config fails
     before any recipe has spent minutes running.
     """
-    from flywheel.runs.config import ConfigError, parse_config
+    from flywheel.config.parsing import ConfigError, parse_config
 
     module = importlib.import_module(f"trainers.{trainer_of(recipe)}")
     try:
@@ -482,11 +483,11 @@ def resolve_recipe_config(recipe: str, config_path: Path, overrides: list[str]):
 
 def comparable_settings(cfg) -> dict[str, Any]:
     """The values of `COMPARABLE_KEYS` in a resolved config (eval steps: `sampling.steps` when unset)."""
-    from flywheel.runs.checks import config_value
+    from flywheel.config.validation import config_value
 
     settings = {key: config_value(cfg, key) for key in COMPARABLE_KEYS}
-    if settings["sampling.eval_steps"] is None:
-        settings["sampling.eval_steps"] = cfg.sampling.steps
+    if settings["eval.steps"] is None:
+        settings["eval.steps"] = cfg.sampling.steps
     return settings
 
 
@@ -562,10 +563,10 @@ def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[st
 
 def harness_overrides(seed: int, eval_every: int, quick: bool, overwrite: bool) -> list[str]:
     """The overrides every recipe gets before the user's (so the user's win)."""
-    out = [f"seed={seed}", "tracker=none", f"eval_every={eval_every}", f"sample_every={NEVER_RUN_STEP}",
+    out = [f"seed={seed}", "tracker=none", f"eval.every={eval_every}", f"sample_every={NEVER_RUN_STEP}",
            f"save_every={NEVER_RUN_STEP}"]
     if quick:
-        out += [f"steps={QUICK.steps}", f"sampling.eval_seeds={QUICK.eval_seeds}"]
+        out += [f"steps={QUICK.steps}", f"eval.seeds={QUICK.eval_seeds}"]
     if overwrite:
         out.append("overwrite=true")
     return out
@@ -844,7 +845,7 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     print(results_table(results, args.min_judge))
     out = results_json(results, args.target, args.min_judge, quick=args.quick, samples_per_step=samples_per_step,
                        eval_every=args.eval_every, card=first["model.card"],
-                       eval_guidance_scale=first["sampling.eval_guidance_scale"],
+                       eval_guidance_scale=first["eval.guidance_scale"],
                        stop_after_target=args.stop_after_target,
                        **{f"{recipe}_process_s": statistics.median(s) for recipe, s in process_s.items()},
                        **{f"{recipe}_stopped_early": all(s) for recipe, s in stopped.items()})

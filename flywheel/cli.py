@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from flywheel.runs.config import ConfigError
+from flywheel.config.parsing import ConfigError
 from flywheel.runs.rundir import RunDirInUseError
 
 

@@ -7,7 +7,7 @@ of a step is prompts_per_step x group_size samples; rank r generates rows
 a function of (seed, step, global row) alone: the same run on 1 or 2 ranks
 draws the same samples.
 
-With `overlap_scoring`, a step's rows are generated in chunks and each chunk
+With `rollout.overlap_scoring`, a step's rows are generated in chunks and each chunk
 is scored on a background thread while the engine generates the next one; the
 chunks and their order are the same as with scoring in line, so the results
 are identical (only the wall time changes).
@@ -136,7 +136,7 @@ class Flywheel:
         self.rewards = RewardSet(rewards, **kwargs) if isinstance(rewards, (str, dict, list)) else rewards
 
     def close(self) -> None:
-        """Stop the background scoring thread (if overlap_scoring started one)."""
+        """Stop the background scoring thread (if rollout.overlap_scoring started one)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

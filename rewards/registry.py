@@ -3,7 +3,7 @@
 Scorers are found by name in three places: the built-ins registered below; scorers that
 installed packages declare under the entry-point group `flywheel.rewards` (found on the first
 lookup of a name that is not registered, and listed by `available()`); and modules named in
-the config (`reward_modules`, `python -m rewards.serve --module`) that call `register` when
+the config (`reward.modules`, `python -m rewards.serve --module`) that call `register` when
 imported. A plugin may not take a built-in's (or an explicitly registered scorer's) name: the
 registered one wins and the plugin is skipped with a warning naming its package, so
 installing a package never changes what an existing config computes. A name declared by two
@@ -125,7 +125,7 @@ def available() -> list[str]:
     return sorted(set(_FACTORIES) | set(find_plugins()))
 
 
-def import_modules(modules: list[str] | tuple[str, ...], key: str = "reward_modules") -> None:
+def import_modules(modules: list[str] | tuple[str, ...], key: str = "reward.modules") -> None:
     """Import each module (which registers its scorers with `register`); an ImportError naming `key` and the
     module that failed."""
     for module in modules:
@@ -147,7 +147,7 @@ def factory_of(name: str) -> ScorerFactory:
     if factory is None:
         raise KeyError(f"unknown scorer {name!r}; known scorers: {', '.join(available()) or '(none)'} (a scorer "
                        f"of another package is found when it is installed under the entry-point group "
-                       f"{ENTRY_POINT_GROUP!r}, or when its module is listed in reward_modules)")
+                       f"{ENTRY_POINT_GROUP!r}, or when its module is listed in reward.modules)")
     return factory
 
 
@@ -242,7 +242,7 @@ def _named(key: Any, where: str) -> tuple[str, str]:
 
 
 def parse_spec_targets(spec: str | dict | list | tuple) -> list[tuple[str, str, float]]:
-    """Parse a reward spec into (name, target, weight): `name` keys the metrics and reward_args, `target` is
+    """Parse a reward spec into (name, target, weight): `name` keys the metrics and reward.args, `target` is
     what `get` builds (they differ only for "short=remote:<url>"); a name without a weight gets 1.0.
 
     Accepts "a:1.0, b:0.1", a dict {name: weight}, or a list of (name, weight)
@@ -360,11 +360,11 @@ def _coerce(value: Any, param: inspect.Parameter, hint: Any, where: str) -> Any:
 
 
 def scorer_args(reward_args: Any) -> dict[str, dict[str, Any]]:
-    """The config's reward_args as {scorer name: {argument: value}}.
+    """The config's reward.args as {scorer name: {argument: value}}.
 
-    Accepts {name: {arg: value}} (YAML, or `reward_args={pickscore: {path: /x}}`), the flat entries that
-    dotted overrides leave (`reward_args.pickscore.path=/x` -> {"pickscore.path": "/x"}: the argument is the
-    part after the last dot) and a mapping given as text (`reward_args.pickscore={path: /x}`).
+    Accepts {name: {arg: value}} (YAML, or `reward.args={pickscore: {path: /x}}`), the flat entries that
+    dotted overrides leave (`reward.args.pickscore.path=/x` -> {"pickscore.path": "/x"}: the argument is the
+    part after the last dot) and a mapping given as text (`reward.args.pickscore={path: /x}`).
     """
     import yaml
 
@@ -381,14 +381,14 @@ def scorer_args(reward_args: Any) -> dict[str, dict[str, Any]]:
             continue
         name, dot, arg = key.rpartition(".")
         if not dot or not name or not arg:
-            raise ValueError(f"reward_args.{key}={value!r}: give the arguments of scorer {key!r} as a mapping, e.g. "
-                             f"reward_args.{key}.path=/models/x or reward_args={{{key}: {{path: /models/x}}}}")
+            raise ValueError(f"reward.args.{key}={value!r}: give the arguments of scorer {key!r} as a mapping, e.g. "
+                             f"reward.args.{key}.path=/models/x or reward.args={{{key}: {{path: /models/x}}}}")
         out.setdefault(name, {})[arg] = value
     return out
 
 
 def resolve_args(spec: str | dict | list | tuple, reward_args: Any) -> dict[str, dict[str, Any]]:
-    """{name: kwargs} for `RewardSet(spec, scorer_kwargs=...)` from the config's reward_args: each scorer named
+    """{name: kwargs} for `RewardSet(spec, scorer_kwargs=...)` from the config's reward.args: each scorer named
     in the spec, each argument one its factory takes (command-line text converted to its type); a ValueError
     naming the key and the valid names otherwise."""
     entries = parse_spec_targets(spec)
@@ -396,8 +396,8 @@ def resolve_args(spec: str | dict | list | tuple, reward_args: Any) -> dict[str,
     names = [n for n, _, _ in entries]
     stray = [n for n in args if n not in names]
     if stray:
-        raise ValueError(f"reward_args.{stray[0]}: {stray[0]!r} is not a scorer of rewards ({', '.join(names)}); "
-                         "reward_args are keyed by the names in the reward spec")
+        raise ValueError(f"reward.args.{stray[0]}: {stray[0]!r} is not a scorer of rewards ({', '.join(names)}); "
+                         "reward.args are keyed by the names in the reward spec")
     resolved = {}
     for name, target, _ in entries:
         if name not in args:
@@ -405,9 +405,9 @@ def resolve_args(spec: str | dict | list | tuple, reward_args: Any) -> dict[str,
         params, takes_any = scorer_parameters(target)
         unknown = sorted(a for a in args[name] if a not in params)
         if unknown and not takes_any:
-            raise ValueError(f"reward_args.{name}.{unknown[0]}: scorer {target!r} takes no argument {unknown[0]!r}; "
+            raise ValueError(f"reward.args.{name}.{unknown[0]}: scorer {target!r} takes no argument {unknown[0]!r}; "
                              f"valid arguments: {', '.join(params) or '(none)'}")
-        resolved[name] = {a: (_coerce(v, *params[a], f"reward_args.{name}.{a}") if a in params else v)
+        resolved[name] = {a: (_coerce(v, *params[a], f"reward.args.{name}.{a}") if a in params else v)
                           for a, v in args[name].items()}
     return resolved
 
@@ -415,7 +415,7 @@ def resolve_args(spec: str | dict | list | tuple, reward_args: Any) -> dict[str,
 def check_spec(spec: Any, reward_args: Any = None, modules: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The problems of a config's reward keys, each one line naming its key: modules that do not import
     (imported here, so their scorers register before the spec is checked), a spec that does not parse,
-    scorers that are neither registered nor installed, and reward_args that the scorers do not take."""
+    scorers that are neither registered nor installed, and reward.args that the scorers do not take."""
     try:
         import_modules(list(modules or ()))
     except ImportError as exc:
@@ -423,16 +423,16 @@ def check_spec(spec: Any, reward_args: Any = None, modules: list[str] | tuple[st
     try:
         entries = parse_spec_targets(spec)
     except ValueError as exc:
-        return [f"rewards={spec!r}: {exc}"]
+        return [f"reward.scorers={spec!r}: {exc}"]
     problems = []
     for _, target, _ in entries:
         if not target.startswith(REMOTE):
             try:
                 factory_of(target)
             except KeyError as exc:
-                problems.append(f"rewards={spec!r}: {exc.args[0]}")
+                problems.append(f"reward.scorers={spec!r}: {exc.args[0]}")
             except (ImportError, TypeError, ValueError) as exc:
-                problems.append(f"rewards={spec!r}: {exc}")
+                problems.append(f"reward.scorers={spec!r}: {exc}")
     if problems:
         return problems
     try:

@@ -33,7 +33,7 @@ def kill_after_checkpoint(recipe: str, run_dir: Path, args: list[str], step: int
 
 
 def tiny_sd3_lora_ema_args(tmp_path: Path, run_dir: Path) -> list[str]:
-    """A 2-step GRPO LoRA run with train.ema on a tiny SD3 (two prompts, 32x32, 2 denoising steps): the
+    """A 2-step GRPO LoRA run with ema.enabled on a tiny SD3 (two prompts, 32x32, 2 denoising steps): the
     command-line arguments, with the tiny folder and the prompts written under `tmp_path`."""
     import engine.families.tiny as tiny
 
@@ -41,10 +41,10 @@ def tiny_sd3_lora_ema_args(tmp_path: Path, run_dir: Path) -> list[str]:
     prompts.write_text("a red cat\na blue dog\n")
     return [f"run_dir={run_dir}", "model.card=sd3", f"model.path={tiny.build_tiny_sd3(tmp_path / 'sd3')}",
             "tracker=none", "steps=2", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
-            "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=1",
-            "sampling.eval_seeds=1", "sampling.height=32", "sampling.width=32", "rewards=jpeg_compressibility:1.0",
-            "eval_every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
-            "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "train.ema=true"]
+            "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "eval.steps=1",
+            "eval.seeds=1", "sampling.height=32", "sampling.width=32", "reward.scorers=jpeg_compressibility:1.0",
+            "eval.every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
+            "train.clip_range=0.2", "model.finetune=lora", "model.lora_rank=4", "ema.enabled=true"]
 
 
 def checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ def test_too_stale_batches_are_generated_again():
 
 
 def test_negative_staleness_bound_is_an_error():
-    with pytest.raises(ValueError, match="max_staleness"):
+    with pytest.raises(ValueError, match="rollout.max_staleness"):
         AsyncCollector(lambda s: None, max_staleness=-1)
 
 

@@ -19,7 +19,7 @@ from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, negate_a
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two flow times per sample instead of six: a quarter of the default's training forwards.
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timesteps_per_sample=2", "save_every=1000",
+QUICK = ["tracker=none", "eval.seeds=2", "train.timesteps_per_sample=2", "save_every=1000",
          "sample_every=1000"]
 SMALL = ["data.prompts_per_step=4", "data.group_size=8"]
 CHECKPOINTED = "recipe/" + ANCHOR_PREFIX  # where RecipeRun.save puts the recipe's tensors
@@ -42,7 +42,7 @@ def run(tmp_path, name, *overrides):
 @pytest.mark.slow
 def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_path, monkeypatch):
     """An honest control: the same run with the advantage sign flipped must go the other way."""
-    steps = ["steps=12", "eval_every=12", "train.learning_rate=1e-3"]
+    steps = ["steps=12", "eval.every=12", "train.learning_rate=1e-3"]
     real, _ = run(tmp_path, "real", *steps)
     negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps)
@@ -60,7 +60,7 @@ def test_accelerate_launch_runs_and_writes_the_shared_metric_keys(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/awm.py", "steps=2",
-                          "eval_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL, "sampling.eval_seeds=1",
+                          "eval.every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL, "eval.seeds=1",
                           "train.kl_beta=0.01"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -99,7 +99,7 @@ def test_help_lists_every_key():
 def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
     # A fast-rising anchor decay (0.1, 0.2, 0.3, ...): the EMA is then not the weights, and a resume that
     # restarted it from the resumed weights would change anchor_mse, the loss and every weight after.
-    args = ["steps=6", "save_every=2", "eval_every=3", *SMALL, "train.anchor_decay_ramp=0.1", "train.kl_beta=0.01"]
+    args = ["steps=6", "save_every=2", "eval.every=3", *SMALL, "train.anchor_decay_ramp=0.1", "train.kl_beta=0.01"]
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
@@ -127,7 +127,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
 def test_lora_trains_only_the_adapter_and_its_anchor(tmp_path):
     from engine import load_model
 
-    _, rows = run(tmp_path, "lora", "model.finetune=lora", "train.learning_rate=1e-3", "steps=2", "eval_every=2",
+    _, rows = run(tmp_path, "lora", "model.finetune=lora", "train.learning_rate=1e-3", "steps=2", "eval.every=2",
                   "save_every=2", "train.kl_beta=0.01", *SMALL)
     saved = checkpoint(tmp_path / "lora", 2)
     trained = {k: v for k, v in saved.items() if not k.startswith("recipe/")}
@@ -168,7 +168,7 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
     # 4 steps, fraction 0.9, step 0 skipped: step indices 1..2, two eligible steps for six strata.
     ("sampling.steps=4", "train.timesteps_per_sample=6 needs at least 6 eligible steps, but a 4-step rollout"),
-    ("async_rollouts=true", "async_rollouts=true: AWM trains on-policy"),
+    ("rollout.asynchronous=true", "rollout.asynchronous=true: AWM trains on-policy"),
 ])
 def test_each_bad_field_is_named_with_what_is_valid(override, named):
     assert named in config_problems(override)

@@ -21,6 +21,7 @@ from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from engine.denoise import guided_velocity
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.policy import Policy
+from flywheel.recipe.sections import AdvantageConfig
 from trainers.awm import (AWM, AWMConfig, EMAAnchor, awm_loss, draw_generator, draw_minibatch, draw_times,
                           schedule_strata, weighted_error)
 
@@ -247,6 +248,7 @@ class TrainSection(AWMConfig):
 class RecipeConfig:
     seed: int = 0
     train: TrainSection = field(default_factory=TrainSection)
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(global_std=True))
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +281,7 @@ def oracle_update(model, reference, anchor_model, traj, cfg, step):
     opt = torch.optim.SGD(transformer.parameters(), lr=LR)
     generator = draw_generator(cfg.seed, step, 0)
     x0_all = traj.latents[:, -1]
-    scale = tc.advantage_max / tc.adv_clip_max
+    scale = tc.advantage_max / cfg.advantage.clip_max
     for start in range(0, ROWS, tc.minibatch_size):
         rows = list(range(start, start + tc.minibatch_size))
         cond = PromptEmbeds(traj.prompt_embeds[rows], traj.pooled_prompt_embeds[rows],

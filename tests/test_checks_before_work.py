@@ -25,7 +25,7 @@ from trainers.grpo import main as grpo_main
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["tracker=none", "steps=2", "sampling.steps=2", "data.prompts_per_step=2", "data.group_size=2",
-        "sampling.eval_seeds=1"]
+        "eval.seeds=1"]
 
 
 def free_port() -> int:
@@ -63,19 +63,19 @@ def assert_last_line_names(message: str, key: str) -> None:
 
 CASES = {
     # id: (overrides, the key the last line names, a phrase of the reason)
-    "unknown scorer": (["rewards=nope:1"], "rewards", "unknown scorer 'nope'"),
-    "weight abc": (["rewards=digit_alignment:abc"], "rewards", "expected a number"),
-    "weight nan": (["rewards=digit_alignment:nan"], "rewards", "must be finite"),
-    "weight -inf": (["rewards=digit_alignment:-inf"], "rewards", "must be finite"),
-    "empty spec": (["rewards="], "rewards", "reward spec is empty"),
-    "remote not a url": (["rewards=remote:notaurl"], "rewards", "needs an address"),
-    "pickscore folder unset": (["rewards=pickscore"], "rewards", "FLYWHEEL_PICKSCORE_PATH"),
-    "clip folder missing": (["rewards=clip_score:1"], "rewards", "does not exist"),
+    "unknown scorer": (["reward.scorers=nope:1"], "reward.scorers", "unknown scorer 'nope'"),
+    "weight abc": (["reward.scorers=digit_alignment:abc"], "reward.scorers", "expected a number"),
+    "weight nan": (["reward.scorers=digit_alignment:nan"], "reward.scorers", "must be finite"),
+    "weight -inf": (["reward.scorers=digit_alignment:-inf"], "reward.scorers", "must be finite"),
+    "empty spec": (["reward.scorers="], "reward.scorers", "reward spec is empty"),
+    "remote not a url": (["reward.scorers=remote:notaurl"], "reward.scorers", "needs an address"),
+    "pickscore folder unset": (["reward.scorers=pickscore"], "reward.scorers", "FLYWHEEL_PICKSCORE_PATH"),
+    "clip folder missing": (["reward.scorers=clip_score:1"], "reward.scorers", "does not exist"),
     "model.path empty": (["model.path="], "model.path", "is empty"),
     "model.path missing": (["model.path=/nonexistent/toy.safetensors"], "model.path", "does not exist"),
     "sd3 without a folder": (["model.card=sd3"], "model.path", "loads a local diffusers folder"),
     "sampling.steps past 1000": (["sampling.steps=1001"], "sampling.steps", "at most 1000"),
-    "sampling.eval_steps past 1000": (["sampling.eval_steps=5000"], "sampling.eval_steps", "at most 1000"),
+    "eval.steps past 1000": (["eval.steps=5000"], "eval.steps", "at most 1000"),
     "steps 1e12": (["steps=1e12"], "steps", "at most 10_000_000"),
     "updates_per_rollout": (["data.prompts_per_step=8", "data.group_size=16", "train.minibatch_size=32",
                              "train.updates_per_rollout=3"], "train.updates_per_rollout", "use one of 1, 2, 4"),
@@ -125,10 +125,10 @@ def test_a_folder_of_another_family_is_refused_naming_the_card_that_loads_it(tmp
 def test_an_unreachable_remote_reward_is_refused_within_the_probe_bound(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
-    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"rewards=remote:{url}"], capsys)
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers=remote:{url}"], capsys)
     assert time.monotonic() - started < 30  # the probe's own bound is 5 s; the rest is the config's checks
     assert_nothing_written(tmp_path / "run")
-    assert_last_line_names(message, "rewards")
+    assert_last_line_names(message, "reward.scorers")
     assert f"remote:{url} is not reachable" in message and "retries=0" in message
 
 
@@ -138,7 +138,7 @@ def test_a_remote_reward_that_answers_its_health_passes_the_probe(tmp_path, caps
 
     with ServerThread(get("digit_alignment"), "digit_alignment", "127.0.0.1", 0, None) as server:
         # Refused for another reason only (the height), so the probe of the live server passed.
-        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"rewards=remote:{server.url}",
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers=remote:{server.url}",
                               "sampling.height=7"], capsys)
     assert "not reachable" not in message and "sampling.height=7" in message
 
@@ -326,7 +326,7 @@ def test_a_video_card_that_decodes_other_frames_says_why_naming_sampling_frames(
                 raise ValueError("ltx2: frames must be 2k+1 (this folder's VAE compresses time by 2): 3, 5, ...")
             return (1,)
 
-    cfg = SimpleNamespace(model=SimpleNamespace(workflow=None),
+    cfg = SimpleNamespace(workflow=SimpleNamespace(name=None),
                           sampling=SimpleNamespace(height=None, width=None, frames=9))
     check_built_model(cfg, Model())
     assert capsys.readouterr().err.startswith("warning: sampling.frames=9: this folder's video VAE keeps")

@@ -63,10 +63,10 @@ def test_grpo_with_compiled_rollouts_is_on_policy_up_to_float_rounding(tmp_path)
     from flywheel.runs.rundir import read_metrics
     from trainers.grpo import main
 
-    main([f"run_dir={tmp_path}", "tracker=none", "steps=2", "eval_every=1000", "save_every=1000",
+    main([f"run_dir={tmp_path}", "tracker=none", "steps=2", "eval.every=1000", "save_every=1000",
           "sample_every=1000", "model.compile=true",
           # 5 prompts x 8 images = 40 held-out prompts x 1 seed: eval reuses the training batch's compiled graph
-          "data.prompts_per_step=5", "data.group_size=8", "sampling.eval_seeds=1"])
+          "data.prompts_per_step=5", "data.group_size=8", "eval.seeds=1"])
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert 0.0 <= rows[1]["ratio/max_dev"] <= 1e-5 and rows[1]["clipfrac"] == 0.0

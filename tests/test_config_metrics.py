@@ -26,8 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "config_metrics.json"
-OVERRIDES = ["steps=3", "eval_every=3", "sample_every=3", "save_every=3", "data.prompts_per_step=2",
-             "data.group_size=4", "sampling.eval_seeds=1", "tracker=none", "threads=1"]
+OVERRIDES = ["steps=3", "eval.every=3", "sample_every=3", "save_every=3", "data.prompts_per_step=2",
+             "data.group_size=4", "eval.seeds=1", "tracker=none", "threads=1"]
 # Keys renamed on purpose since the goldens were recorded, per recipe: old -> new (the values must still match).
 # Issue 24: a velocity MSE to the reference (or to AWM's EMA anchor) is no longer logged as a KL; GRPO's "kl",
 # a Gaussian KL, keeps its name. (NFT's is renamed too, but no shipped NFT config has a reference: train.kl_beta=0.)
@@ -60,12 +60,15 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def run_config(config: Path, run_dir: Path) -> list[dict]:
-    """The config's metrics rows as logged (wall-clock keys left out)."""
+def run_config(config: Path, run_dir: Path, overrides: list[str] = OVERRIDES, recipe: Path | None = None,
+               stderr: list | None = None) -> list[dict]:
+    """The config's metrics rows as logged (wall-clock keys left out); `stderr` collects the run's stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(recipe_of(config)), "--config", str(config), *OVERRIDES,
+    proc = subprocess.run([sys.executable, str(recipe or recipe_of(config)), "--config", str(config), *overrides,
                            f"run_dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{config.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    if stderr is not None:
+        stderr.append(proc.stderr)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [deterministic(row) for row in rows]
 
@@ -115,6 +118,49 @@ def test_config_logs_its_golden_metrics(config, tmp_path):
         else:  # another CPU's kernels round differently: the same run within a rounding bound
             differ = {k: (want[k], have[k]) for k in want if not _close(want[k], have[k])}
         assert not differ, f"{config.name} step {want['step']}: {differ}"
+
+
+def old_named(config: Path, out: Path) -> Path:
+    """The config with every key that moved in issue 24 under its old name, flat (dotted) as a file may give it."""
+    import yaml
+
+    from flywheel.config.aliases import ALIASES
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+    old_of = {new: old for old, new in ALIASES.items()}
+    keys = {old_of.get(k, k): v for k, v in flat(yaml.safe_load(config.read_text()))}
+    out.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return out
+
+
+@pytest.mark.slow
+def test_old_key_names_log_the_same_golden_metrics(tmp_path):
+    """The config and the overrides as they were when the goldens were recorded (the old key names, which the
+    golden file keeps under `overrides`): the same rows bit for bit, each old name warned about once."""
+    recorded, config = golden(), ROOT / "configs" / "toy_awm.yaml"
+    old_config = old_named(config, tmp_path / config.name)
+    assert {"rewards", "train.global_std"} <= set(yaml_keys(old_config))
+    assert {"eval_every=3", "sampling.eval_seeds=1"} <= set(recorded["overrides"])
+    stderr = []
+    got = run_config(old_config, tmp_path / "run", recorded["overrides"], recipe_of(config), stderr)
+    want = [deterministic(row, RENAMED["awm"]) for row in recorded["configs"][config.name]]
+    if cpu_capability() == recorded["cpu_capability"]:
+        assert got == want
+    else:  # another CPU's kernels round differently
+        assert [sorted(r) for r in got] == [sorted(r) for r in want]
+        assert all(_close(w[k], g[k]) for w, g in zip(want, got) for k in w)
+    for old, new in (("rewards", "reward.scorers"), ("eval_every", "eval.every"),
+                     ("train.global_std", "advantage.global_std"), ("sampling.eval_seeds", "eval.seeds")):
+        assert stderr[0].count(f"config key {old!r}") == 1 and f"is now {new!r}" in stderr[0], old
+
+
+def yaml_keys(path: Path) -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load(path.read_text()))
 
 
 def _close(a, b) -> bool:

@@ -39,8 +39,8 @@ def launch(config: Path, run_dir: Path, folder: Path, prompts: Path, *extra: str
     args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             str(ROOT / "trainers" / "grpo.py"), f"run_dir={run_dir}", "model.card=sd3", f"model.path={folder}",
             "tracker=none", "steps=3", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
-            "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "sampling.eval_seeds=1",
-            "sampling.height=32", "sampling.width=32", "rewards=jpeg_compressibility:1.0", "eval_every=1000",
+            "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "eval.seeds=1",
+            "sampling.height=32", "sampling.width=32", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
             "sample_every=1000", "train.learning_rate=1e-3", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

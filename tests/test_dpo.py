@@ -17,7 +17,7 @@ from trainers.dpo import Config, main, validate_config
 from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
+QUICK = ["tracker=none", "eval.seeds=2", "save_every=1000", "sample_every=1000"]
 SMALL = ["data.prompts_per_step=4", "data.group_size=8"]
 
 
@@ -38,7 +38,7 @@ def run(tmp_path, name, *overrides):
 @pytest.mark.slow
 def test_reward_and_judge_rise_and_swapped_pairs_make_the_reward_fall(tmp_path):
     """An honest control: the same run with every pair reversed (loser trained as the winner) must go the other way."""
-    steps = ["steps=10", "eval_every=10"]
+    steps = ["steps=10", "eval.every=10"]
     real, rows = run(tmp_path, "real", *steps)
     control, swapped_rows = run(tmp_path, "swapped", *steps, "train.swap_pairs=true")
     base, final, worse = real["base"], real["final"], control["final"]
@@ -57,8 +57,8 @@ def test_accelerate_launch_with_lora_writes_the_shared_metric_keys(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/dpo.py", "steps=2",
-                          "eval_every=2", "save_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
-                          "sampling.eval_seeds=1", "model.finetune=lora", "train.learning_rate=1e-3"],
+                          "eval.every=2", "save_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
+                          "eval.seeds=1", "model.finetune=lora", "train.learning_rate=1e-3"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "launched" / "metrics.jsonl")
@@ -96,7 +96,7 @@ def test_help_lists_every_key():
 @pytest.mark.slow
 def test_kill_and_resume_gives_the_metrics_and_weights_of_an_uninterrupted_run(tmp_path):
     # Two pairs a minibatch: two optimizer steps a rollout, so the optimizer state carries across the resume.
-    args = ["steps=4", "save_every=2", "eval_every=4", *SMALL, "train.minibatch_size=2", "train.time_sampling=uniform"]
+    args = ["steps=4", "save_every=2", "eval.every=4", *SMALL, "train.minibatch_size=2", "train.time_sampling=uniform"]
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
@@ -140,8 +140,8 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     ("train.beta=inf", "train.beta=inf: must be a finite number"),
     ("train.gradient_accumulation_steps=2", "the number of pairs (so of minibatches) changes from step to step"),
     ("train.updates_per_rollout=2", "train.updates_per_rollout=2"),
-    ("rewards_mode=sum_of_advantages", "rewards_mode=sum_of_advantages: DPO ranks samples by their total reward"),
-    ("async_rollouts=true", "async_rollouts=true"),
+    ("reward.aggregation=sum_of_advantages", "reward.aggregation=sum_of_advantages: DPO ranks samples by their total reward"),
+    ("rollout.asynchronous=true", "rollout.asynchronous=true"),
 ])
 def test_each_bad_field_is_named_with_what_is_valid(override, named):
     assert named in config_problems(override)

@@ -20,7 +20,7 @@ from trainers.draft import main
 from recipe_kill import checkpoint, kill_after_checkpoint, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
+QUICK = ["tracker=none", "eval.seeds=2", "save_every=1000", "sample_every=1000"]
 # A small batch (4 prompts x 8) and few denoising steps: about a second a step on one thread.
 SMALL = ["data.prompts_per_step=4", "data.group_size=8", "sampling.steps=6"]
 GRID = torch.tensor([1.0, 0.6, 0.3, 0.0], dtype=torch.float64)  # a 3-step rollout's times
@@ -206,24 +206,24 @@ def test_loss_is_minus_the_scaled_mean_valid_reward_plus_the_regularisers():
     ("train.anchor_decay=1", "train.anchor_decay=1.0: must be in [0, 1)"),
     ("train.mode=refl train.refl_window=[0.95,0.99]", "holds no step of a 10-step rollout"),
     ("sampling.sampler=sde", "sampling.sampler='sde': must be ode"),
-    ("rewards_mode=gdpo", "rewards_mode='gdpo': must be weighted_sum"),
-    ("async_rollouts=true", "async_rollouts=true: not supported by DRaFT"),
+    ("reward.aggregation=gdpo", "reward.aggregation='gdpo': must be weighted_sum"),
+    ("rollout.asynchronous=true", "rollout.asynchronous=true: not supported by DRaFT"),
 ])
 def test_each_bad_field_is_named_with_what_is_valid(override, named):
     assert named in config_problems(*override.split())
 
 
 def test_a_non_differentiable_reward_is_refused_in_one_line_before_the_run_dir_exists(tmp_path):
-    message = config_problems("rewards=digit_alignment:1.0,jpeg_compressibility:0.1")
+    message = config_problems("reward.scorers=digit_alignment:1.0,jpeg_compressibility:0.1")
     line = next(line for line in message.splitlines() if "jpeg_compressibility" in line)
     assert "jpeg_compressibility is not differentiable" in line
     assert "differentiable scorers: aesthetic, clip_score, digit_alignment, number_alignment, pickscore" in line
     assert "digit_alignment is" not in line  # only the offending one is named as such
     with pytest.raises(ConfigError, match="ocr is not differentiable"):
-        main([f"run_dir={tmp_path / 'r'}", "tracker=none", "rewards=ocr:1.0"])
+        main([f"run_dir={tmp_path / 'r'}", "tracker=none", "reward.scorers=ocr:1.0"])
     assert not (tmp_path / "r").exists()
     assert "remote:http://127.0.0.1:9/score) is not differentiable" in config_problems(
-        "rewards=judge=remote:http://127.0.0.1:9/score")
+        "reward.scorers=judge=remote:http://127.0.0.1:9/score")
 
 
 class DetachingScorer:
@@ -242,7 +242,7 @@ def test_a_scorer_that_claims_gradients_and_detaches_is_named(tmp_path):
     register("claims_grad", DetachingScorer)
     try:
         with pytest.raises(RuntimeError, match="'claims_grad' declares differentiable = True but its scores carry no"):
-            main([f"run_dir={tmp_path / 'r'}", *QUICK, *SMALL, "steps=1", "rewards=claims_grad:1.0"])
+            main([f"run_dir={tmp_path / 'r'}", *QUICK, *SMALL, "steps=1", "reward.scorers=claims_grad:1.0"])
     finally:
         unregister("claims_grad")
 
@@ -253,7 +253,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_draft():
     validate_config(defaults)
     numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_draft.yaml")])
     validate_config(numbers)
-    assert numbers.model.card == "toy-numbers" and numbers.rewards.startswith("number_alignment")
+    assert numbers.model.card == "toy-numbers" and numbers.reward.scorers.startswith("number_alignment")
 
 
 # ---- the run --------------------------------------------------------------------------------------------
@@ -263,28 +263,28 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_draft():
 def test_the_grad_path_lands_on_the_rollouts_samples_and_every_mode_trains(tmp_path):
     # One minibatch: the update re-runs the rollout's last step with the weights that made it, so the reward of
     # the grad path is the rollout's own reward (the same chain, bit for bit), before any optimizer step.
-    _, rows = run(tmp_path, "k1", *SMALL, "steps=1", "eval_every=1")
+    _, rows = run(tmp_path, "k1", *SMALL, "steps=1", "eval.every=1")
     assert rows[1]["draft/reward"] == rows[1]["reward/mean"]
     assert rows[1]["loss"] == -rows[1]["draft/reward"] and rows[1]["grad_norm"] > 0
     assert rows[1]["draft/valid_samples"] == 32.0 and rows[1]["weight_version"] == 0
     assert json.loads((tmp_path / "k1" / "run.json").read_text())["recipe"] == "draft"
     # K = 3 through checkpointed steps and the same without checkpointing: the same numbers.
-    _, on = run(tmp_path, "k3", *SMALL, "steps=1", "eval_every=1", "train.truncation_steps=3")
-    _, off = run(tmp_path, "k3off", *SMALL, "steps=1", "eval_every=1", "train.truncation_steps=3",
+    _, on = run(tmp_path, "k3", *SMALL, "steps=1", "eval.every=1", "train.truncation_steps=3")
+    _, off = run(tmp_path, "k3off", *SMALL, "steps=1", "eval.every=1", "train.truncation_steps=3",
                  "train.step_checkpointing=false")
     assert on[1]["draft/reward"] == on[1]["reward/mean"]
     assert without_timings(on) == without_timings(off)
-    _, refl = run(tmp_path, "refl", *SMALL, "steps=1", "eval_every=1", "train.mode=refl", "train.kl_beta=0.1")
+    _, refl = run(tmp_path, "refl", *SMALL, "steps=1", "eval.every=1", "train.mode=refl", "train.kl_beta=0.1")
     assert refl[1]["grad_norm"] > 0 and refl[1]["ref_mse"] == 0.0  # the first forward is the reference's weights
     assert 0 < refl[1]["t/mean"] < 0.35  # late steps of the 6-step grid
-    _, lv = run(tmp_path, "lv", *SMALL, "steps=1", "eval_every=1", "train.lv_samples=2", "train.anchor_beta=1")
+    _, lv = run(tmp_path, "lv", *SMALL, "steps=1", "eval.every=1", "train.lv_samples=2", "train.anchor_beta=1")
     assert lv[1]["grad_norm"] > 0 and lv[1]["anchor_mse"] == 0.0 and "anchor/decay" in lv[1]
 
 
 @pytest.mark.slow
 def test_reward_and_judge_rise_and_the_negated_reward_falls(tmp_path):
     """An honest control: the same run minimising the reward (reward_scale = -1) goes the other way."""
-    args = ["steps=10", "eval_every=10", "data.prompts_per_step=4", "train.learning_rate=2e-3"]
+    args = ["steps=10", "eval.every=10", "data.prompts_per_step=4", "train.learning_rate=2e-3"]
     real, _ = run(tmp_path, "real", *args)
     control, _ = run(tmp_path, "negated", *args, "train.reward_scale=-1")
     base, base_judge = real["base"]["eval/reward/mean"], real["base"]["eval/judge/digit_svc/mean"]
@@ -298,7 +298,7 @@ def test_reward_and_judge_rise_and_the_negated_reward_falls(tmp_path):
 @pytest.mark.slow
 def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
     # ReFL (its steps drawn per sample) with the EMA anchor, checkpointed beside the weights.
-    args = [*SMALL, "steps=4", "save_every=2", "eval_every=2", "train.mode=refl", "train.anchor_beta=1",
+    args = [*SMALL, "steps=4", "save_every=2", "eval.every=2", "train.mode=refl", "train.anchor_beta=1",
             "train.anchor_decay_ramp=0.2"]
     _, straight = run(tmp_path, "straight", *args)
     interrupted = tmp_path / "interrupted"
@@ -318,7 +318,7 @@ def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(t
 
 @pytest.mark.slow
 def test_lora_trains_only_the_adapter(tmp_path):
-    _, rows = run(tmp_path, "lora", *SMALL, "model.finetune=lora", "steps=2", "eval_every=2", "save_every=2",
+    _, rows = run(tmp_path, "lora", *SMALL, "model.finetune=lora", "steps=2", "eval.every=2", "save_every=2",
                   "train.kl_beta=0.01", "train.truncation_steps=2")
     saved = checkpoint(tmp_path / "lora", 2)
     assert saved and all("lora_" in k for k in saved)
@@ -328,7 +328,7 @@ def test_lora_trains_only_the_adapter(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_train_as_one(tmp_path):
-    args = ["steps=2", "eval_every=1000", *SMALL]
+    args = ["steps=2", "eval.every=1000", *SMALL]
     _, single = run(tmp_path, "one", *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

@@ -1,4 +1,4 @@
-"""train.ema, every recipe's EMA of the trained weights: its math against hand-computed values, evaluation on the
+"""ema.enabled, every recipe's EMA of the trained weights: its math against hand-computed values, evaluation on the
 average while rollouts stay on the trained weights, checkpoints, exact kill -9 + resume, and the config checks."""
 
 import json
@@ -8,14 +8,14 @@ import torch
 from safetensors.torch import load_file
 
 from flywheel.recipe.ema import WeightEMA, train_ema_decay
-from flywheel.recipe.sections import OptimConfig
+from flywheel.recipe.sections import EMAConfig
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 
 from recipe_kill import kill_after_checkpoint
 
 # A small batch, 4 denoising steps, one eval seed: a step takes about a second on one quiet thread.
-TINY = ["tracker=none", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4", "sampling.eval_seeds=1",
+TINY = ["tracker=none", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4", "eval.seeds=1",
         "sample_every=1000"]
 
 
@@ -43,7 +43,7 @@ def checkpoint(run_dir, step):
 
 
 def split(saved):
-    """(trained weights, train.ema average) of a checkpoint's tensors."""
+    """(trained weights, EMA average) of a checkpoint's tensors."""
     trained = {k: v for k, v in saved.items() if not k.startswith(("ema/", "recipe/"))}
     return trained, {k[len("ema/"):]: v for k, v in saved.items() if k.startswith("ema/")}
 
@@ -56,7 +56,7 @@ def without(rows, *prefixes):
 
 
 def schedule(decay=0.9, start=0, every=1):
-    return OptimConfig(ema=True, ema_decay=decay, ema_start_step=start, ema_update_every=every)
+    return EMAConfig(enabled=True, decay=decay, start_step=start, update_every=every)
 
 
 def test_decay_schedule_is_flow_grpos_warm_up_from_the_start_step():
@@ -105,7 +105,7 @@ def test_two_parameters_follow_hand_computed_averages_with_start_step_and_interv
 def test_average_is_float32_and_loading_is_strict():
     layer = torch.nn.Linear(2, 1).to(torch.bfloat16)
     named = list(layer.named_parameters())
-    ema = WeightEMA(named, what="the train.ema average")
+    ema = WeightEMA(named, what="the EMA average")
     assert all(v.dtype == torch.float32 for v in ema.shadow.values())
     # 0.999·1 + 0.001·(1 + 2^-7) moves by 2^-7/1000: lost in bf16, kept in float32.
     with torch.no_grad():
@@ -116,7 +116,7 @@ def test_average_is_float32_and_loading_is_strict():
     ema.update(named, 0.999)
     assert float(ema.shadow["weight"][0, 0]) == pytest.approx(1.0 + 2**-7 / 1000, rel=1e-6)
     before = {k: v.clone() for k, v in ema.shadow.items()}
-    with pytest.raises(ValueError, match="train.ema average: the state's names differ"):
+    with pytest.raises(ValueError, match="EMA average: the state's names differ"):
         ema.load_state_dict({"weight": torch.zeros(1, 2)})
     with pytest.raises(ValueError, match=r"shape \(2, 2\) in the state, \(1, 2\) trained"):
         ema.load_state_dict({"weight": torch.zeros(2, 2), "bias": torch.zeros(1)})
@@ -132,19 +132,19 @@ def test_bad_values_are_refused_with_what_is_valid():
     from trainers.grpo import Config, validate_config
 
     cfg = parse_config(Config, [])
-    assert (cfg.train.ema, cfg.train.ema_decay, cfg.train.ema_start_step, cfg.train.ema_update_every) == (
+    assert (cfg.ema.enabled, cfg.ema.decay, cfg.ema.start_step, cfg.ema.update_every) == (
         False, 0.9, 0, 8)
     with pytest.raises(ConfigError) as err:
-        validate_config(parse_config(Config, ["train.ema_decay=1.0", "train.ema_start_step=-1",
-                                              "train.ema_update_every=0"]))
+        validate_config(parse_config(Config, ["ema.decay=1.0", "ema.start_step=-1",
+                                              "ema.update_every=0"]))
     message = str(err.value)
-    assert "train.ema_decay=1.0: must be in [0, 1)" in message
-    assert "train.ema_start_step=-1: must be an integer >= 0" in message
-    assert "train.ema_update_every=0: must be an integer >= 1" in message
-    with pytest.raises(ConfigError, match=r"train.ema_decay=-0.1: must be in \[0, 1\)"):
-        validate_config(parse_config(Config, ["train.ema_decay=-0.1"]))
-    validate_config(parse_config(Config, ["train.ema=true", "train.ema_decay=0.0", "train.ema_update_every=1",
-                                          "train.ema_start_step=5"]))  # the edges of what is valid
+    assert "ema.decay=1.0: must be in [0, 1)" in message
+    assert "ema.start_step=-1: must be an integer >= 0" in message
+    assert "ema.update_every=0: must be an integer >= 1" in message
+    with pytest.raises(ConfigError, match=r"ema.decay=-0.1: must be in \[0, 1\)"):
+        validate_config(parse_config(Config, ["ema.decay=-0.1"]))
+    validate_config(parse_config(Config, ["ema.enabled=true", "ema.decay=0.0", "ema.update_every=1",
+                                          "ema.start_step=5"]))  # the edges of what is valid
 
 
 # ---- in a run -----------------------------------------------------------------------------------
@@ -155,11 +155,11 @@ def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_tra
     """Three 2-step GRPO runs: no EMA, an EMA of decay 0 (the weights themselves), and one of decay 0.9."""
     from engine import load_model
 
-    common = ["steps=2", "eval_every=1", "save_every=1", "keep_checkpoints=2", "train.learning_rate=3e-3"]
+    common = ["steps=2", "eval.every=1", "save_every=1", "keep_checkpoints=2", "train.learning_rate=3e-3"]
     off = run_grpo(tmp_path, tiny, "off", *common)
-    ema_args = ["train.ema=true", "train.ema_update_every=1"]
-    zero = run_grpo(tmp_path, tiny, "zero", *common, *ema_args, "train.ema_decay=0.0")
-    avg = run_grpo(tmp_path, tiny, "avg", *common, *ema_args, "train.ema_decay=0.9")
+    ema_args = ["ema.enabled=true", "ema.update_every=1"]
+    zero = run_grpo(tmp_path, tiny, "zero", *common, *ema_args, "ema.decay=0.0")
+    avg = run_grpo(tmp_path, tiny, "avg", *common, *ema_args, "ema.decay=0.9")
 
     # Decay 0: the average is the trained weights, so the run is the run without EMA, metric for metric.
     assert without(zero, "eval/ema", "ema/") == without(off)
@@ -189,13 +189,13 @@ def test_evaluation_uses_the_average_while_rollouts_and_checkpoints_keep_the_tra
         assert torch.equal(e2[name], expected), name
     assert any(not torch.equal(e2[k], w2[k]) for k in w2)
 
-    # Resuming with train.ema off from a run that had one drops the average, and says so.
-    grpo_main([f"resume={tmp_path / 'avg'}", "steps=3", "train.ema=false"])
-    assert "holds a train.ema average and this run has train.ema=false" in capfd.readouterr().err
+    # Resuming with ema.enabled off from a run that had one drops the average, and says so.
+    grpo_main([f"resume={tmp_path / 'avg'}", "steps=3", "ema.enabled=false"])
+    assert "holds an EMA average and this run has ema.enabled=false" in capfd.readouterr().err
     assert not split(checkpoint(tmp_path / "avg", 3))[1]
-    # Resuming with train.ema on from a run that had none is refused: the average would start over silently.
-    with pytest.raises(ValueError, match="holds no train.ema average"):
-        grpo_main([f"resume={tmp_path / 'off'}", "steps=3", "train.ema=true"])
+    # Resuming with ema.enabled on from a run that had none is refused: the average would start over silently.
+    with pytest.raises(ValueError, match="holds no EMA average"):
+        grpo_main([f"resume={tmp_path / 'off'}", "steps=3", "ema.enabled=true"])
 
 
 @pytest.mark.slow
@@ -204,11 +204,11 @@ def test_async_rollouts_evaluate_the_average_in_the_trainer_process(tmp_path, ti
     here, with the average swapped in. Decay 0 evaluates the weights themselves, as the run without EMA does
     (in the engine process: the same numbers, up to the threads' summation order); decay 0.9 evaluates
     something else, while the rollouts (rewards) stay those of the run without EMA."""
-    common = ["steps=2", "eval_every=1", "train.learning_rate=3e-3", "async_rollouts=true"]
-    ema_args = ["train.ema=true", "train.ema_update_every=1"]
+    common = ["steps=2", "eval.every=1", "train.learning_rate=3e-3", "rollout.asynchronous=true"]
+    ema_args = ["ema.enabled=true", "ema.update_every=1"]
     off = run_grpo(tmp_path, tiny, "off", *common)
-    zero = run_grpo(tmp_path, tiny, "zero", *common, *ema_args, "train.ema_decay=0.0")
-    avg = run_grpo(tmp_path, tiny, "avg", *common, *ema_args, "train.ema_decay=0.9")
+    zero = run_grpo(tmp_path, tiny, "zero", *common, *ema_args, "ema.decay=0.0")
+    avg = run_grpo(tmp_path, tiny, "avg", *common, *ema_args, "ema.decay=0.9")
     evals = {name: [r["eval/reward/mean"] for r in rows] for name, rows in (("off", off), ("zero", zero), ("avg", avg))}
     assert evals["zero"] == pytest.approx(evals["off"], abs=1e-5)
     assert evals["avg"][0] == pytest.approx(evals["off"][0], abs=1e-5)  # the average starts at the weights
@@ -222,8 +222,8 @@ def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_r
     # The average is the weights up to step 1, then moves with decay 2/11, 3/12, 4/13 after steps 2, 3, 4: a
     # resume that restarted it from the resumed weights would change the last evaluation and every ema/ tensor.
     # (Two steps after the checkpoint the kill waits for: the run cannot finish before it is killed.)
-    args = ["steps=4", "save_every=2", "eval_every=4", "train.learning_rate=3e-3", "train.ema=true",
-            "train.ema_start_step=1", "train.ema_update_every=1"]
+    args = ["steps=4", "save_every=2", "eval.every=4", "train.learning_rate=3e-3", "ema.enabled=true",
+            "ema.start_step=1", "ema.update_every=1"]
     straight = run_grpo(tmp_path, tiny, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
@@ -246,15 +246,15 @@ def test_kill_and_resume_gives_the_metrics_and_ema_tensors_of_an_uninterrupted_r
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["awm", "nft"])
 def test_awm_and_nft_accept_ema_beside_their_own_tensors(tmp_path, tiny, recipe):
-    """A 2-step run with train.ema=true (AWM with LoRA: the average is the adapter's), then one step resumed."""
+    """A 2-step run with ema.enabled=true (AWM with LoRA: the average is the adapter's), then one step resumed."""
     import importlib
 
     main = importlib.import_module(f"trainers.{recipe}").main
     extra = {"awm": ["train.timesteps_per_sample=2", "model.finetune=lora", "train.learning_rate=1e-3"],
              "nft": ["train.timesteps_per_sample=2"]}[recipe]
     run_dir = tmp_path / recipe
-    main([f"run_dir={run_dir}", *tiny, *extra, "steps=2", "eval_every=1000", "save_every=2", "train.ema=true",
-          "train.ema_update_every=1", "train.ema_decay=0.5"])
+    main([f"run_dir={run_dir}", *tiny, *extra, "steps=2", "eval.every=1000", "save_every=2", "ema.enabled=true",
+          "ema.update_every=1", "ema.decay=0.5"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows[0]["eval/ema"] == 1.0 and rows[2]["eval/ema"] == 1.0
     assert [r["ema/decay"] for r in rows[1:]] == pytest.approx([2 / 11, 3 / 12])
@@ -280,7 +280,7 @@ def test_the_trained_lora_and_the_average_are_exported_side_by_side(tmp_path, ca
     from recipe_kill import tiny_sd3_lora_ema_args
 
     run_dir = tmp_path / "run"
-    grpo_main([*tiny_sd3_lora_ema_args(tmp_path, run_dir), "train.ema_update_every=1", "train.ema_decay=0.5"])
+    grpo_main([*tiny_sd3_lora_ema_args(tmp_path, run_dir), "ema.update_every=1", "ema.decay=0.5"])
     trained, average = split(checkpoint(run_dir, 2))
     # peft's "<module>.lora_A.default.weight" is diffusers' "transformer.<module>.lora_A.weight".
     as_exported = {"transformer." + k.replace(".default", ""): k for k in average}
@@ -292,5 +292,5 @@ def test_the_trained_lora_and_the_average_are_exported_side_by_side(tmp_path, ca
     assert any(not torch.equal(average[k], trained[k]) for k in trained if "lora_B" in k)
     out = capfd.readouterr().out
     assert f"{run_dir / 'lora'}: the trained adapter\n" in out
-    assert f"{run_dir / 'lora_ema'}: the train.ema average of the trained adapter (the one evaluation used)" in out
-    assert "(of the train.ema average)" in out
+    assert f"{run_dir / 'lora_ema'}: the EMA average of the trained adapter (the one evaluation used)" in out
+    assert "(of the EMA average)" in out

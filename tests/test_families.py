@@ -232,9 +232,9 @@ def grpo_args(card, folder, prompts_file, run_dir, *extra):
     size = FAMILIES[card][1]
     args = [f"run_dir={run_dir}", f"model.card={card}", f"model.path={folder}", "tracker=none", "steps=3",
             f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
-            "data.group_size=2", "sampling.steps=2", "sampling.eval_seeds=1", "sampling.guidance_scale=2.0",
-            "sampling.eval_guidance_scale=2.0", "rewards=jpeg_compressibility:1.0", "eval_every=1000",
-            "sample_every=3", "sampling.eval_steps=1", "train.log_kl=false", "train.learning_rate=0.02",
+            "data.group_size=2", "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
+            "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
+            "sample_every=3", "eval.steps=1", "train.log_kl=false", "train.learning_rate=0.02",
             "train.clip_range=0.2",
             f"sampling.height={size['height']}", f"sampling.width={size['width']}"]
     if "frames" in size:

@@ -294,8 +294,8 @@ def grpo_args(card, folder, run_dir, prompts, *extra):
     steps = STEPS if card == "wan2.2-t2v" else 2
     return [f"run_dir={run_dir}", f"model.card={card}", f"model.path={folder}", "tracker=none", "steps=3",
             f"data.prompts={prompts}", f"data.eval_prompts={prompts}", "data.prompts_per_step=2", "data.group_size=2",
-            f"sampling.steps={steps}", "sampling.eval_seeds=1", "sampling.eval_steps=2", "eval_every=1000",
-            "sample_every=1000", "rewards=jpeg_compressibility:1.0", "model.finetune=lora", "model.lora_rank=4",
+            f"sampling.steps={steps}", "eval.seeds=1", "eval.steps=2", "eval.every=1000",
+            "sample_every=1000", "reward.scorers=jpeg_compressibility:1.0", "model.finetune=lora", "model.lora_rank=4",
             "model.lora_alpha=8", f"sampling.height={size['height']}", f"sampling.width={size['width']}", *frames,
             *extra]
 
@@ -326,7 +326,7 @@ def test_grpo_lora_run_and_the_saved_lora_reproduces_the_engine_in_the_stock_pip
     guidance = 2.0 if card != "flux2-klein" else 1.0
     run_dir = tmp_path / "run"
     main(grpo_args(card, folders[card], run_dir, prompts_file, f"sampling.guidance_scale={guidance}",
-                   f"sampling.eval_guidance_scale={guidance}", "train.log_kl=false", "train.learning_rate=0.02",
+                   f"eval.guidance_scale={guidance}", "train.log_kl=false", "train.learning_rate=0.02",
                    "train.clip_range=0.2"))
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

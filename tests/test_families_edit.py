@@ -322,7 +322,7 @@ def test_datasets_without_or_with_unreadable_images_are_config_errors_before_wor
     text = tmp_path / "prompts.txt"
     text.write_text("make it red\n")
     args = [f"model.card={KONTEXT}", f"model.path={folders[KONTEXT]}", "tracker=none", "steps=1",
-            "rewards=jpeg_compressibility:1.0"]
+            "reward.scorers=jpeg_compressibility:1.0"]
     with pytest.raises(ConfigError, match=r"card 'flux-kontext' is conditioned on an image per prompt .*prompt\(s\) "
                                           r"1 have none"):
         main([f"run_dir={tmp_path / 'run1'}", f"data.prompts={text}", f"data.eval_prompts={text}", *args])
@@ -448,7 +448,7 @@ def edit_prompts(images, tmp_path_factory):
 def run_args(card, folder, data, run_dir, *extra):
     return [f"run_dir={run_dir}", f"model.card={card}", f"model.path={folder}", "tracker=none", "steps=3",
             f"data.prompts={data}", f"data.eval_prompts={data}", "data.prompts_per_step=2", "data.group_size=2",
-            "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=1", "eval_every=1000",
+            "sampling.steps=2", "eval.steps=2", "eval.seeds=1", "eval.every=1000",
             "sample_every=3", "save_every=3", "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8",
             "sampling.height=16", "sampling.width=32", *extra]
 
@@ -470,8 +470,8 @@ def test_grpo_and_nft_lora_runs_on_source_images_change_the_adapter(card, recipe
     monkeypatch.setenv("FLYWHEEL_CLIP_PATH", str(clip_folder))
     # DiffusionNFT samples CFG-free (guidance 1; for Kontext the embedded scale 1); GRPO at the card's guidance.
     guidance = CARDS[card][2][0] if recipe == "grpo" else 1.0
-    extra = [f"sampling.guidance_scale={guidance}", f"sampling.eval_guidance_scale={CARDS[card][2][0]}",
-             "rewards=edit_consistency:1.0"]
+    extra = [f"sampling.guidance_scale={guidance}", f"eval.guidance_scale={CARDS[card][2][0]}",
+             "reward.scorers=edit_consistency:1.0"]
     if recipe == "grpo":
         extra += ["train.learning_rate=0.02", "train.clip_range=0.2", "train.log_kl=false"]
     run_dir = tmp_path / "run"
@@ -524,8 +524,8 @@ def test_grpo_on_kontext_moves_outputs_toward_the_flipped_source_and_negated_adv
     def args(run_dir):
         return [f"run_dir={run_dir}", f"model.card={KONTEXT}", f"model.path={folders[KONTEXT]}", "tracker=none",
                 "steps=6", f"data.prompts={data}", f"data.eval_prompts={data}", "data.prompts_per_step=2",
-                "data.group_size=4", "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=2",
-                "eval_every=6", "sample_every=1000", "save_every=1000", "rewards=test_flip_closeness:1.0",
+                "data.group_size=4", "sampling.steps=2", "eval.steps=2", "eval.seeds=2",
+                "eval.every=6", "sample_every=1000", "save_every=1000", "reward.scorers=test_flip_closeness:1.0",
                 "sampling.height=16", "sampling.width=32", "model.finetune=full", "train.learning_rate=1e-2",
                 "train.kl_beta=0", "train.timestep_fraction=1.0"]
 

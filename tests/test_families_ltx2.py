@@ -303,8 +303,8 @@ def test_engine_process_round_trip_carries_the_audio_fields(folder, engine):
 def grpo_args(folder, prompts_file, run_dir, *extra):
     return [f"run_dir={run_dir}", "model.card=ltx2", f"model.path={folder}", "tracker=none",
             f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
-            "data.group_size=2", "sampling.steps=2", "sampling.eval_seeds=1", "sampling.guidance_scale=2.0",
-            "sampling.eval_guidance_scale=2.0", "eval_every=1000", "sampling.eval_steps=2",
+            "data.group_size=2", "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
+            "eval.guidance_scale=2.0", "eval.every=1000", "eval.steps=2",
             "train.clip_range=0.2", f"sampling.height={SIZE['height']}",
             f"sampling.width={SIZE['width']}", f"sampling.frames={SIZE['frames']}", "sampling.audio=true",
             "sampling.audio_noise_level=0.5", *extra]
@@ -323,7 +323,7 @@ def test_grpo_lora_run_with_audio_and_the_saved_lora_loads_into_the_stock_pipeli
     from trainers.grpo import main
 
     run_dir = tmp_path / "run"
-    main(grpo_args(folder, prompts_file, run_dir, "steps=3", "rewards=audio_loudness:1.0", "sample_every=3",
+    main(grpo_args(folder, prompts_file, run_dir, "steps=3", "reward.scorers=audio_loudness:1.0", "sample_every=3",
                    "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8", "train.learning_rate=0.02"))
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["ratio/max_dev"] == 0 for r in rows[1:])
@@ -385,7 +385,7 @@ def test_grpo_raises_an_audio_reward_and_negated_advantages_lower_it(folder, pro
     from trainers.grpo import main
 
     registry.register("test_waveform_rms", WaveformLoudness)
-    steps = ["steps=6", "eval_every=6", "rewards=test_waveform_rms:1.0", "sample_every=1000",
+    steps = ["steps=6", "eval.every=6", "reward.scorers=test_waveform_rms:1.0", "sample_every=1000",
              "model.finetune=full", "train.learning_rate=1e-2", "data.group_size=4",
              # The settings it was measured with (GRPO's defaults before the toy-digits tuning of issue 23).
              "train.kl_beta=0", "train.timestep_fraction=1.0"]
@@ -416,8 +416,8 @@ def test_the_ode_rollout_recipes_train_the_joint_policy(folder, prompts_file, tm
     extra = ["train.time_sampling=uniform"] if recipe == "awm" else []
     main([f"run_dir={run_dir}", "model.card=ltx2", f"model.path={folder}", "tracker=none", "steps=2",
           f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
-          "data.group_size=2", "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=1",
-          "eval_every=1000", "sample_every=1000", "save_every=2", "rewards=audio_loudness:1.0",
+          "data.group_size=2", "sampling.steps=2", "eval.steps=2", "eval.seeds=1",
+          "eval.every=1000", "sample_every=1000", "save_every=2", "reward.scorers=audio_loudness:1.0",
           "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8", f"sampling.height={SIZE['height']}",
           f"sampling.width={SIZE['width']}", f"sampling.frames={SIZE['frames']}", "sampling.audio=true", *extra])
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -258,9 +258,9 @@ def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(qwen_fol
     run_dir = tmp_path / "run"
     main([f"run_dir={run_dir}", f"model.card={CARD}", f"model.path={qwen_folder}", "tracker=none", "steps=3",
           f"data.prompts={prompts}", f"data.eval_prompts={prompts}", "data.prompts_per_step=2", "data.group_size=2",
-          "sampling.steps=2", "sampling.eval_seeds=1", "sampling.guidance_scale=2.0",
-          "sampling.eval_guidance_scale=2.0", "rewards=jpeg_compressibility:1.0", "eval_every=1000",
-          "sample_every=1000", "sampling.eval_steps=2", "train.log_kl=false", "train.learning_rate=0.02",
+          "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
+          "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
+          "sample_every=1000", "eval.steps=2", "train.log_kl=false", "train.learning_rate=0.02",
           "train.clip_range=0.2", f"sampling.height={SIZE['height']}", f"sampling.width={SIZE['width']}",
           "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=true"])
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -305,9 +305,9 @@ def test_qwen_image_ocr_config_follows_verls_published_run(qwen_model):
         "true_cfg_scale": (4.0, cfg.sampling.guidance_scale), "algo.noise_level": (1.2, cfg.sampling.noise_level),
         "algo.sde_type": ("sde", cfg.sampling.sampler), "algo.sde_window_size": (2, cfg.train.window_size),
         "algo.sde_window_range": ((0, 5), tuple(cfg.train.window_range)),
-        "num_inference_steps": (10, cfg.sampling.steps), "val num_inference_steps": (50, cfg.sampling.eval_steps),
+        "num_inference_steps": (10, cfg.sampling.steps), "val num_inference_steps": (50, cfg.eval.steps),
         "height x width": ((512, 512), (cfg.sampling.height, cfg.sampling.width)),
-        "clip_ratio": (1e-4, cfg.train.clip_range), "adv_clip_max": (5.0, cfg.train.adv_clip_max),
+        "clip_ratio": (1e-4, cfg.train.clip_range), "adv_clip_max": (5.0, cfg.advantage.clip_max),
         "use_kl_loss": (False, cfg.train.kl_beta > 0), "model_dtype": ("bfloat16", cfg.model.dtype),
         "mini batches per step (32 / 16 prompts)": (2, cfg.train.updates_per_rollout),
         "micro batch": (16, cfg.train.minibatch_size), "total_training_steps": (300, cfg.steps),

@@ -221,8 +221,8 @@ def test_an_engine_process_handle_dropped_without_close_stops_its_process():
 
 # ---- resume ---------------------------------------------------------------------------------
 
-ASYNC_RUN = ["tracker=none", "async_rollouts=true", "data.prompts_per_step=2", "data.group_size=4",
-             "sampling.eval_seeds=1", "train.timestep_fraction=0.5", "eval_every=1000", "sample_every=1000",
+ASYNC_RUN = ["tracker=none", "rollout.asynchronous=true", "data.prompts_per_step=2", "data.group_size=4",
+             "eval.seeds=1", "train.timestep_fraction=0.5", "eval.every=1000", "sample_every=1000",
              "save_every=2"]
 
 
@@ -264,7 +264,7 @@ def test_a_resumed_async_run_differs_from_an_uninterrupted_one_exactly_as_docume
 def test_a_resumed_async_run_with_max_staleness_0_is_the_uninterrupted_run(tmp_path):
     """docs/getting-started.md: where every lagging batch is regenerated anyway, losing the prefetch at the stop changes
     nothing but the count of regenerated batches (the resumed run had no stale prefetch to throw away)."""
-    straight, resumed, _ = async_run_and_resumed_copy(tmp_path, "max_staleness=0")
+    straight, resumed, _ = async_run_and_resumed_copy(tmp_path, "rollout.max_staleness=0")
 
     def same_part(row: dict) -> dict:
         return {k: v for k, v in comparable(row).items() if k != "staleness/regenerated"}

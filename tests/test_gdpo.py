@@ -1,4 +1,4 @@
-"""GDPO aggregation (rewards_mode=gdpo): per-reward group normalisation, weighted sum, batch normalisation."""
+"""GDPO aggregation (reward.aggregation=gdpo): per-reward group normalisation, weighted sum, batch normalisation."""
 
 import math
 
@@ -90,15 +90,15 @@ def test_gdpo_is_a_reward_set_mode_and_a_config_value():
     adv, _ = distributed_reward_advantages(batch, torch.tensor([0, 0, 1, 1]))
     direct, _ = gdpo_advantages(batch.scores, batch.weights, torch.tensor([0, 0, 1, 1]))
     assert torch.equal(adv, direct)
-    cfg = parse_config(Config, ["rewards_mode=gdpo", "train.global_std=true"])
+    cfg = parse_config(Config, ["reward.aggregation=gdpo", "advantage.global_std=true"])
     with pytest.raises(ConfigError, match="global_std.*gdpo"):
         validate_config(cfg)
     with pytest.raises(ConfigError, match="gdpo"):
-        parse_config(Config, ["rewards_mode=gdpx"])
+        parse_config(Config, ["reward.aggregation=gdpx"])
 
 
 def test_gdpo_grpo_run_trains(tmp_path):
-    result = main([f"run_dir={tmp_path / 'g'}", "tracker=none", "steps=2", "eval_every=2", "sampling.eval_seeds=1",
+    result = main([f"run_dir={tmp_path / 'g'}", "tracker=none", "steps=2", "eval.every=2", "eval.seeds=1",
                    "data.prompts_per_step=2", "data.group_size=4", "save_every=1000", "sample_every=1000",
-                   "rewards=digit_alignment:1.0,jpeg_compressibility:0.1", "rewards_mode=gdpo"])
+                   "reward.scorers=digit_alignment:1.0,jpeg_compressibility:0.1", "reward.aggregation=gdpo"])
     assert math.isfinite(result["final"]["eval/reward/mean"])

@@ -20,7 +20,7 @@ from recipe_kill import kill_after_checkpoint, negate_advantages, without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick, but big enough that the reward moves within a few dozen steps.
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
+QUICK = ["tracker=none", "eval.seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
          "sample_every=1000"]
 STEP_KEYS = ["step", "weight_version", "reward/mean", "reward/digit_alignment/mean", "kl", "clipfrac", "loss",
              "ratio/mean", "time/rollout_s", "time/reward_s", "time/train_s"]
@@ -43,7 +43,7 @@ def test_unknown_key_is_an_error_naming_the_valid_keys():
 
 
 def test_metrics_rows_carry_the_documented_keys_and_versions(tmp_path):
-    _, rows = run(tmp_path, "keys", "steps=2", "eval_every=2")
+    _, rows = run(tmp_path, "keys", "steps=2", "eval.every=2")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in STEP_KEYS:
         assert all(key in r for r in rows[1:]), key
@@ -63,7 +63,7 @@ def test_metrics_rows_carry_the_documented_keys_and_versions(tmp_path):
 
 def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch):
     """An honest control: the same run with the advantage sign flipped must go the other way."""
-    steps = ["steps=24", "eval_every=24"]
+    steps = ["steps=24", "eval.every=24"]
     real, _ = run(tmp_path, "real", *steps)
     negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps)
@@ -74,7 +74,7 @@ def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch)
 
 
 def test_kill_and_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path):
-    args = ["steps=6", "save_every=2", "eval_every=3", "data.prompts_per_step=4", "data.group_size=8"]
+    args = ["steps=6", "save_every=2", "eval.every=3", "data.prompts_per_step=4", "data.group_size=8"]
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
@@ -103,7 +103,7 @@ def test_wandb_offline_writes_its_files(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no account configured
-    main([f"run_dir={tmp_path / 'wb'}", "tracker=wandb", "steps=1", "eval_every=1", "sampling.eval_seeds=1",
+    main([f"run_dir={tmp_path / 'wb'}", "tracker=wandb", "steps=1", "eval.every=1", "eval.seeds=1",
           "data.prompts_per_step=2", "data.group_size=4"])
     assert os.environ["WANDB_MODE"] == "offline"
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
@@ -113,7 +113,7 @@ def test_wandb_offline_writes_its_files(tmp_path, monkeypatch):
 def test_lora_trains_only_the_adapter_and_the_disabled_adapter_is_the_reference(tmp_path):
     from engine import load_model
 
-    _, rows = run(tmp_path, "lora", "model.finetune=lora", "train.learning_rate=1e-3", "steps=2", "eval_every=2",
+    _, rows = run(tmp_path, "lora", "model.finetune=lora", "train.learning_rate=1e-3", "steps=2", "eval.every=2",
                   "save_every=2", "train.kl_beta=0.01", "data.prompts_per_step=4", "data.group_size=8")
     saved = load_file(tmp_path / "lora" / "checkpoints" / "step_000002" / "model.safetensors")
     assert saved and all("lora_" in k for k in saved)
@@ -125,7 +125,7 @@ def test_lora_trains_only_the_adapter_and_the_disabled_adapter_is_the_reference(
 
 
 def test_two_processes_draw_the_same_samples_as_one(tmp_path):
-    args = ["steps=2", "eval_every=1000", "data.prompts_per_step=4", "data.group_size=6"]  # groups span ranks
+    args = ["steps=2", "eval.every=1000", "data.prompts_per_step=4", "data.group_size=6"]  # groups span ranks
     _, single = run(tmp_path, "one", *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -159,7 +159,7 @@ def image_prompts(folder: Path, rows: int = 2, with_image: bool = True) -> Path:
 @pytest.mark.parametrize("path", GRPO_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_parse(path, tmp_path, monkeypatch):
     """Every GRPO config, the GRPO options' included."""
-    import flywheel.recipe.sections as sections
+    import flywheel.config.validation as sections
 
     cfg = parse_config(Config, ["--config", str(path)])
     assert cfg.model.card in list_cards()
@@ -204,9 +204,9 @@ def test_evaluation_requests_drop_the_rollouts_sde_window():
     from engine import GenerationRequest
     from flywheel.recipe.sections import eval_request_kwargs, rollout_request_kwargs
 
-    cfg = parse_config(Config, ["sampling.sde_window=[0,8]", "sampling.eval_steps=4"])
+    cfg = parse_config(Config, ["sampling.sde_window=[0,8]", "eval.steps=4"])
     validate_config(cfg)
-    kwargs = {**rollout_request_kwargs(cfg.sampling), **eval_request_kwargs(cfg.sampling)}
+    kwargs = {**rollout_request_kwargs(cfg.sampling), **eval_request_kwargs(cfg.sampling, cfg.eval)}
     request = GenerationRequest(prompt="a handwritten three", seed=0, **kwargs)
     assert (request.steps, request.sampler, request.sde_window) == (4, "ode", None)
 
@@ -215,19 +215,19 @@ def test_sd3_pickscore_config_matches_flow_grpo_pickscore_sd3():
     """configs/sd3_pickscore.yaml says it follows Flow-GRPO's pickscore_sd3 (config/grpo.py, commit ac4c86e)."""
     cfg = parse_config(Config, ["--config", str(ROOT / "configs" / "sd3_pickscore.yaml")])
     flow_grpo = {  # Flow-GRPO's key -> (its value, ours)
-        "sample.num_steps": (10, cfg.sampling.steps), "sample.eval_num_steps": (40, cfg.sampling.eval_steps),
+        "sample.num_steps": (10, cfg.sampling.steps), "sample.eval_num_steps": (40, cfg.eval.steps),
         "sample.guidance_scale": (4.5, cfg.sampling.guidance_scale), "resolution": (512, cfg.sampling.height),
         "sample.num_image_per_prompt": (24, cfg.data.group_size), "prompts per epoch": (48, cfg.data.prompts_per_step),
-        "sample.noise_level": (0.7, cfg.sampling.noise_level), "sample.global_std": (True, cfg.train.global_std),
+        "sample.noise_level": (0.7, cfg.sampling.noise_level), "sample.global_std": (True, cfg.advantage.global_std),
         "train.beta": (0.01, cfg.train.kl_beta), "train.clip_range": (1e-4, cfg.train.clip_range),
-        "train.adv_clip_max": (5, cfg.train.adv_clip_max), "train.learning_rate": (3e-4, cfg.train.learning_rate),
+        "advantage.clip_max": (5, cfg.advantage.clip_max), "train.learning_rate": (3e-4, cfg.train.learning_rate),
         "train.adam_weight_decay": (1e-4, cfg.train.weight_decay), "train.max_grad_norm": (1.0, cfg.train.max_grad_norm),
         "train.adam_beta1/2": ((0.9, 0.999), cfg.train.adam_betas), "train.cfg": (True, cfg.train.cfg_in_train),
         "train.timestep_fraction": (0.99, cfg.train.timestep_fraction), "train.batch_size": (9, cfg.train.minibatch_size),
         "optimizer steps per epoch": (2, cfg.train.updates_per_rollout), "lora r": (32, cfg.model.lora_rank),
         "lora_alpha": (64, cfg.model.lora_alpha), "init_lora_weights": ("gaussian", cfg.model.lora_init),
-        "train.ema": (True, cfg.train.ema), "ema decay": (0.9, cfg.train.ema_decay),
-        "ema update_step_interval": (8, cfg.train.ema_update_every),
+        "ema.enabled": (True, cfg.ema.enabled), "ema decay": (0.9, cfg.ema.decay),
+        "ema update_step_interval": (8, cfg.ema.update_every),
     }
     assert {k: ours for k, (_, ours) in flow_grpo.items()} == {k: theirs for k, (theirs, _) in flow_grpo.items()}
     assert cfg.train.kl_form == "flow_grpo" and cfg.train.timestep_selection == "first"
@@ -236,8 +236,8 @@ def test_sd3_pickscore_config_matches_flow_grpo_pickscore_sd3():
 def test_async_rollouts_lag_one_version_and_are_corrected(tmp_path):
     """The engine process rolls out step s+1 during step s's update; the trainer corrects for the lag."""
     # Two optimizer steps per rollout batch: the second minibatch's ratio leaves the proximal policy.
-    _, rows = run(tmp_path, "async", "async_rollouts=true", "steps=3", "eval_every=3", "data.prompts_per_step=4",
-                  "data.group_size=8", "train.minibatch_size=16", "max_staleness=2")
+    _, rows = run(tmp_path, "async", "rollout.asynchronous=true", "steps=3", "eval.every=3", "data.prompts_per_step=4",
+                  "data.group_size=8", "train.minibatch_size=16", "rollout.max_staleness=2")
     # Version 1 is the trainer's weights pushed into the fresh engine process (verified by checksums).
     # Two optimizer steps per update, one sync (the training loop's): a version per update.
     assert [r["train/optimizer_steps"] for r in rows[1:]] == [2, 2, 2]

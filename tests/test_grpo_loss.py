@@ -178,7 +178,7 @@ def test_decoupled_ppo_clips_against_the_proximal_policy(fresh_model):
     traj.log_probs = traj.log_probs + 0.3 * (torch.rand(traj.log_probs.shape, generator=lag) - 0.5)
     behaviour = traj.log_probs.clone()
     cfg = recipe_config(importance_cap=1.05)
-    cfg.async_rollouts = True
+    cfg.rollout.asynchronous = True
     start = copy.deepcopy(model.transformer.state_dict())
     reference = copy.deepcopy(model.transformer).requires_grad_(False)
 

@@ -30,7 +30,7 @@ from trainers.grpo import (GRPO, Config, chosen_steps, fast_window, main, mixgrp
 from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
+QUICK = ["tracker=none", "eval.seeds=2", "save_every=1000", "sample_every=1000"]
 ROWS, NOISE = 8, 0.7
 ADV = torch.tensor([1.0, -0.5, 0.0, 0.8, -1.2, 0.7, 0.3, -0.9])
 USABLE = torch.tensor([True, True, False, True, True, True, True, True])
@@ -325,7 +325,7 @@ def test_guard_ratio_is_centred_where_the_plain_ratio_is_not():
     (["train.variant=fast", "sampling.sde_window=[0,3]"], "sampling.sde_window"),
     (["train.variant=mixgrpo", "train.flash_compress=0"], "train.flash_compress=0"),
     (["train.flash_compress=0.5"], "train.flash_compress needs ODE steps"),
-    (["train.variant=mixgrpo", "train.flash_compress=0.5", "async_rollouts=true"], "async_rollouts=true"),
+    (["train.variant=mixgrpo", "train.flash_compress=0.5", "rollout.asynchronous=true"], "rollout.asynchronous=true"),
     (["train.variant=fast", "train.flash_compress=0.5"], "train.window_per=step"),
     (["train.variant=fast", "train.timestep_fraction=0.5"], "train.timestep_fraction=null or 1.0"),
     (["model.card=ltx2", "train.guard=true"], "one per modality"),
@@ -368,9 +368,9 @@ def test_shipped_variant_configs_keep_grpos_task_and_rollout_budget(variant):
         validate_config(ours)
         for section in ("model", "data"):
             assert config_to_dict(ours)[section] == config_to_dict(grpo)[section], (name, section)
-        sampling = ("steps", "guidance_scale", "eval_guidance_scale", "eval_seeds", "eval_steps", "time_shift")
+        sampling = ("steps", "guidance_scale", "time_shift")
         assert [getattr(ours.sampling, k) for k in sampling] == [getattr(grpo.sampling, k) for k in sampling]
-        assert (ours.seed, ours.rewards) == (grpo.seed, grpo.rewards)
+        assert (ours.seed, ours.reward, ours.eval) == (grpo.seed, grpo.reward, grpo.eval)
         assert ours.train.variant != "flow_grpo" or ours.train.guard
 
 
@@ -387,7 +387,7 @@ def test_a_fast_run_trains_the_windows_it_draws(tmp_path, per):
     """End to end: each trajectory's rollout used the window fast_window names for its (step, row), and only
     it was trained (mixgrpo's windows are checked end to end by the async and the resume tests below)."""
     args = ["train.variant=fast", f"train.window_per={per}", "seed=3"]
-    _, rows = run(tmp_path, "fast", "steps=4", "eval_every=4", "data.prompts_per_step=2", "data.group_size=4", *args)
+    _, rows = run(tmp_path, "fast", "steps=4", "eval.every=4", "data.prompts_per_step=2", "data.group_size=4", *args)
     cfg = config(*args)
     starts = [[rollout_window(cfg, s, row)[0] for row in range(8)] for s in range(4)]
     assert [r["trained_steps/first"] for r in rows[1:]] == [min(x) for x in starts]
@@ -399,8 +399,8 @@ def test_a_fast_run_trains_the_windows_it_draws(tmp_path, per):
 
 def test_async_rollouts_roll_out_each_steps_own_window_and_guard_uses_the_proximal_means(tmp_path):
     """The window is a function of the step, so the prefetched step s+1 has its own; Guard's mu_old is proximal."""
-    _, rows = run(tmp_path, "async", "async_rollouts=true", "steps=3", "eval_every=3", "data.prompts_per_step=4",
-                  "data.group_size=8", "train.minibatch_size=16", "max_staleness=2", "train.variant=mixgrpo",
+    _, rows = run(tmp_path, "async", "rollout.asynchronous=true", "steps=3", "eval.every=3", "data.prompts_per_step=4",
+                  "data.group_size=8", "train.minibatch_size=16", "rollout.max_staleness=2", "train.variant=mixgrpo",
                   "train.window_shift_every=1", "train.window_stride=2", "train.guard=true")
     assert [r["trained_steps/first"] for r in rows[1:]] == [0, 2, 4]
     assert rows[1]["is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
@@ -411,7 +411,7 @@ def test_async_rollouts_roll_out_each_steps_own_window_and_guard_uses_the_proxim
 
 
 def test_kill_and_resume_continues_the_windows_and_the_guard(tmp_path):
-    args = ["steps=6", "save_every=2", "eval_every=3", "data.prompts_per_step=4", "data.group_size=8",
+    args = ["steps=6", "save_every=2", "eval.every=3", "data.prompts_per_step=4", "data.group_size=8",
             "train.variant=mixgrpo", "train.window_shift_every=1", "train.flash_compress=0.5", "train.guard=true"]
     _, straight = run(tmp_path, "straight", *args)
     interrupted = tmp_path / "interrupted"
@@ -429,7 +429,7 @@ def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch,
     """The honest control of tests/test_grpo.py, for each option (Guard trains half the steps, as test_grpo does).
     Without the KL penalty the default adds (test_grpo runs the default with it): the variants' own learning,
     and no reference forward per step."""
-    steps = ["steps=24", "eval_every=24", "train.kl_beta=0"]
+    steps = ["steps=24", "eval.every=24", "train.kl_beta=0"]
     real, _ = run(tmp_path, "real", *steps, *option)
     negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps, *option)

@@ -14,7 +14,7 @@ from flywheel.runs.tracking import tracker_names
 ROOT = Path(__file__).resolve().parents[1]
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
                                   reason="tracker=mlflow needs mlflow: pip install -e .[dashboards]")
-RUN = ["steps=2", "eval_every=2", "sample_every=2", "sampling.eval_seeds=1", "data.prompts_per_step=2",
+RUN = ["steps=2", "eval.every=2", "sample_every=2", "eval.seeds=1", "data.prompts_per_step=2",
        "data.group_size=4", "save_every=1000", "project=flytest"]
 
 
@@ -50,7 +50,7 @@ def test_mlflow_and_wandb_together_log_the_runs_metrics_config_and_grids(tmp_pat
     assert history == pytest.approx({r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r})
     evals = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/judge/digit_svc/mean")}
     assert sorted(evals) == [0, 2]
-    assert run.data.params["rewards"] == "digit_alignment:1.0" and run.data.params["steps"] == "2"
+    assert run.data.params["reward.scorers"] == "digit_alignment:1.0" and run.data.params["steps"] == "2"
     images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
     assert sum(p.endswith(".png") and "eval_samples" in p for p in images) == 2  # the grid at steps 0 and 2
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb, the other tracker, wrote no run"

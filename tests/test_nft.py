@@ -17,7 +17,7 @@ from trainers.nft import Config, main, validate_config
 from recipe_kill import checkpoint, dotted_keys, kill_after_checkpoint, negate_advantages, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "save_every=1000", "sample_every=1000"]
+QUICK = ["tracker=none", "eval.seeds=2", "save_every=1000", "sample_every=1000"]
 # A small batch (4 prompts x 8) and few denoising steps: seconds per step on one thread.
 SMALL = ["data.prompts_per_step=4", "data.group_size=8", "sampling.steps=6"]
 
@@ -68,7 +68,7 @@ def test_unknown_key_is_an_error_naming_the_valid_ones():
     ("train.kl_beta=-1", "train.kl_beta=-1.0: must be >= 0"),
     ("train.timesteps_per_sample=11", "train.timesteps_per_sample=11: must be in [1, sampling.steps=10]"),
     ("train.timesteps_per_sample=0", "train.timesteps_per_sample=0"),
-    ("async_rollouts=true", "async_rollouts=true with this recipe (its engine serves a policy other than the "
+    ("rollout.asynchronous=true", "rollout.asynchronous=true with this recipe (its engine serves a policy other than the "
                             "trained one)"),
     ("rollout.backend=ray", "rollout.backend=ray with this recipe"),
     ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
@@ -78,8 +78,8 @@ def test_each_bad_field_is_named_with_what_is_valid(override, named):
 
 
 def test_all_problems_come_at_once_and_before_the_run_dir_is_touched(tmp_path):
-    message = config_problems("train.beta=-1", "steps=0", "async_rollouts=true")
-    assert "train.beta=-1.0" in message and "steps=0" in message and "async_rollouts=true" in message
+    message = config_problems("train.beta=-1", "steps=0", "rollout.asynchronous=true")
+    assert "train.beta=-1.0" in message and "steps=0" in message and "rollout.asynchronous=true" in message
     with pytest.raises(ConfigError):
         main([f"run_dir={tmp_path / 'r'}", "tracker=none", "train.beta=0"])
     assert not (tmp_path / "r").exists()
@@ -94,7 +94,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
     validate_config(defaults)
     numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_nft.yaml")])
     validate_config(numbers)
-    assert numbers.model.card == "toy-numbers" and numbers.rewards.startswith("number_alignment")
+    assert numbers.model.card == "toy-numbers" and numbers.reward.scorers.startswith("number_alignment")
     # That it agrees with GRPO's on the task and budget: tests/test_time_to_target.py, for every recipe.
 
 
@@ -104,7 +104,7 @@ def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
 @pytest.mark.slow
 def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_path, monkeypatch):
     """An honest control: the same run with the flywheel's advantages negated (so r = 1 - r) goes the other way."""
-    args = ["steps=14", "eval_every=14", "data.prompts_per_step=4", "train.learning_rate=1e-3"]
+    args = ["steps=14", "eval.every=14", "data.prompts_per_step=4", "train.learning_rate=1e-3"]
     real, _ = run(tmp_path, "real", *args)
     negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *args)
@@ -120,7 +120,7 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
 def test_rows_carry_the_versions_of_the_sampling_policy_and_the_soft_update(tmp_path):
     # eta = min(0.3·(i + 1), 0.5) after step i (0-based; the released code's schedule, one step later than
     # min(0.3·i, 0.5)): the sampling policy lags the trained one from the first soft update on.
-    _, rows = run(tmp_path, "keys", *SMALL, "steps=3", "eval_every=3", "train.eta_rate=0.3",
+    _, rows = run(tmp_path, "keys", *SMALL, "steps=3", "eval.every=3", "train.eta_rate=0.3",
                   "train.timesteps_per_sample=2")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["weight_version"] for r in rows] == [0, 0, 1, 2]  # the version that made each step's rollouts
@@ -138,7 +138,7 @@ def test_rows_carry_the_versions_of_the_sampling_policy_and_the_soft_update(tmp_
 
 def test_kill_and_resume_gives_the_metrics_and_tensors_of_an_uninterrupted_run(tmp_path):
     # eta = 0.4 after the second step: the checkpoint at step 2 holds a sampling policy unlike the trained one.
-    args = [*SMALL, "steps=5", "save_every=2", "eval_every=3", "train.eta_rate=0.4", "train.timesteps_per_sample=2"]
+    args = [*SMALL, "steps=5", "save_every=2", "eval.every=3", "train.eta_rate=0.4", "train.timesteps_per_sample=2"]
     _, straight = run(tmp_path, "straight", *args)
 
     interrupted = tmp_path / "interrupted"
@@ -168,7 +168,7 @@ def test_lora_trains_only_the_adapter_and_its_sampling_policy_is_an_adapter_too(
     from engine import load_model
 
     _, rows = run(tmp_path, "lora", *SMALL, "model.finetune=lora", "train.learning_rate=1e-3", "steps=2",
-                  "eval_every=2", "save_every=2", "train.kl_beta=0.01", "train.timesteps_per_sample=2")
+                  "eval.every=2", "save_every=2", "train.kl_beta=0.01", "train.timesteps_per_sample=2")
     saved = checkpoint(tmp_path / "lora", 2)
     assert saved and all("lora_" in k for k in saved)
     trained = {k for k in saved if not k.startswith(RECIPE_TENSOR_PREFIX)}
@@ -184,7 +184,7 @@ def test_accelerate_launch_runs_the_recipe(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/nft.py", "steps=2",
-                          "eval_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
+                          "eval.every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
                           "train.timesteps_per_sample=2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -197,7 +197,7 @@ def test_guided_rollouts_are_refused_and_sde_rollouts_train(tmp_path):
     # The recipe takes samples from any sampler (ODE by default); only guidance is refused, up front.
     with pytest.raises(ConfigError, match="sampling.guidance_scale=2.0: must be 1"):
         validate_config(apply_overrides(parse_config(Config, []), ["sampling.guidance_scale=2"]))
-    _, rows = run(tmp_path, "sde", *SMALL, "steps=1", "eval_every=1", "sampling.sampler=sde",
+    _, rows = run(tmp_path, "sde", *SMALL, "steps=1", "eval.every=1", "sampling.sampler=sde",
                   "train.timesteps_per_sample=1")
     assert rows[1]["grad_norm"] > 0 and rows[1]["weight_version"] == 0
 

@@ -22,6 +22,7 @@ from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.update import update_generator
 from rewards import RewardBatch, RewardSet
 from flywheel.recipe.policy import Policy
+from flywheel.recipe.sections import AdvantageConfig
 from trainers.nft import (NFT, UPDATE_STREAM, NFTConfig, SamplingPolicy, eta_schedule, initial_sampling_weights,
                           nft_loss, optimality_from_advantages, optimality_probability, soft_update, update_draws)
 
@@ -223,6 +224,7 @@ class TrainKeys(NFTConfig):
 class RecipeKeys:
     seed: int = 0
     train: TrainKeys = field(default_factory=TrainKeys)
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(global_std=True))
 
 
 ROWS, STEPS, LR = 8, 4, 0.05
@@ -248,7 +250,7 @@ def oracle_update(model, transformer, old, reference, traj, cfg, times, noise):
     """SGD on the hand-written loss, in velocity space; the draws are the recipe's."""
     tc = cfg.train
     opt = torch.optim.SGD(transformer.parameters(), lr=LR)
-    c, k = tc.adv_clip_max, times.shape[1]
+    c, k = cfg.advantage.clip_max, times.shape[1]
     r_all = 0.5 + 0.5 * torch.clamp(ADV / c, -1, 1)
     included = VALID if tc.keep_flat_groups else USABLE
     for m, start in enumerate(range(0, ROWS, tc.minibatch_size)):

@@ -58,12 +58,13 @@ def test_zero_reward_actors_score_in_this_process():
 
 
 def test_the_example_config_is_toy_grpo_with_a_valid_rollout_section():
-    """configs/toy_grpo_ray.yaml: the shipped toy run plus overlap_scoring and a `rollout` section that
+    """configs/toy_grpo_ray.yaml: the shipped toy run plus rollout.overlap_scoring and a `rollout` section that
     RolloutConfig accepts (2 replicas, 1 reward actor)."""
     root = Path(__file__).resolve().parents[1]
     ray_cfg = OmegaConf.to_container(OmegaConf.load(root / "configs/toy_grpo_ray.yaml"))
     base = OmegaConf.to_container(OmegaConf.load(root / "configs/toy_grpo.yaml"))
     rollout = RolloutConfig(**ray_cfg.pop("rollout"))
     assert rollout.backend == "ray" and rollout.replicas == 2 and rollout.reward_actors == 1
-    assert ray_cfg.pop("overlap_scoring") is True
+    assert rollout.overlap_scoring is True
+    base["rollout"] = ray_cfg["rollout"] = None
     assert {**ray_cfg, "run_dir": base["run_dir"]} == base

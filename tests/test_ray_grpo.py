@@ -10,8 +10,8 @@ from flywheel.runs.rundir import read_metrics  # noqa: E402
 from recipe_kill import without_timings  # noqa: E402
 from trainers.grpo import main  # noqa: E402
 
-QUICK = ["tracker=none", "steps=3", "data.prompts_per_step=4", "data.group_size=8", "sampling.eval_seeds=1",
-         "eval_every=1000", "save_every=1000", "sample_every=1000"]
+QUICK = ["tracker=none", "steps=3", "data.prompts_per_step=4", "data.group_size=8", "eval.seeds=1",
+         "eval.every=1000", "save_every=1000", "sample_every=1000"]
 
 
 def comparable(rows: list[dict]) -> list[dict]:
@@ -33,7 +33,7 @@ def test_grpo_on_two_ray_replicas_equals_the_local_engine_step_by_step(tmp_path)
     assert len(local) == len(pooled) == 4  # the base evaluation row, then 3 steps
     assert comparable(pooled) == comparable(local)  # rewards, advantages, loss, KL, evaluation: bit for bit
     # The replicas start from the card's weights and take the trainer's in a first, verified sync (as the
-    # engine process of async_rollouts does), so their versions run one ahead of the colocated engine's.
+    # engine process of rollout.asynchronous does), so their versions run one ahead of the colocated engine's.
     assert [r["weight_version"] for r in pooled] == [r["weight_version"] + 1 for r in local]
     steps = [r for r in pooled if "rollout/replica0/requests" in r]
     assert len(steps) == 3

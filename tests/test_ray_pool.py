@@ -73,7 +73,7 @@ def test_balanced_chunks_cover_the_rows_in_order():
 def test_flywheel_steps_on_the_pool_equal_the_local_engine(pool):
     """3 steps of collect -> (update) -> sync: identical samples, rewards, advantages and versions.
 
-    The flywheel (overlap_scoring) generates 2 chunks of 6 rows; the pool splits each over 2 replicas, 3 rows
+    The flywheel (rollout.overlap_scoring) generates 2 chunks of 6 rows; the pool splits each over 2 replicas, 3 rows
     each, so the local engine runs batches of 3 too (max_batch=3) and the latents match bit for bit.
     """
     version = sync_pool(pool, trainer_weights(0))
@@ -114,7 +114,7 @@ def test_flywheel_steps_on_the_pool_equal_the_local_engine(pool):
 
 def test_with_other_batch_shapes_the_pool_matches_the_local_engine_within_batch_invariance(pool):
     """The bound docs/scaling.md states for a Ray run against a local one: the replicas run 3 rows each of a chunk
-    that the local engine runs as one batch of 6 (overlap_scoring's half of a step). CPU kernels may round
+    that the local engine runs as one batch of 6 (rollout.overlap_scoring's half of a step). CPU kernels may round
     differently at other batch shapes (on the machine these tests were written on: 6.6e-7 in the latents at
     these shapes, none at 32 against 64 rows), so the samples agree to float rounding, not always bit for bit;
     the rewards of reward actors that score parts of a batch: see test_flywheel_steps_on_the_pool_..."""

@@ -21,8 +21,8 @@ from rewards import registry
 from trainers.grpo import Config, main, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
-        "sample_every=1000", "eval_every=1000"]
+TINY = ["tracker=none", "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
+        "sample_every=1000", "eval.every=1000"]
 
 
 def config_problems(*overrides) -> str:
@@ -36,7 +36,7 @@ def config_problems(*overrides) -> str:
 
 @pytest.mark.parametrize("override, names", [
     ("save_every=0", "save_every=0"),
-    ("eval_every=0", "eval_every=0"),
+    ("eval.every=0", "eval.every=0"),
     ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps=0"),
     ("data.group_size=1", "data.group_size=1"),
     ("data.group_size=0", "data.group_size=0"),
@@ -50,7 +50,7 @@ def config_problems(*overrides) -> str:
     ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
     ("sampling.sde_window=[4,2]", "sampling.sde_window"),
     ("train.timestep_fraction=0", "train.timestep_fraction=0.0"),
-    ("sampling.eval_cache_threshold=-0.1", "sampling.eval_cache_threshold=-0.1"),
+    ("eval.cache_threshold=-0.1", "eval.cache_threshold=-0.1"),
 ])
 def test_each_bad_field_is_named_with_its_valid_range(override, names):
     message = config_problems(override)
@@ -69,7 +69,7 @@ def test_audio_keys_are_checked_against_the_card_and_each_other():
 
 def test_evaluation_with_the_adaptive_loop_reports_its_model_calls(tmp_path):
     main([f"run_dir={tmp_path / 'plain'}", *TINY, "steps=1"])
-    main([f"run_dir={tmp_path / 'cached'}", *TINY, "steps=1", "sampling.eval_cache_threshold=0.3"])
+    main([f"run_dir={tmp_path / 'cached'}", *TINY, "steps=1", "eval.cache_threshold=0.3"])
     rows = read_metrics(tmp_path / "cached" / "metrics.jsonl")
     assert all(0 < r["eval/model_calls"] < 4 for r in rows if "eval/reward/mean" in r)  # of 4 eval steps
     assert "eval/model_calls" not in read_metrics(tmp_path / "plain" / "metrics.jsonl")[0]
@@ -156,7 +156,7 @@ def nan_reward():
 def test_fully_masked_steps_do_not_move_the_weights_and_a_nan_final_eval_fails(tmp_path, nan_reward):
     run_dir = tmp_path / "masked"
     with pytest.raises(NonFiniteError, match="final evaluation reward"):
-        main([f"run_dir={run_dir}", *TINY, "steps=2", "save_every=2", f"rewards={nan_reward}:1.0"])
+        main([f"run_dir={run_dir}", *TINY, "steps=2", "save_every=2", f"reward.scorers={nan_reward}:1.0"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["train/skipped_steps"] for r in rows[1:]] == [1, 2]
     saved = load_file(str(run_dir / "checkpoints" / "step_000002" / "model.safetensors"))
@@ -167,8 +167,8 @@ def test_fully_masked_steps_do_not_move_the_weights_and_a_nan_final_eval_fails(t
 
 def test_consecutive_fully_masked_steps_stop_the_run(tmp_path, nan_reward):
     with pytest.raises(RuntimeError, match=r"step 3: the rewards masked every sample of the last 3 steps"):
-        main([f"run_dir={tmp_path / 'm'}", *TINY, "steps=10", f"rewards={nan_reward}:1.0",
-              "train.max_masked_steps=3"])
+        main([f"run_dir={tmp_path / 'm'}", *TINY, "steps=10", f"reward.scorers={nan_reward}:1.0",
+              "reward.max_masked_steps=3"])
 
 
 def test_a_weight_gone_nan_stops_the_run_at_its_step_and_keeps_the_good_checkpoints(tmp_path, monkeypatch):
@@ -232,7 +232,7 @@ def test_a_fresh_run_refuses_a_used_run_dir_and_overwrite_starts_over(tmp_path):
 def test_cps_rollouts_train_with_finite_metrics_and_raise_the_reward(tmp_path):
     """Item 1: CPS's last step (std 0) never enters the loss or the KL (log_kl is on by default)."""
     result = main([f"run_dir={tmp_path / 'cps'}", "tracker=none", "sampling.sampler=cps", "sampling.noise_level=0.5",
-                   "sampling.steps=4", "steps=12", "eval_every=12", "sampling.eval_seeds=2", "sample_every=1000",
+                   "sampling.steps=4", "steps=12", "eval.every=12", "eval.seeds=2", "sample_every=1000",
                    "save_every=1000"])
     rows = read_metrics(tmp_path / "cps" / "metrics.jsonl")
     for row in rows[1:]:

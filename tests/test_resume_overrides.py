@@ -20,8 +20,8 @@ from flywheel.runs.rundir import read_metrics
 from recipe_kill import kill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
-        "sample_every=1000", "eval_every=1000"]
+TINY = ["tracker=none", "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
+        "sample_every=1000", "eval.every=1000"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def grpo(argv):
 def test_a_key_that_may_not_change_is_refused_by_name_before_anything_is_written(run, tmp_path):
     before = tree_hashes(run)
     with pytest.raises(ResumeError, match=r"train\.clip_range \(the run has 0\.0001, given 0\.2\): this key cannot "
-                                          r"change on resume\. The keys that may: steps, eval_every"):
+                                          r"change on resume\. The keys that may: steps, eval\.every"):
         grpo([f"resume={run}", "train.clip_range=0.2"])
     # A --config file given with resume= is read too: a key it changes is refused the same way.
     changed = tmp_path / "changed.yaml"
@@ -82,8 +82,8 @@ def test_config_changes_name_each_dotted_key_with_both_values():
     before = {"steps": 3, "run_dir": "a", "train": {"learning_rate": 3e-4, "betas": [0.9, 0.99]}, "x": {}}
     after = {"steps": 5, "run_dir": "b", "train": {"learning_rate": 3e-4, "betas": [0.9, 0.9]}, "x": {}}
     assert config_changes(before, after) == {"steps": (3, 5), "train.betas": ([0.9, 0.99], [0.9, 0.9])}
-    assert {"steps", "train.learning_rate", "eval_every"} <= RESUMABLE_KEYS.keys()
-    assert not {"seed", "rewards", "data.prompts_per_step", "train.clip_range"} & RESUMABLE_KEYS.keys()
+    assert {"steps", "train.learning_rate", "eval.every"} <= RESUMABLE_KEYS.keys()
+    assert not {"seed", "reward.scorers", "data.prompts_per_step", "train.clip_range"} & RESUMABLE_KEYS.keys()
 
 
 @pytest.mark.slow

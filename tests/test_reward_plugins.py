@@ -77,7 +77,7 @@ def test_an_installed_plugin_is_listed_and_built_by_name_with_its_arguments(plug
 
 def test_without_the_package_the_name_is_unknown_and_the_error_says_where_scorers_come_from():
     registry.find_plugins(refresh=True)
-    with pytest.raises(KeyError, match="unknown scorer 'half'.*entry-point group 'flywheel.rewards'.*reward_modules"):
+    with pytest.raises(KeyError, match="unknown scorer 'half'.*entry-point group 'flywheel.rewards'.*reward\\.modules"):
         registry.get("half")
 
 
@@ -101,21 +101,21 @@ def test_a_plugin_may_not_take_a_builtin_name_and_two_packages_may_not_share_one
 
 
 def test_reward_args_reach_the_scorers_and_unknown_ones_name_the_valid_arguments(plugin_site):
-    cfg = parse_config(recipe_config(), ["rewards=half:1.0,jpeg_compressibility:0.1", "reward_args.half.value=0.25",
-                                         "reward_args.jpeg_compressibility={quality: 30}"])
+    cfg = parse_config(recipe_config(), ["reward.scorers=half:1.0,jpeg_compressibility:0.1", "reward.args.half.value=0.25",
+                                         "reward.args.jpeg_compressibility={quality: 30}"])
     assert check_shared_sections(cfg).problems == []
-    rewards = build_rewards(RolloutConfig(), cfg.rewards, cfg.reward_args)
+    rewards = build_rewards(RolloutConfig(), cfg.reward.scorers, cfg.reward.args)
     assert rewards.scorers["half"].value == 0.25  # the command line's text, as the float the argument takes
     assert rewards.scorers["jpeg_compressibility"].quality == 30
-    bad = parse_config(recipe_config(), ["rewards=half", "reward_args.half.valeu=0.25"])
+    bad = parse_config(recipe_config(), ["reward.scorers=half", "reward.args.half.valeu=0.25"])
     assert check_shared_sections(bad).problems == [
-        "reward_args.half.valeu: scorer 'half' takes no argument 'valeu'; valid arguments: value"]
-    stray = parse_config(recipe_config(), ["rewards=half", "reward_args.pickscore.path=/models/pickscore"])
+        "reward.args.half.valeu: scorer 'half' takes no argument 'valeu'; valid arguments: value"]
+    stray = parse_config(recipe_config(), ["reward.scorers=half", "reward.args.pickscore.path=/models/pickscore"])
     assert check_shared_sections(stray).problems == [
-        "reward_args.pickscore: 'pickscore' is not a scorer of rewards (half); reward_args are keyed by the names "
+        "reward.args.pickscore: 'pickscore' is not a scorer of rewards (half); reward.args are keyed by the names "
         "in the reward spec"]
-    typed = parse_config(recipe_config(), ["rewards=half", "reward_args.half.value=lots"])
-    assert check_shared_sections(typed).problems == ["reward_args.half.value='lots': expected float"]
+    typed = parse_config(recipe_config(), ["reward.scorers=half", "reward.args.half.value=lots"])
+    assert check_shared_sections(typed).problems == ["reward.args.half.value='lots': expected float"]
 
 
 def test_builtin_arguments_come_from_the_class_and_its_bases():
@@ -124,7 +124,7 @@ def test_builtin_arguments_come_from_the_class_and_its_bases():
         {"pickscore": {"path": "/models/pickscore"}}
     assert list(registry.scorer_parameters("aesthetic")[0]) == ["path", "head", "device", "dtype"]
     assert registry.check_spec("aesthetic", {"aesthetic": {"folder": "/x"}}) == [
-        "reward_args.aesthetic.folder: scorer 'aesthetic' takes no argument 'folder'; valid arguments: path, head, "
+        "reward.args.aesthetic.folder: scorer 'aesthetic' takes no argument 'folder'; valid arguments: path, head, "
         "device, dtype"]
 
 
@@ -139,16 +139,16 @@ def test_reward_modules_are_imported_before_the_spec_is_checked(tmp_path, monkey
         '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        unknown = parse_config(recipe_config(), ["rewards=quarter"])
+        unknown = parse_config(recipe_config(), ["reward.scorers=quarter"])
         assert "unknown scorer 'quarter'" in check_shared_sections(unknown).problems[0]
-        cfg = parse_config(recipe_config(), ["rewards=quarter", "reward_modules=[quarter_scorers]"])
+        cfg = parse_config(recipe_config(), ["reward.scorers=quarter", "reward.modules=[quarter_scorers]"])
         assert check_shared_sections(cfg).problems == []
-        rewards = build_rewards(RolloutConfig(), cfg.rewards, modules=cfg.reward_modules)
+        rewards = build_rewards(RolloutConfig(), cfg.reward.scorers, modules=cfg.reward.modules)
         scored = rewards.score(images(2), ["a", "b"], [{}, {}], 0)
         assert scored.scores["quarter"].tolist() == [0.25, 0.25]
-        missing = parse_config(recipe_config(), ["rewards=quarter", "reward_modules=[no_such_scorers]"])
+        missing = parse_config(recipe_config(), ["reward.scorers=quarter", "reward.modules=[no_such_scorers]"])
         assert check_shared_sections(missing).problems == [
-            "reward_modules: cannot import 'no_such_scorers' (ModuleNotFoundError: No module named "
+            "reward.modules: cannot import 'no_such_scorers' (ModuleNotFoundError: No module named "
             "'no_such_scorers'); it must be importable here (installed, or on PYTHONPATH)"]
     finally:
         registry.unregister("quarter")
@@ -188,9 +188,9 @@ def test_a_recipe_finds_and_uses_an_installed_plugin_by_name(tmp_path):
     name with no wrapper script. Every group is flat, so no step trains."""
     site = write_distribution(tmp_path / "site", "half-scorer", "half_scorer", HALF, {"half": "half_scorer:Half"})
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), "rewards=half", "steps=3",
+    out = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), "reward.scorers=half", "steps=3",
                           "tracker=none", f"run_dir={run_dir}", "data.prompts_per_step=2", "data.group_size=2",
-                          "sampling.steps=2", "sampling.eval_steps=2", "sampling.eval_seeds=1", "eval_every=1000",
+                          "sampling.steps=2", "eval.steps=2", "eval.seeds=1", "eval.every=1000",
                           "sample_every=1000", "save_every=1000"], cwd=tmp_path, env=plugin_env(site), capture_output=True, text=True,
                          timeout=300)
     rows = read_metrics(run_dir / "metrics.jsonl")

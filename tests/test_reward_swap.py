@@ -116,13 +116,13 @@ def test_rollout_chunk_size_is_checked(toy_engine):
 
 
 def test_cli_reward_choice_trains_the_toy_flywheel_to_raise_it(tmp_path):
-    """`python trainers/grpo.py rewards=jpeg_compressibility:1.0 ...` raises the JPEG-compressibility reward."""
+    """`python trainers/grpo.py reward.scorers=jpeg_compressibility:1.0 ...` raises the JPEG-compressibility reward."""
     run_dir = tmp_path / "jpeg"
-    cmd = [sys.executable, str(ROOT / "trainers" / "grpo.py"), "rewards=jpeg_compressibility:1.0",
+    cmd = [sys.executable, str(ROOT / "trainers" / "grpo.py"), "reward.scorers=jpeg_compressibility:1.0",
            f"run_dir={run_dir}", "tracker=none", "steps=10", "data.prompts_per_step=4", "data.group_size=8",
            "train.timestep_fraction=0.5", "sampling.steps=6", "train.learning_rate=3e-3", "train.kl_beta=0", "train.log_kl=false",
-           "sampling.eval_seeds=1", "eval_every=1000", "sample_every=1000", "save_every=1000",
-           "overlap_scoring=true"]
+           "eval.seeds=1", "eval.every=1000", "sample_every=1000", "save_every=1000",
+           "rollout.overlap_scoring=true"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -16,13 +16,13 @@ import torch
 from engine import Engine, load_model
 from flywheel.rollout_collector import Flywheel
 from flywheel.prompts import PromptSampler, load_prompts
-from flywheel.recipe.sections import SamplingConfig, eval_request_kwargs, rollout_request_kwargs
+from flywheel.recipe.sections import EvalConfig, SamplingConfig, eval_request_kwargs, rollout_request_kwargs
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from rewards import RewardSet
 
-TINY = ["tracker=none", "steps=2", "eval_every=2", "data.prompts_per_step=2", "data.group_size=4",
-        "sampling.eval_seeds=1", "save_every=1000", "sample_every=1000", "threads=1"]
+TINY = ["tracker=none", "steps=2", "eval.every=2", "data.prompts_per_step=2", "data.group_size=4",
+        "eval.seeds=1", "save_every=1000", "sample_every=1000", "threads=1"]
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,9 @@ def test_threshold_zero_is_the_plain_rollout_bit_for_bit(toy):
 
 
 def test_evaluation_keeps_its_own_setting():
-    """The rollouts' cache and early exit never reach the evaluation samples (sampling.eval_cache_threshold)."""
+    """The rollouts' cache and early exit never reach the evaluation samples (eval.cache_threshold)."""
     sampling = SamplingConfig(sampler="ode", cache_threshold=0.3, early_exit=0.05)
-    merged = {**rollout_request_kwargs(sampling), **eval_request_kwargs(sampling)}
+    merged = {**rollout_request_kwargs(sampling), **eval_request_kwargs(sampling, EvalConfig())}
     assert merged["cache_threshold"] == 0.0 and merged["early_exit"] is None
 
 

@@ -133,7 +133,7 @@ def test_tensorboard_writes_into_the_project_folder_of_the_run_dir(tmp_path, mon
         monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.TENSORBOARD])
     run_dir = tmp_path / "run"
     grpo_main([f"run_dir={run_dir}", "tracker=tensorboard", "project=myproj", "steps=1", "data.prompts_per_step=2",
-               "data.group_size=2", "sampling.eval_seeds=1", "sampling.steps=2"])
+               "data.group_size=2", "eval.seeds=1", "sampling.steps=2"])
     folder = run_dir / "myproj"
     assert list(folder.glob("*/hparams.yml"))  # accelerate's copy of the config, beside the event files
     if real:

@@ -81,8 +81,8 @@ def test_a_running_recipe_holds_its_lock_until_it_ends(tmp_path):
     issue 22 cannot happen); once it has ended, its lock is free."""
     run_dir = tmp_path / "run"
     first = subprocess.Popen([sys.executable, str(ROOT / "trainers" / "grpo.py"), f"run_dir={run_dir}",
-                              "tracker=none", "steps=40", "sampling.eval_seeds=1", "data.prompts_per_step=2",
-                              "data.group_size=4", "sampling.steps=4", "eval_every=1000", "sample_every=1000"],
+                              "tracker=none", "steps=40", "eval.seeds=1", "data.prompts_per_step=2",
+                              "data.group_size=4", "sampling.steps=4", "eval.every=1000", "sample_every=1000"],
                              cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300

@@ -242,8 +242,8 @@ def real_runs(tmp_path_factory):
     from trainers.grpo import main as grpo_main
 
     root = tmp_path_factory.mktemp("real_runs")
-    common = ["eval_every=1", "save_every=2", "sample_every=2", "data.prompts_per_step=2", "data.group_size=4",
-              "sampling.eval_seeds=1", "sampling.steps=4", "tracker=none", "train.kl_beta=0", "train.log_kl=false",
+    common = ["eval.every=1", "save_every=2", "sample_every=2", "data.prompts_per_step=2", "data.group_size=4",
+              "eval.seeds=1", "sampling.steps=4", "tracker=none", "train.kl_beta=0", "train.log_kl=false",
               "steps=2"]
     grpo_main([f"run_dir={root / 'a'}", *common])
     grpo_main([f"run_dir={root / 'b'}", *common, "train.learning_rate=1e-3"])
@@ -264,7 +264,7 @@ def test_compare_on_two_real_runs_writes_the_table_and_the_png(real_runs, tmp_pa
     for run, summary in zip((a, b), summaries):
         rows = read_metrics(run)
         evals = [(r["step"], r["eval/reward/mean"]) for r in rows if "eval/reward/mean" in r]
-        assert [s for s, _ in evals] == [0, 1, 2]  # eval_every=1, and the base model at step 0
+        assert [s for s, _ in evals] == [0, 1, 2]  # eval.every=1, and the base model at step 0
         best_step, best = max(evals, key=lambda e: (e[1], -e[0]))
         assert not any("kl" in r for r in rows)  # train.log_kl=false, kl_beta 0: no reference, so no "kl" logged
         info = run / "run.json"
@@ -401,12 +401,12 @@ def test_config_diff_shows_the_keys_on_which_the_runs_differ(tmp_path, capsys):
     assert diff[0] == "config keys that differ (6; run_dir left out):"
     assert diff[1].split() == ["key", "a", "b", "c"]
     assert [table_line("\n".join(diff), key) for key in ("steps", "model.card", "train.learning_rate",
-                                                           "train.targets", "train.ema", "train.guard")] == [
+                                                           "train.targets", "ema.enabled", "train.guard")] == [
         ["steps", "10", "20", "10"],
         ["model.card", "toy-digits", "toy-digits", "sd3"],
         ["train.learning_rate", "0.0003", "0.001", "0.0003"],
         ["train.targets", '["to_q", "to_k"]', '["to_q"]', '["to_q", "to_k"]'],
-        ["train.ema", "false", "false", "true"],
+        ["ema.enabled", "false", "false", "true"],
         ["train.guard", "(absent)", "true", "(absent)"],
     ]
     assert len(diff) == 2 + 1 + 6  # header, rule, six keys: clip_range and run_dir are not there

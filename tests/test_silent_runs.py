@@ -14,13 +14,13 @@ import torch
 
 from flywheel.cli import NOTHING_TRAINED_EXIT, NothingTrainedError
 from flywheel.recipe.ema import first_ema_move, train_ema_decay
-from flywheel.recipe.sections import OptimConfig
+from flywheel.recipe.sections import EMAConfig, OptimConfig
 from flywheel.recipe.session import _all_lora_b_zero
 from flywheel.runs.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
-        "sample_every=1000", "eval_every=1000"]
+TINY = ["tracker=none", "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
+        "sample_every=1000", "eval.every=1000"]
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_scorer_that_gives_every_image_half_ends_with_0_of_3_steps_and_exit_3_
         runpy.run_path(sys.argv[0], run_name="__main__")
     """)
     out = subprocess.run([sys.executable, "-c", script, str(ROOT / "trainers" / "grpo.py"), f"run_dir={run_dir}",
-                          *tiny, "steps=3", "rewards=half:1.0"],
+                          *tiny, "steps=3", "reward.scorers=half:1.0"],
                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == NOTHING_TRAINED_EXIT == 3, out.stderr[-2000:]
@@ -120,7 +120,7 @@ def test_gradient_steps_count_the_optimizer_steps_they_take():
 
 def test_first_ema_move_is_the_schedules_first_step():
     for start, every in ((0, 8), (0, 1), (3, 8), (1, 2), (0, 5)):
-        oc = OptimConfig(ema=True, ema_start_step=start, ema_update_every=every)
+        oc = EMAConfig(enabled=True, start_step=start, update_every=every)
         assert first_ema_move(oc) == next(s for s in range(1, 100) if train_ema_decay(s, oc) is not None)
 
 
@@ -133,14 +133,14 @@ def test_an_adapter_whose_every_lora_b_is_zero_is_found():
 
 
 def test_an_ema_that_never_moved_is_warned_about(tmp_path, tiny, capfd):
-    """train.ema moving every 8 steps in a 1-step run: the evaluated average is the starting weights, said."""
+    """ema.enabled moving every 8 steps in a 1-step run: the evaluated average is the starting weights, said."""
     from trainers.grpo import main
 
-    main([f"run_dir={tmp_path / 'ema'}", *tiny, "steps=1", "train.ema=true"])
+    main([f"run_dir={tmp_path / 'ema'}", *tiny, "steps=1", "ema.enabled=true"])
     captured = capfd.readouterr()
-    assert ("warning: the train.ema average never moved: it moves after every train.ema_update_every=8-th step "
-            "from train.ema_start_step=0, and this run has steps=1; the evaluation use") in captured.err
-    assert "(of the train.ema average)" in captured.out
+    assert ("warning: the EMA average never moved: it moves after every ema.update_every=8-th step "
+            "from ema.start_step=0, and this run has steps=1; the evaluation use") in captured.err
+    assert "(of the EMA average)" in captured.out
 
 
 def test_the_average_knows_whether_it_moved():
@@ -174,7 +174,7 @@ def test_the_issues_sd3_lora_with_an_ema_every_8_steps_exports_the_trained_adapt
     assert any(t.any() for t in lora_b("lora"))
     assert lora_b("lora_ema") and not any(t.any() for t in lora_b("lora_ema"))
     captured = capfd.readouterr()
-    assert (f"warning: the train.ema average never moved: it moves after every train.ema_update_every=8-th step "
-            f"from train.ema_start_step=0, and this run has steps=2; {run_dir / 'lora_ema'} and the evaluation use "
+    assert (f"warning: the EMA average never moved: it moves after every ema.update_every=8-th step "
+            f"from ema.start_step=0, and this run has steps=2; {run_dir / 'lora_ema'} and the evaluation use "
             "the weights the run started from") in captured.err
     assert f"{run_dir / 'lora'}: the trained adapter\n" in captured.out

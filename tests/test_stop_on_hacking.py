@@ -1,4 +1,4 @@
-"""train.stop_on_hacking=N and best/ in a real toy run, with the hacking watch scripted to fire.
+"""eval.stop_on_hacking=N and best/ in a real toy run, with the hacking watch scripted to fire.
 
 The watch itself is tested in tests/test_hacking_watch.py; here it fires at
 chosen evaluations so that the run's reaction (stop, keep best/ and the last
@@ -18,8 +18,8 @@ from flywheel.runs.config import ConfigError
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import main
 
-TINY = ["tracker=none", "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4",
-        "sampling.steps=4", "train.timestep_fraction=0.5", "sample_every=1000", "eval_every=1", "save_every=1",
+TINY = ["tracker=none", "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4",
+        "sampling.steps=4", "train.timestep_fraction=0.5", "sample_every=1000", "eval.every=1", "save_every=1",
         "keep_checkpoints=1", "model.finetune=lora", "train.learning_rate=1e-3"]
 
 
@@ -76,8 +76,8 @@ def test_hacking_stop_counts_consecutive_signals_and_holds_pruning_while_they_fi
 
 
 def test_stop_on_hacking_is_checked_with_the_config():
-    with pytest.raises(ConfigError, match=r"train.stop_on_hacking=-1: must be an integer >= 0"):
-        main(["tracker=none", "train.stop_on_hacking=-1"])
+    with pytest.raises(ConfigError, match=r"eval.stop_on_hacking=-1: must be an integer >= 0"):
+        main(["tracker=none", "eval.stop_on_hacking=-1"])
 
 
 # ---- a real run ---------------------------------------------------------------------------------
@@ -87,13 +87,13 @@ def test_run_stops_after_n_flagged_evaluations_keeping_best_and_the_last_good_ch
                                                                                          capsys, tiny):
     scripted_watch(monkeypatch, fires_at={3, 4})
     run_dir = tmp_path / "run"
-    result = main([f"run_dir={run_dir}", *tiny, "steps=8", "train.stop_on_hacking=2"])
+    result = main([f"run_dir={run_dir}", *tiny, "steps=8", "eval.stop_on_hacking=2"])
     out = capsys.readouterr().out
     rows = read_metrics(run_dir / "metrics.jsonl")
     # The run ended after the second flagged evaluation (step 4), normally, and said why on its last line.
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["eval/hacking_warning"] for r in rows] == [0.0, 0.0, 0.0, 1.0, 1.0]
-    assert "stopped at step 4" in result["stopped"] and "train.stop_on_hacking=2" in result["stopped"]
+    assert "stopped at step 4" in result["stopped"] and "eval.stop_on_hacking=2" in result["stopped"]
     assert out.strip().splitlines()[-1] == result["stopped"]
     # The last good checkpoint (step 2) survived keep_checkpoints=1, beside the flagged steps' ones.
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("."))

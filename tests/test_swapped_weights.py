@@ -1,10 +1,10 @@
-"""Weights swapped into the one trained module (flywheel/recipe/swapped_weights.py): in-place exchange, the
+"""Weights swapped into the one trained module (flywheel/recipe/policy.py `swapped_in`): in-place exchange, the
 dtype fallback, restoring on errors, checks before anything moves, and the "swapped" layout's weight sync."""
 
 import pytest
 import torch
 
-from flywheel.recipe.swapped_weights import swapped_in
+from flywheel.recipe.policy import swapped_in
 
 
 def params(*values, dtype=torch.float32):
@@ -54,3 +54,10 @@ def test_missing_or_misshapen_weights_are_refused_before_anything_moves(weights,
         with swapped_in(named, weights, what="the sampling policy"):
             pass
     assert [p.item() for _, p in named] == [1.0, 2.0] and weights["p0"].item() == 8.0
+
+
+def test_the_old_module_path_still_imports_the_one_function():
+    """swapped_in moved into flywheel/recipe/policy.py (issue 24); its old module re-exports it for one release."""
+    from flywheel.recipe import policy, swapped_weights
+
+    assert swapped_weights.swapped_in is policy.swapped_in

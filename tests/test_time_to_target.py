@@ -164,8 +164,8 @@ def test_speedup_edge_cases():
 
 
 SETTINGS = {"model.card": "toy-numbers", "data.prompts": "toy-numbers", "data.eval_prompts": "toy-numbers-heldout",
-            "data.prompts_per_step": 8, "data.group_size": 16, "seed": 0, "eval_every": 5,
-            "sampling.eval_guidance_scale": 1.0, "sampling.eval_seeds": 4, "sampling.eval_steps": 10,
+            "data.prompts_per_step": 8, "data.group_size": 16, "seed": 0, "eval.every": 5,
+            "eval.guidance_scale": 1.0, "eval.seeds": 4, "eval.steps": 10,
             "sampling.height": None, "sampling.width": None}
 
 
@@ -174,22 +174,22 @@ def test_configs_that_agree_pass():
 
 
 def test_configs_that_disagree_name_every_key_and_value():
-    nft = {**SETTINGS, "data.group_size": 8, "sampling.eval_seeds": 2}
+    nft = {**SETTINGS, "data.group_size": 8, "eval.seeds": 2}
     with pytest.raises(ttt.BenchmarkError) as e:
         ttt.check_agreement({"grpo": dict(SETTINGS), "nft": nft})
     message = str(e.value)
     assert "data.group_size: grpo=16, nft=8" in message
-    assert "sampling.eval_seeds: grpo=4, nft=2" in message
+    assert "eval.seeds: grpo=4, nft=2" in message
     assert "prompts_per_step" not in message  # keys that agree are not listed
 
 
 def test_comparable_settings_of_a_real_config():
     cfg = ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml",
-                                    ["seed=3", "eval_every=7", "sampling.steps=6", "data.group_size=4"])
+                                    ["seed=3", "eval.every=7", "sampling.steps=6", "data.group_size=4"])
     settings = ttt.comparable_settings(cfg)
     assert set(settings) == set(ttt.COMPARABLE_KEYS)
-    assert settings["seed"] == 3 and settings["eval_every"] == 7 and settings["data.group_size"] == 4
-    assert settings["sampling.eval_steps"] == 6  # unset: the evaluation uses sampling.steps
+    assert settings["seed"] == 3 and settings["eval.every"] == 7 and settings["data.group_size"] == 4
+    assert settings["eval.steps"] == 6  # unset: the evaluation uses sampling.steps
     with pytest.raises(ttt.BenchmarkError, match="grpo.*no_such_key"):
         ttt.resolve_recipe_config("grpo", ROOT / "configs" / "toy_grpo.yaml", ["no_such_key=1"])
     with pytest.raises(ttt.BenchmarkError, match="(?s)grpo.*sampling.sampler=ode"):  # the recipe's own checks
@@ -214,7 +214,7 @@ def test_every_shipped_toy_numbers_config_agrees_with_grpos():
                for r in ttt.DEFAULT_RECIPES}
     settings = {r: ttt.comparable_settings(cfg) for r, cfg in configs.items()}
     ttt.check_agreement(settings)
-    assert settings["grpo"]["model.card"] == "toy-numbers" and settings["grpo"]["rewards"] == "number_alignment:1.0"
+    assert settings["grpo"]["model.card"] == "toy-numbers" and settings["grpo"]["reward.scorers"] == "number_alignment:1.0"
     assert {cfg.sampling.steps for cfg in configs.values()} == {10}  # the same denoising steps a rollout
     assert {cfg.sampling.sampler for r, cfg in configs.items() if ttt.trainer_of(r) != "grpo"} == {"ode"}
 
@@ -310,7 +310,7 @@ def test_end_to_end_on_a_tiny_grpo_run(tmp_path):
         [sys.executable, str(SCRIPT), "--recipes", "grpo", "--configs", "configs/toy_{recipe}.yaml",
          "--out-dir", str(tmp_path / "runs"), "--json", str(out_json), "--eval-every", "1", "--target", "0.0",
          "--stop-after-target", "1", "--seed", "0", "--", "steps=1000", "data.prompts_per_step=2", "data.group_size=2",
-         "sampling.steps=2", "sampling.eval_seeds=1"],
+         "sampling.steps=2", "eval.seeds=1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     out = json.loads(out_json.read_text())

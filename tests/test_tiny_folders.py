@@ -150,7 +150,7 @@ def shipped_ltx2_config(tmp_path):
 def test_the_shipped_ltx2_config_validates(tmp_path, monkeypatch):
     """configs/ltx2_av_sync.yaml: every key valid as shipped (sizes within the card's rules, audio on a card
     that makes it, the rewards known); its model folder is the user's, so the environment checks are off."""
-    from flywheel.recipe import sections
+    from flywheel.config import validation as sections
     from flywheel.runs.config import parse_config
     from trainers.grpo import Config, validate_config
 
@@ -159,7 +159,7 @@ def test_the_shipped_ltx2_config_validates(tmp_path, monkeypatch):
     cfg = parse_config(Config, shipped_ltx2_config(tmp_path))
     validate_config(cfg)  # raises ConfigError naming every bad key
     assert (cfg.model.card, cfg.sampling.audio, cfg.sampling.frames) == ("ltx2", True, 121)
-    assert cfg.rewards == "av_onset_sync:1.0,audio_loudness:0.5" and cfg.rewards_mode == "sum_of_advantages"
+    assert cfg.reward.scorers == "av_onset_sync:1.0,audio_loudness:0.5" and cfg.reward.aggregation == "sum_of_advantages"
 
 
 @pytest.mark.slow  # a GRPO step with audio, a reference forward and two evaluations with MP4s: ~20 s of CPU
@@ -174,7 +174,7 @@ def test_the_shipped_ltx2_config_trains_a_step_on_the_tiny_folder(tmp_path):
     run_dir = tmp_path / "run"
     grpo_main([*shipped, f"model.path={folder}", f"run_dir={run_dir}", *size, "model.dtype=float32", "steps=1",
                "tracker=none", "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2",
-               "sampling.eval_steps=1", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=false"])
+               "eval.steps=1", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=false"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     for key in ("reward/av_onset_sync/mean", "reward/audio_loudness/mean", "kl"):

@@ -318,7 +318,7 @@ def test_judged_grid_has_a_cell_per_number(heldout_digits, number_judges):
 def test_grpo_config_names_the_task():
     cfg = yaml.safe_load((ROOT / "configs/toy_numbers_grpo.yaml").read_text())
     default = yaml.safe_load((ROOT / "configs/toy_grpo.yaml").read_text())
-    assert cfg["model"]["card"] == "toy-numbers" and cfg["rewards"] == "number_alignment:1.0"
+    assert cfg["model"]["card"] == "toy-numbers" and cfg["reward"]["scorers"] == "number_alignment:1.0"
     assert (cfg["data"]["prompts"], cfg["data"]["eval_prompts"]) == ("toy-numbers", "toy-numbers-heldout")
     # The toy-digits algorithm, with the keys its tuning changed (docs/tuning_grpo.md) at their values before it:
     # the benchmark's GRPO baseline was measured with them and was not re-tuned for toy-numbers.

@@ -35,8 +35,8 @@ def trackio_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("trackio")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACKIO_DIR": str(base / "store"), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), f"run_dir={base / RUN_NAME}",
-                    "tracker=trackio", "project=flytest", "steps=2", "eval_every=2", "sample_every=2",
-                    "sampling.eval_seeds=1", "data.prompts_per_step=2", "data.group_size=4", "save_every=1000"],
+                    "tracker=trackio", "project=flytest", "steps=2", "eval.every=2", "sample_every=2",
+                    "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "save_every=1000"],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     return base, env
 
@@ -55,7 +55,7 @@ def test_trackio_logs_the_runs_metrics_config_and_sample_grids(trackio_run):
                 assert logged[row["step"]][key] == pytest.approx(row[key]), (row["step"], key)
     assert {s for s, m in logged.items() if m.get("eval/samples", {}).get("_type") == "trackio.image"} == {0, 2}
     (config,) = [json.loads(c) for (c,) in db.execute("select config from configs")]
-    assert config["rewards"] == "digit_alignment:1.0" and config["steps"] == 2
+    assert config["reward.scorers"] == "digit_alignment:1.0" and config["steps"] == 2
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")

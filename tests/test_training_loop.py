@@ -71,7 +71,8 @@ class FakeAlgorithm:
 
 class FakeRun:
     def __init__(self, steps):
-        self.cfg = SimpleNamespace(steps=steps, eval_every=100, save_every=2, train=SimpleNamespace(max_masked_steps=5))
+        self.cfg = SimpleNamespace(steps=steps, eval=SimpleNamespace(every=100), save_every=2,
+                                   reward=SimpleNamespace(max_masked_steps=5))
         self.trainer_state, self.start_step, self.wall_offset, self.is_main = {}, 0, 0.0, False
         self.dir = SimpleNamespace(metrics_path="metrics.jsonl", release=lambda: setattr(self, "released", True))
         self.rows, self.saved, self.released = [], [], False
@@ -143,7 +144,7 @@ def test_a_run_of_masked_steps_stops_the_loop_and_releases_the_run_dir():
 
     rollouts.collect = masked
     run = FakeRun(steps=3)
-    run.cfg.train.max_masked_steps = 2
+    run.cfg.reward.max_masked_steps = 2
     with pytest.raises(RuntimeError, match=r"step 2: the rewards masked every sample of the last 2 steps"):
         train(run, rollouts, FakeAlgorithm(rollouts, steps_on=set()))
     assert run.released and rollouts.closed
@@ -174,13 +175,14 @@ def test_every_recipe_is_an_algorithm():
 # ---- layouts: one table of what combines, one factory ------------------------------------------------------
 
 
-def layout_cfg(async_rollouts=False, backend="local", workflow=None, flash=None, ema=False):
-    return SimpleNamespace(async_rollouts=async_rollouts, rollout=SimpleNamespace(backend=backend),
-                           model=SimpleNamespace(workflow=workflow), train=SimpleNamespace(flash_compress=flash, ema=ema))
+def layout_cfg(asynchronous=False, backend="local", workflow=None, flash=None, ema=False):
+    return SimpleNamespace(rollout=SimpleNamespace(backend=backend, asynchronous=asynchronous),
+                           workflow=SimpleNamespace(name=workflow), train=SimpleNamespace(flash_compress=flash),
+                           ema=SimpleNamespace(enabled=ema))
 
 
-ON = {"async_rollouts=true": {"async_rollouts": True}, "rollout.backend=ray": {"backend": "ray"},
-      "model.workflow": {"workflow": "toy.digits_then_refine"}, "train.flash_compress": {"flash": 0.5}}
+ON = {"rollout.asynchronous=true": {"asynchronous": True}, "rollout.backend=ray": {"backend": "ray"},
+      "workflow.name": {"workflow": "toy.digits_then_refine"}, "train.flash_compress": {"flash": 0.5}}
 
 
 @pytest.mark.parametrize("first, second, why", layouts.INCOMPATIBLE, ids=lambda x: str(x)[:24])
@@ -204,18 +206,18 @@ def test_each_pair_of_the_table_is_refused_by_the_check_and_the_factory(first, s
 def test_the_factory_picks_one_layout_class_per_config():
     assert isinstance(layouts.make_layout(layout_cfg()), layouts.Colocated)
     assert isinstance(layouts.make_layout(layout_cfg(), serve="swapped"), layouts.SwappedIn)
-    assert isinstance(layouts.make_layout(layout_cfg(async_rollouts=True)), layouts.EngineProcess)
+    assert isinstance(layouts.make_layout(layout_cfg(asynchronous=True)), layouts.EngineProcess)
     assert isinstance(layouts.make_layout(layout_cfg(backend="ray")), layouts.RayPool)
     assert isinstance(layouts.make_layout(layout_cfg(workflow="toy.digits_then_refine")), layouts.Colocated)
     assert layouts.layout_refusals(layout_cfg(flash=0.4)) == []  # Flash alone, and colocated, combine
     with pytest.raises(ValueError, match="serve='ray': valid layouts are colocated, swapped"):
         layouts.make_layout(layout_cfg(), serve="ray")
-    # Evaluation samples the trained weights: swapped-in rollouts never sample them, the processes not train.ema's average.
+    # Evaluation samples the trained weights: swapped-in rollouts never sample them, the processes not the EMA average.
     # (Asked of the factory's instances, as Rollouts asks.)
     assert layouts.make_layout(layout_cfg(ema=True)).evaluates_served(layout_cfg(ema=True))
     assert not layouts.make_layout(layout_cfg(), serve="swapped").evaluates_served(layout_cfg())
-    assert layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg())
-    assert not layouts.make_layout(layout_cfg(async_rollouts=True)).evaluates_served(layout_cfg(ema=True))
+    assert layouts.make_layout(layout_cfg(asynchronous=True)).evaluates_served(layout_cfg())
+    assert not layouts.make_layout(layout_cfg(asynchronous=True)).evaluates_served(layout_cfg(ema=True))
     for ema in (False, True):
         assert layouts.make_layout(layout_cfg(backend="ray")).evaluates_served(layout_cfg(ema=ema)) == (not ema)
 

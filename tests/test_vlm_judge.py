@@ -160,9 +160,9 @@ def test_vlm_api_key_comes_from_the_environment(monkeypatch):
 
 def test_vlm_is_an_evaluation_only_judge_of_a_run(server, tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_VLM_URL", server.base_url)
-    result = main([f"run_dir={tmp_path / 'j'}", "tracker=none", "steps=1", "eval_every=1", "sampling.eval_seeds=1",
+    result = main([f"run_dir={tmp_path / 'j'}", "tracker=none", "steps=1", "eval.every=1", "eval.seeds=1",
                    "data.prompts_per_step=2", "data.group_size=4", "save_every=1000", "sample_every=1000",
-                   "eval_judges=vlm_judge"])
+                   "eval.judges=vlm_judge"])
     rows = read_metrics(tmp_path / "j" / "metrics.jsonl")
     assert "reward/vlm_judge/mean" not in rows[1]  # not a reward
     # The judge's mean over the evaluation tracks the CNN reward of the same samples (it is the CNN, via PNG).
@@ -171,14 +171,14 @@ def test_vlm_is_an_evaluation_only_judge_of_a_run(server, tmp_path, monkeypatch)
     assert result["final"]["eval/judge/vlm_judge/mean"] == rows[-1]["eval/judge/vlm_judge/mean"]
 
 
-GRPO = ["tracker=none", "sampling.eval_seeds=1", "train.timestep_fraction=0.5", "save_every=1000",
-        "sample_every=1000", "rewards=vlm_judge", "data.prompts_per_step=8", "data.group_size=8"]
+GRPO = ["tracker=none", "eval.seeds=1", "train.timestep_fraction=0.5", "save_every=1000",
+        "sample_every=1000", "reward.scorers=vlm_judge", "data.prompts_per_step=8", "data.group_size=8"]
 
 
 @pytest.mark.slow
 def test_vlm_grpo_raises_the_judges_reward_and_the_negated_control_lowers_it(server, tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_VLM_URL", server.base_url)
-    steps = ["steps=20", "eval_every=20"]
+    steps = ["steps=20", "eval.every=20"]
     real = main([f"run_dir={tmp_path / 'real'}", *GRPO, *steps])
     negate_advantages(monkeypatch)
     control = main([f"run_dir={tmp_path / 'negated'}", *GRPO, *steps])
@@ -214,7 +214,7 @@ def test_vlm_judge_server_stopped_mid_run_masks_those_steps_and_the_run_finishes
     monkeypatch.setenv("FLYWHEEL_VLM_URL", server.base_url)
     # Calls: 1 base evaluation, then steps 1..5 (calls 2..6), then the final evaluation: steps 2 and 3 go unjudged.
     StopServer(server, stop_at=3, back_at=5).install(monkeypatch)
-    main([f"run_dir={tmp_path / 'gap'}", *GRPO, "steps=5", "eval_every=5", "data.prompts_per_step=2",
+    main([f"run_dir={tmp_path / 'gap'}", *GRPO, "steps=5", "eval.every=5", "data.prompts_per_step=2",
           "data.group_size=4"])
     rows = read_metrics(tmp_path / "gap" / "metrics.jsonl")
     assert [r["reward/vlm_judge/invalid"] for r in rows[1:]] == [0.0, 8.0, 8.0, 0.0, 0.0]  # NaN is null in the file
@@ -226,5 +226,5 @@ def test_vlm_judge_server_gone_for_good_stops_the_run_at_the_masked_step_limit(s
     monkeypatch.setenv("FLYWHEEL_VLM_URL", server.base_url)
     StopServer(server, stop_at=3).install(monkeypatch)
     with pytest.raises(RuntimeError, match=r"step 4: the rewards masked every sample of the last 3 steps"):
-        main([f"run_dir={tmp_path / 'gone'}", *GRPO, "steps=8", "eval_every=8", "data.prompts_per_step=2",
+        main([f"run_dir={tmp_path / 'gone'}", *GRPO, "steps=8", "eval.every=8", "data.prompts_per_step=2",
               "data.group_size=4"])

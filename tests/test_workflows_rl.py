@@ -14,8 +14,8 @@ from trainers.grpo import Config, main, validate_config
 
 from recipe_kill import kill_after_checkpoint, negate_advantages, without_timings
 
-WORKFLOW = ["model.workflow=toy.digits_then_refine", "train.stage=draw"]
-QUICK = ["tracker=none", "sampling.eval_seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
+WORKFLOW = ["workflow.name=toy.digits_then_refine", "workflow.stage=draw"]
+QUICK = ["tracker=none", "eval.seeds=2", "train.timestep_fraction=0.5", "save_every=1000",
          "sample_every=1000"]
 SMALL = ["data.prompts_per_step=4", "data.group_size=8"]
 
@@ -33,16 +33,16 @@ def config_error(*overrides) -> str:
 
 def test_workflow_keys_are_checked_naming_what_is_valid():
     validate_config(parse_config(Config, WORKFLOW))
-    assert "train.stage=None: name the stage of 'toy.digits_then_refine' to train; its card stages, in the order " \
-           "they run: draw (toy-digits), refine (toy-digits)" in config_error("model.workflow=toy.digits_then_refine")
+    assert "workflow.stage=None: name the stage of 'toy.digits_then_refine' to train; its card stages, in the order " \
+           "they run: draw (toy-digits), refine (toy-digits)" in config_error("workflow.name=toy.digits_then_refine")
     assert "only the first stage to run ('draw') can be trained" in config_error(
-        "model.workflow=toy.digits_then_refine", "train.stage=refine")
+        "workflow.name=toy.digits_then_refine", "workflow.stage=refine")
     assert "set model.card=toy-digits" in config_error(*WORKFLOW, "model.card=toy-numbers",
                                                       "data.prompts=toy-numbers", "data.eval_prompts=toy-numbers")
-    assert "unknown workflow 'toy.nope'" in config_error("model.workflow=toy.nope", "train.stage=draw")
-    assert "model.workflow is null" in config_error("train.stage=draw")
-    assert "async_rollouts=true with model.workflow" in config_error(*WORKFLOW, "async_rollouts=true")
-    assert "names card(s) sd3" in config_error(*WORKFLOW, "model.workflow_paths.sd3=/x")
+    assert "unknown workflow 'toy.nope'" in config_error("workflow.name=toy.nope", "workflow.stage=draw")
+    assert "workflow.name is null" in config_error("workflow.stage=draw")
+    assert "rollout.asynchronous=true with workflow.name" in config_error(*WORKFLOW, "rollout.asynchronous=true")
+    assert "names card(s) sd3" in config_error(*WORKFLOW, "workflow.paths.sd3=/x")
 
 
 def test_the_stage_engine_returns_the_trained_stages_log_probs_with_the_final_images():
@@ -75,7 +75,7 @@ def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_ve
         return made[-1]
 
     monkeypatch.setattr(flywheel.recipe.layouts, "workflow_stage_engine", recording)
-    _, rows = run(tmp_path, "two", *SMALL, "steps=2", "eval_every=2")
+    _, rows = run(tmp_path, "two", *SMALL, "steps=2", "eval.every=2")
     (stage_engine,) = made
     base = load_model("toy-digits").transformer.state_dict()
     refine = stage_engine.runner.stage_engines["refine"]
@@ -90,7 +90,7 @@ def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_ve
 @pytest.mark.slow
 def test_a_workflow_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
     """The refine stage's frozen copy is loaded from the card on resume too, so nothing of it is checkpointed."""
-    args = [*WORKFLOW, *SMALL, "steps=4", "save_every=2", "eval_every=2"]
+    args = [*WORKFLOW, *SMALL, "steps=4", "save_every=2", "eval.every=2"]
     _, straight = run(tmp_path, "straight", *args)
     interrupted = tmp_path / "interrupted"
     kill_after_checkpoint("grpo", interrupted, [*QUICK, *args])
@@ -106,7 +106,7 @@ def test_training_the_first_stage_raises_the_reward_after_refinement_and_negated
     """The reward is digit_alignment on the refined (final) images; the control flips the advantages' sign.
     Measured (8 prompts x 16, 24 steps, seed 0): 0.504 -> 0.664 through the workflow (plain GRPO on the card
     alone moves more: the frozen refine stage redraws part of every image)."""
-    steps = ["steps=24", "eval_every=24"]
+    steps = ["steps=24", "eval.every=24"]
     real, _ = run(tmp_path, "real", *steps)
     negate_advantages(monkeypatch)
     control, _ = run(tmp_path, "negated", *steps)

@@ -62,13 +62,13 @@ def test_t2i_i2v_without_the_video_card_fails_before_generating(engines):
 
 def test_rl_through_t2i_i2v_trains_the_image_stage_and_scores_the_videos(engines, folders):
     """The recipe glue on the real cards: the SD3 stage samples Flow-SDE (log-probs), the video stage runs the
-    ODE on a Wan2.1-I2V model loaded from model.workflow_paths, and the Trajectory carries the videos."""
+    ODE on a Wan2.1-I2V model loaded from workflow.paths, and the Trajectory carries the videos."""
     from flywheel.recipe.workflow import workflow_stage_engine
     from flywheel.runs.config import parse_config
     from trainers.grpo import Config
 
-    cfg = parse_config(Config, ["model.card=sd3", "model.workflow=image_video.t2i_i2v", "train.stage=image",
-                                f"model.workflow_paths.wan2.1-i2v={folders['wan2.1-i2v']}"])
+    cfg = parse_config(Config, ["model.card=sd3", "workflow.name=image_video.t2i_i2v", "workflow.stage=image",
+                                f"workflow.paths.wan2.1-i2v={folders['wan2.1-i2v']}"])
     stage_engine = workflow_stage_engine(cfg, engines["sd3"], torch.device("cpu"))
     video_engine = stage_engine.runner.engines["wan2.1-i2v"]
     assert video_engine is not engines["wan2.1-i2v"]

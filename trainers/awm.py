@@ -37,8 +37,8 @@ Deviations from that code, each on purpose:
 - The anchor moves once per rollout step (the code: per epoch; the same with one
   optimizer step per rollout).
 - Times come from a generator seeded by (run seed, step, rank).
-- The code's evaluation EMA is every recipe's train.ema (off by default; the
-  code's: train.ema=true train.ema_decay=0.99 train.ema_update_every=1).
+- The code's evaluation EMA is every recipe's ema.enabled (off by default; the
+  code's: ema.enabled=true ema.decay=0.99 ema.update_every=1).
 - Async rollouts are refused: the loss has no correction for older weights.
 
 Usage, the deviations in full, logged metrics and the measured runs:
@@ -65,8 +65,9 @@ from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -87,9 +88,6 @@ ANCHOR_PREFIX = "ema_anchor/"
 
 @dataclass
 class AWMConfig(OptimConfig):
-    global_std: bool = True
-    """normalise advantages by the std of all the step's rewards, not each group's (the code's sample.global_std,
-    true in every released config)"""
     timesteps_per_sample: int = 6
     """flow times K drawn for each sample at each step, one per stratum (the paper's code: train_timesteps = 6)"""
     time_sampling: Literal["schedule", "uniform"] = "schedule"
@@ -109,8 +107,8 @@ class AWMConfig(OptimConfig):
     ghuber_power: float = 0.25
     """power p of the "ghuber" weighting (1 is t·l; smaller trusts the large errors less)"""
     advantage_max: float | None = 1.0
-    """advantages, already clipped to ±adv_clip_max, are rescaled to ±advantage_max as the code does
-    (A·advantage_max/adv_clip_max); null keeps them as they are"""
+    """advantages, already clipped to ±advantage.clip_max, are rescaled to ±advantage_max as the code does
+    (A·advantage_max/advantage.clip_max); null keeps them as they are"""
     kl_beta: float = 0.003
     """weight of the velocity MSE to the reference (base) policy (0 = off, and no reference is built; the code:
     GenEval 0.001, OCR 0.003, PickScore 1e-4)"""
@@ -140,6 +138,9 @@ class Config(RunConfig):
     # AWM trains on clean samples, not on per-step log-probabilities: the deterministic sampler will do.
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
     train: AWMConfig = field(default_factory=AWMConfig)
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(global_std=True))
+    """advantages normalised by the std of all the step's rewards, not each group's (the code's
+    sample.global_std, true in every released config)"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,9 +168,9 @@ def validate_config(cfg: Config) -> None:
             schedule_strata(cfg.sampling.steps, tc.timesteps_per_sample, tc.timestep_fraction, tc.skip_first_step)
         except ValueError as e:
             checks.fail(f"{e} (sampling.steps={cfg.sampling.steps})")
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: AWM trains on-policy (its loss has no correction for rollouts made by "
-                    "older weights); set async_rollouts=false")
+    if cfg.rollout.asynchronous:
+        checks.fail("rollout.asynchronous=true: AWM trains on-policy (its loss has no correction for rollouts made by "
+                    "older weights); set rollout.asynchronous=false")
     checks.raise_if_any()
 
 
@@ -315,7 +316,7 @@ class EMAAnchor:
     """An exponential moving average of the trained weights, the policy the anchor term pulls toward.
 
     The average itself (update, state, strict loading; float32) is the shared
-    `WeightEMA`, the one train.ema uses; the anchor adds its own decay schedule
+    `WeightEMA`, the one ema.enabled uses; the anchor adds its own decay schedule
     and its velocity: the trained module's with the EMA values swapped in for
     one no-grad forward (`Policy.weights_swapped`), so neither LoRA nor full
     fine-tuning keeps a second copy of the model. (Not for FSDP-sharded
@@ -371,11 +372,11 @@ def ema_anchor(policy: Policy, tc: AWMConfig, checkpointed: dict[str, torch.Tens
 # ---------------------------------------------------------------------------------------
 
 
-def scaled_advantages(advantages: torch.Tensor, tc: AWMConfig) -> torch.Tensor:
-    """The code's rescale A·advantage_max/adv_clip_max (advantages arrive clipped to ±adv_clip_max)."""
+def scaled_advantages(advantages: torch.Tensor, tc: AWMConfig, clip_max: float) -> torch.Tensor:
+    """The code's rescale A·advantage_max/clip_max (advantages arrive clipped to ±advantage.clip_max)."""
     if tc.advantage_max is None:
         return advantages
-    return advantages * (tc.advantage_max / tc.adv_clip_max)
+    return advantages * (tc.advantage_max / clip_max)
 
 
 class AWM:
@@ -404,7 +405,7 @@ class AWM:
         grads = GradientSteps(self.accelerator, self.transformer, self.optimizer, policy.named_params, tc, step)
         for m, rows in enumerate(grads.minibatches(len(traj))):
             x0 = x0_all[rows]
-            adv = scaled_advantages(batch.advantages[rows], tc)
+            adv = scaled_advantages(batch.advantages[rows], tc, cfg.advantage.clip_max)
             cond, uncond_cond = trajectory_conditioning(traj.select(rows), tc.cfg_in_train)
             times, noise = draw_minibatch(traj.timesteps, len(rows), tuple(x0.shape[1:]), tc, generator)
             for i in range(k):

@@ -29,7 +29,7 @@ Deviations, each on purpose:
 - Reference fixed at the base model (flow_grpo copies the learner into it every
   ref_update_step steps and samples with it); the trained policy samples.
 - Pairs ranked by the total reward, not an advantage (pair_margin in reward
-  units); rewards_mode=sum_of_advantages is refused.
+  units); reward.aggregation=sum_of_advantages is refused.
 - Flat groups and masked rewards give no pair; a group split across ranks is
   paired within each rank's share.
 - Flow times: "rollout_grid" (default) draws from the rollout's own times;
@@ -64,8 +64,9 @@ from flywheel.recipe.flow_matching import matching_error, noised
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -341,11 +342,11 @@ def validate_config(cfg: Config) -> None:
                     "minibatches) changes from step to step; use gradient_accumulation_steps=1 with "
                     "updates_per_rollout=null (one optimizer step per minibatch of pairs) or updates_per_rollout=1 "
                     "(one optimizer step per rollout)")
-    if cfg.rewards_mode != "weighted_sum":
-        checks.fail(f"rewards_mode={cfg.rewards_mode}: DPO ranks samples by their total reward; use "
-                    "rewards_mode=weighted_sum")
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: this recipe trains on the current policy's samples; set async_rollouts=false")
+    if cfg.reward.aggregation != "weighted_sum":
+        checks.fail(f"reward.aggregation={cfg.reward.aggregation}: DPO ranks samples by their total reward; use "
+                    "reward.aggregation=weighted_sum")
+    if cfg.rollout.asynchronous:
+        checks.fail("rollout.asynchronous=true: this recipe trains on the current policy's samples; set rollout.asynchronous=false")
     checks.raise_if_any()
 
 

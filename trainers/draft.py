@@ -66,8 +66,9 @@ from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -153,10 +154,10 @@ def check_differentiable_rewards(cfg, checks) -> None:
     """One line naming each scorer of `rewards` that passes no gradient to the pixels, and the ones that do."""
     from rewards.registry import check_spec, differentiable_scorers, is_differentiable_target, parse_spec_targets
 
-    if check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):
+    if check_spec(cfg.reward.scorers, cfg.reward.args, cfg.reward.modules):
         return  # the reward keys' own problems are reported by check_shared_sections
     refused = []
-    for name, target, _ in parse_spec_targets(cfg.rewards):
+    for name, target, _ in parse_spec_targets(cfg.reward.scorers):
         try:
             ok = is_differentiable_target(target)
         except (KeyError, ImportError, TypeError, ValueError):
@@ -164,7 +165,7 @@ def check_differentiable_rewards(cfg, checks) -> None:
         if not ok:
             refused.append(name if name == target else f"{name} ({target})")
     if refused:
-        checks.fail(f"rewards={cfg.rewards!r}: {', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not "
+        checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not "
                     "differentiable (DRaFT/ReFL backpropagate the reward into the pixels); differentiable scorers: "
                     f"{', '.join(differentiable_scorers())}")
 
@@ -194,17 +195,17 @@ def validate_config(cfg: Config) -> None:
     checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
     checks.require("sampling.sampler", lambda v: v == "ode",
                    "must be ode: the gradient path re-runs the rollout's deterministic sampler from its stored states")
-    checks.require("rewards_mode", lambda v: v == "weighted_sum",
+    checks.require("reward.aggregation", lambda v: v == "weighted_sum",
                    "must be weighted_sum: the loss is the weighted sum of the scorers' scores (no advantages)")
-    if cfg.async_rollouts:
-        checks.fail("async_rollouts=true: not supported by DRaFT (its gradient path starts from the rollout's states, "
-                    "made by the weights it trains); set async_rollouts=false")
+    if cfg.rollout.asynchronous:
+        checks.fail("rollout.asynchronous=true: not supported by DRaFT (its gradient path starts from the rollout's states, "
+                    "made by the weights it trains); set rollout.asynchronous=false")
     if cfg.rollout.backend != "local":
         checks.fail(f"rollout.backend={cfg.rollout.backend}: DRaFT scores with its own differentiable scorers in "
                     "this process; set rollout.backend=local")
-    if cfg.model.workflow:
-        checks.fail(f"model.workflow={cfg.model.workflow!r}: DRaFT differentiates the trained card's own sampler "
-                    "and decoder only; unset model.workflow")
+    if cfg.workflow.name:
+        checks.fail(f"workflow.name={cfg.workflow.name!r}: DRaFT differentiates the trained card's own sampler "
+                    "and decoder only; unset workflow.name")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         checks.fail("FSDP launch: not supported by DRaFT here (not tested); launch with DDP (or one process)")
     check_differentiable_rewards(cfg, checks)
@@ -241,7 +242,7 @@ class DifferentiableReward:
         from rewards import RewardSet
         from rewards.registry import resolve_args
 
-        built = RewardSet(cfg.rewards, scorer_kwargs=resolve_args(cfg.rewards, cfg.reward_args))
+        built = RewardSet(cfg.reward.scorers, scorer_kwargs=resolve_args(cfg.reward.scorers, cfg.reward.args))
         return cls(built.scorers, dict(built.weights))
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]

@@ -1,7 +1,7 @@
 """Flow-GRPO (arXiv 2505.05470): group-relative policy optimisation of a flow-matching model.
 
     accelerate launch trainers/grpo.py                     # the built-in toy task
-    python trainers/grpo.py model.finetune=lora rewards=digit_alignment:1.0,jpeg_compressibility:0.1
+    python trainers/grpo.py model.finetune=lora reward.scorers=digit_alignment:1.0,jpeg_compressibility:0.1
     python trainers/grpo.py train.variant=mixgrpo          # or fast; train.guard=true; train.flash_compress=0.4
 
 Each step: G samples for each of P prompts with the Flow-SDE sampler (per-step
@@ -67,8 +67,9 @@ from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig, card_flag,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import card_flag, check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -482,7 +483,7 @@ class GRPO(ServesTrainedWeights):
         # weights move within the update (before that, the current means are mu_old exactly).
         several_steps = len(minibatches) > grads.accumulation
         start = (start_of_update_steps(model, transformer, traj, minibatches, trained, tc.cfg_in_train)
-                 if cfg.async_rollouts or ((tc.guard or tc.policy_loss == "dppo") and several_steps) else None)
+                 if cfg.rollout.asynchronous or ((tc.guard or tc.policy_loss == "dppo") and several_steps) else None)
         for m, rows in enumerate(minibatches):
             sub, mask = traj.select(rows), trained[rows]
             adv, usable = batch.advantages[rows], batch.usable[rows]
@@ -496,7 +497,7 @@ class GRPO(ServesTrainedWeights):
                 at = [rows[r] for r in local]
                 loss, stats = grpo_step_loss(model, transformer, self.policy.ref_velocity, step_rows(sub, local), j,
                                              adv[local], usable[local], tc,
-                                             proximal=start[0][at, j] if cfg.async_rollouts else None,
+                                             proximal=start[0][at, j] if cfg.rollout.asynchronous else None,
                                              old_mean=None if start is None else start[1][at, j],
                                              weight=weight[local])
                 grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
@@ -571,7 +572,7 @@ def dppo_mask_can_act(cfg: Config, world_size: int) -> bool:
     minibatches = -(-rows // cfg.train.minibatch_size)
     per_step = (minibatches // cfg.train.updates_per_rollout if cfg.train.updates_per_rollout
                 else cfg.train.gradient_accumulation_steps)
-    return cfg.async_rollouts or minibatches > per_step
+    return cfg.rollout.asynchronous or minibatches > per_step
 
 
 def check_window_keys(cfg: Config, checks) -> None:

@@ -21,10 +21,10 @@ The paper, by equation (arXiv v2):
 
 Deviations from the paper's text (each follows the public code, NVlabs/DiffusionNFT,
 unless it says otherwise):
-1. Loss scale: (r·l+ + (1 - r)·l-) / beta, times adv_clip_max c; squared norms are
+1. Loss scale: (r·l+ + (1 - r)·l-) / beta, times advantage.clip_max c; squared norms are
    element means. The gradient at v_theta = v_old is then A times the weighted
    flow-matching gradient, whatever beta and c are.
-2. Z_c = c·(std + 1e-4), the std of the step (global_std) or of the group.
+2. Z_c = c·(std + 1e-4), the std of the step (advantage.global_std) or of the group.
 3. Each sample is trained at `timesteps_per_sample` random times of the rollout's
    own grid (the code: 9 of 10); time_sampling=uniform is not in the paper.
 4. Masked rewards are left out; flat groups (r = 1/2) stay in unless
@@ -32,7 +32,7 @@ unless it says otherwise):
 5. KL: the paper is KL-free, the code adds 1e-4·mean||v_theta - v_ref||^2;
    here kl_beta weighs that term and defaults to 0.
 6. Times and noise come from a generator seeded by (seed, step, rank).
-7. The code's EMA for evaluation is train.ema=true train.ema_update_every=1 (off
+7. The code's EMA for evaluation is ema.enabled=true ema.update_every=1 (off
    by default); not here: its fp16 autocast with a GradScaler.
 8. Rollouts with classifier-free guidance are refused (v_old must have sampled x0).
 9. The eta schedule counts training steps; the first soft update uses eta_1 = 0.001.
@@ -63,8 +63,9 @@ from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.layouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import (DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig,
-                                      check_shared_sections, resolve_config)
+from flywheel.config.parsing import resolve_config
+from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.validation import check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -90,10 +91,6 @@ class NFTConfig(OptimConfig):
     """AdamW learning rate (the paper's 3e-4 is slower on the toy task: see the module docstring)"""
     beta: float = 1.0
     """mixing coefficient of the implicit policies v± (Theorem 3.2); 1/beta is the guidance strength"""
-    adv_clip_max: float = 5.0
-    """c: group advantages are clipped to [-c, c] and r = 1/2 + A / (2c); the loss is scaled by c (public code)"""
-    global_std: bool = True
-    """normalise advantages by the std of all the step's rewards (the paper's "global reward std"), not each group's"""
     keep_flat_groups: bool = True
     """train samples of groups whose rewards are all equal at r = 1/2 (public code); false leaves them out"""
     eta_flat_steps: int = 0
@@ -123,6 +120,9 @@ class Config(RunConfig):
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
     train: NFTConfig = field(default_factory=NFTConfig)
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(global_std=True))
+    """advantages normalised by the std of all the step's rewards (the paper's "global reward std"); clip_max is
+    c: advantages are clipped to [-c, c], r = 1/2 + A / (2c), and the loss is scaled by c (public code)"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class SamplingPolicy:
     engine serves (the training loop swaps them into the one transformer around
     rollouts and syncs, inside `NFT.serving_weights`) and what a checkpoint keeps.
     v_old is the trained module's velocity with them swapped in for the forward:
-    no second copy of the model (flywheel/recipe/swapped_weights.py).
+    no second copy of the model (flywheel/recipe/policy.py `swapped_in`).
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], policy: Policy, tc: NFTConfig):
@@ -385,7 +385,7 @@ class NFT:
         times, noise = update_draws(traj, tc, update_generator(cfg.seed, step, rank, stream=UPDATE_STREAM))
         k = times.shape[1]
         # r from the flywheel's group advantages (normalised over every rank), not from the raw rewards here.
-        r_all = optimality_from_advantages(batch.advantages, tc.adv_clip_max).to(device)
+        r_all = optimality_from_advantages(batch.advantages, cfg.advantage.clip_max).to(device)
         included = trained_samples(batch, tc.keep_flat_groups).to(device)
 
         grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
@@ -402,7 +402,7 @@ class NFT:
                 v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
                 v_theta = model.velocity(transformer, x_t, t, cond)
                 loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
-                                       scale=tc.adv_clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
+                                       scale=cfg.advantage.clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
                 grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=j == k - 1)
                 grads.record(stats)
             grads.maybe_step(m)
@@ -438,7 +438,7 @@ def validate_config(cfg: Config) -> None:
                     "FSDP shards; launch with DDP (or one process)")
     checks.require("sampling.guidance_scale", lambda v: v == 1.0,
                    "must be 1: DiffusionNFT trains the conditional velocity (CFG-free, paper Sec. 3.3), so v_old "
-                   "must be the velocity that sampled; eval guidance is sampling.eval_guidance_scale")
+                   "must be the velocity that sampled; eval guidance is eval.guidance_scale")
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the implicit policies mix v_old and v_theta by it)")
     checks.require("train.eta_flat_steps", lambda v: v >= 0, "must be an integer >= 0")
     checks.require("train.eta_rate", lambda v: v >= 0, "must be >= 0 (eta's growth per training step)")

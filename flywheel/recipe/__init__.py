@@ -1,6 +1,7 @@
 """The building blocks every recipe shares (trainers/<algo>.py keeps its config section, loss and algorithm class).
 
-- `sections`: the shared config sections (run, model, data, sampling, optimizer) and their checks;
+- `sections`: the shared config sections and their checks, as the recipes import them (they live in
+  flywheel/config/), and the engine requests of a rollout and an evaluation;
 - `policy`: the model, its trainable weights (full or LoRA), the reference policy and the optimizer;
 - `algorithm`: the protocol a recipe implements (`update`, `serving_weights`, `state_dict`);
 - `training_loop`: the loop, eight numbered phases per step, which owns the weight version;

@@ -25,7 +25,7 @@ the weights the rollouts must sample with. The loop enters it around every
 rollout collection and every weight sync, so a sync pushes those weights into
 serving. It is `contextlib.nullcontext()` for a recipe whose sampling policy is
 the trained one (GRPO, AWM, DPO); NFT swaps theta_old in (`Policy.weights_swapped`).
-Evaluation samples the trained weights (or train.ema's average), never these.
+Evaluation samples the trained weights (or the EMA average), never these.
 
 `state_dict()` / `load_state_dict(state)`: the tensors of the recipe's own
 (name -> tensor), checkpointed under "recipe/" beside the trained weights and

@@ -8,7 +8,7 @@ is strictly better, and written atomically (a folder built aside, then swapped
 in by renames), so a kill leaves the old best or the new one, never a mix.
 
     best/best.json            {"step", "reward", "ema", "lora"}: what it holds
-    best/weights.safetensors  the trained tensors as evaluated (train.ema's average when that was evaluated)
+    best/weights.safetensors  the trained tensors as evaluated (the EMA average when that was evaluated)
     best/lora/                with model.finetune=lora: the adapter (diffusers' format where the card has a
                               pipeline, else peft's tensors in adapter_model.safetensors)
 

@@ -1,12 +1,13 @@
-"""Exponential moving averages of the trained weights: `train.ema` of every recipe, and the math AWM's anchor reuses.
+"""Exponential moving averages of the trained weights: the `ema` section of every recipe, and the math AWM's
+anchor reuses.
 
     EMA <- decay·EMA + (1 - decay)·weights
 
 `WeightEMA` holds one average (float32, on the weights' device) and moves it
-with a given decay; `train_ema_decay` is the schedule of `train.ema`, which
+with a given decay; `train_ema_decay` is the schedule of `ema.enabled`, which
 `RecipeRun` applies after every training step, evaluates with and checkpoints.
 
-train.ema follows Flow-GRPO (github.com/yifan123/flow_grpo: flow_grpo/ema.py,
+The `ema` section follows Flow-GRPO (github.com/yifan123/flow_grpo: flow_grpo/ema.py,
 scripts/train_sd3.py, config/grpo.py, which sets train.ema = True for its
 released runs): the average starts at the trainable weights before the first
 update (the LoRA adapter for LoRA runs), its decay is 0.9 and ramps up as
@@ -15,15 +16,15 @@ the trained weights and puts them back afterwards, and the saved weights are the
 average. Where this module differs, on purpose:
 
 - n counts training steps (rollout + update), the unit of every other step key
-  (steps, eval_every, save_every), and the average moves after the step's whole
+  (steps, eval.every, save_every), and the average moves after the step's whole
   update. Flow-GRPO counts optimizer steps (two per rollout batch in its
   configs) and calls its update after every micro-batch, so in a group of
   accumulated micro-batches it moves the average once per micro-batch toward the
   same weights (decay d^accumulation in effect). With the toy defaults (one
   optimizer step per training step) the step counts agree.
-- It moves when n is a multiple of train.ema_update_every (8, 16, ...);
+- It moves when n is a multiple of ema.update_every (8, 16, ...);
   Flow-GRPO moves when n + 1 is (7, 15, ...).
-- train.ema_start_step (not in Flow-GRPO, which starts at 0): until then the
+- ema.start_step (not in Flow-GRPO, which starts at 0): until then the
   average is the trained weights (decay 0), and n counts from it, so the ramp
   starts over there.
 - A LoRA run exports both adapters: lora/ the trained one, lora_ema/ the average
@@ -48,7 +49,7 @@ class WeightEMA:
 
     The average is a dict name -> tensor (`shadow`) with the trained parameters'
     names, so `Policy.weights_swapped(ema.shadow)` runs the trained module with it.
-    `what` names it in error messages ("the train.ema average", "the EMA anchor").
+    `what` names it in error messages ("the EMA average", "the EMA anchor").
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], what: str = "EMA"):
@@ -86,25 +87,26 @@ class WeightEMA:
         self.moved = True  # a checkpoint's: whether it moved before is not recorded (the zero-adapter check still is)
 
 
-def train_ema_decay(steps_done: int, oc) -> float | None:
-    """The decay train.ema applies after `steps_done` training steps, or None when it does not move then.
+def train_ema_decay(steps_done: int, ec) -> float | None:
+    """The decay the `ema` section's average takes after `steps_done` training steps, or None when it does not
+    move then.
 
-    `oc` is the recipe's train section (an OptimConfig). With n = steps_done -
-    ema_start_step: n <= 0 gives 0 (the average is the weights), otherwise it
-    moves when n is a multiple of ema_update_every, with min(ema_decay, (1 + n)/(10 + n)).
+    `ec` is the run's `ema` section (an EMAConfig). With n = steps_done - start_step: n <= 0 gives 0 (the
+    average is the weights), otherwise it moves when n is a multiple of update_every, with
+    min(decay, (1 + n)/(10 + n)).
     """
-    n = steps_done - oc.ema_start_step
+    n = steps_done - ec.start_step
     if n <= 0:
         return 0.0
-    if n % oc.ema_update_every:
+    if n % ec.update_every:
         return None
-    return min(oc.ema_decay, (1 + n) / (WARMUP_OFFSET + n))
+    return min(ec.decay, (1 + n) / (WARMUP_OFFSET + n))
 
 
-def first_ema_move(oc) -> int:
-    """The first training step after which train.ema's average moves (`train_ema_decay` is not None).
+def first_ema_move(ec) -> int:
+    """The first training step after which the `ema` section's average moves (`train_ema_decay` is not None).
 
-    Step 1 when ema_start_step >= 1 (until then the average copies the weights), else ema_update_every:
+    Step 1 when start_step >= 1 (until then the average copies the weights), else update_every:
     a run of fewer steps exports an average that is still the weights it started from.
     """
-    return 1 if oc.ema_start_step >= 1 else oc.ema_update_every
+    return 1 if ec.start_step >= 1 else ec.update_every

@@ -1,4 +1,4 @@
-"""train.stop_on_hacking=N: end a run after N consecutive evaluations where the hacking watch fired.
+"""eval.stop_on_hacking=N: end a run after N consecutive evaluations where the hacking watch fired.
 
 Off by default (0). A run that stops this way ends normally (exit status 0)
 after its usual end-of-run saves, with a last line that says why; best/
@@ -19,7 +19,7 @@ class HackingStop:
 
     def __init__(self, patience: int, checkpointed: Mapping | None = None):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"train.stop_on_hacking={patience!r}: must be an integer >= 0 (0 = off)")
+            raise ValueError(f"eval.stop_on_hacking={patience!r}: must be an integer >= 0 (0 = off)")
         self.patience = patience
         checkpointed = checkpointed or {}
         self.streak = int(checkpointed.get("hacking_streak", 0))
@@ -54,4 +54,4 @@ class HackingStop:
         good = ("no checkpoint was saved before the signals" if self.last_good_checkpoint is None
                 else f"the last checkpoint before them is {checkpoints_dir}/step_{self.last_good_checkpoint:06d}")
         return (f"stopped at step {step}: the hacking watch fired at {self.streak} consecutive evaluations "
-                f"(train.stop_on_hacking={self.patience}); {best}; {good}")
+                f"(eval.stop_on_hacking={self.patience}); {best}; {good}")

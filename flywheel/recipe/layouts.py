@@ -7,13 +7,13 @@ options that do not combine (`INCOMPATIBLE`), checked once, with the config
 - `Colocated` (default): the engine serves the trainer's own module; a sync only bumps the version.
 - `SwappedIn` (serve="swapped"): the engine serves the trainer's own module, with the recipe's sampling weights
   swapped in around each rollout and sync by the algorithm's `serving_weights()` (DiffusionNFT's theta_old: the
-  trained tensors only, no second transformer; flywheel/recipe/swapped_weights.py); a sync copies
+  trained tensors only, no second transformer; flywheel/recipe/policy.py `swapped_in`); a sync copies
   the weights the recipe serves into it (DiffusionNFT's theta_old). Evaluation samples the trained module.
-- `EngineProcess` (`async_rollouts=true`): the engine in its own process, fed through shared memory; step s+1
+- `EngineProcess` (`rollout.asynchronous=true`): the engine in its own process, fed through shared memory; step s+1
   rolls out while step s trains (one trainer process).
 - `RayPool` (`rollout.backend=ray`): engine replicas in Ray actors (flywheel/scale), synced together.
 
-A workflow (`model.workflow`) is a stage around the layout's engine, not a layout of its own: `WorkflowStage`
+A workflow (`workflow.name`) is a stage around the layout's engine, not a layout of its own: `WorkflowStage`
 runs the whole workflow for rollouts and keeps weight sync on the trained card's engine.
 """
 
@@ -29,32 +29,32 @@ SERVE_MODES = ("colocated", "swapped")
 
 # Options that do not combine: (option, other option, why). `active_options` says which are on.
 INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
-    ("async_rollouts=true", "serve=swapped", "the engine process serves the trained weights, not a sampling policy "
-                                          "apart from them; set async_rollouts=false"),
+    ("rollout.asynchronous=true", "serve=swapped", "the engine process serves the trained weights, not a sampling policy "
+                                          "apart from them; set rollout.asynchronous=false"),
     ("rollout.backend=ray", "serve=swapped", "Ray replicas serve the trained weights, not a sampling policy apart "
                                           "from them; set rollout.backend=local"),
-    ("rollout.backend=ray", "async_rollouts=true", "Ray replicas roll out synchronously; set "
-                                                   "async_rollouts=false or rollout.backend=local"),
-    ("rollout.backend=ray", "model.workflow", "Ray replicas serve one card, not a workflow; set "
-                                              "rollout.backend=local or unset model.workflow"),
-    ("model.workflow", "serve=swapped", "a workflow stage runs the trained module, not a sampling policy apart "
-                                     "from it; unset model.workflow"),
-    ("async_rollouts=true", "model.workflow", "the engine process serves one card, not a workflow; set "
-                                              "async_rollouts=false"),
-    ("train.flash_compress", "async_rollouts=true", "the engine process has no Flash solver; set "
-                                                    "async_rollouts=false or train.flash_compress=null"),
+    ("rollout.backend=ray", "rollout.asynchronous=true", "Ray replicas roll out synchronously; set "
+                                                   "rollout.asynchronous=false or rollout.backend=local"),
+    ("rollout.backend=ray", "workflow.name", "Ray replicas serve one card, not a workflow; set "
+                                              "rollout.backend=local or unset workflow.name"),
+    ("workflow.name", "serve=swapped", "a workflow stage runs the trained module, not a sampling policy apart "
+                                     "from it; unset workflow.name"),
+    ("rollout.asynchronous=true", "workflow.name", "the engine process serves one card, not a workflow; set "
+                                              "rollout.asynchronous=false"),
+    ("train.flash_compress", "rollout.asynchronous=true", "the engine process has no Flash solver; set "
+                                                    "rollout.asynchronous=false or train.flash_compress=null"),
 )
 
 
 def active_options(cfg, serve: str = "colocated") -> set[str]:
     """The names (as `INCOMPATIBLE` spells them) of the layout options this config and recipe turn on."""
     on = set()
-    if cfg.async_rollouts:
-        on.add("async_rollouts=true")
+    if cfg.rollout.asynchronous:
+        on.add("rollout.asynchronous=true")
     if cfg.rollout.backend == "ray":
         on.add("rollout.backend=ray")
-    if cfg.model.workflow:
-        on.add("model.workflow")
+    if cfg.workflow.name:
+        on.add("workflow.name")
     if serve == "swapped":
         on.add("serve=swapped")
     if getattr(cfg.train, "flash_compress", None) is not None:
@@ -87,7 +87,7 @@ class Colocated:
 
     @staticmethod
     def evaluates_served(cfg) -> bool:
-        """The served module is the trained one: evaluation uses the rollout engine (train.ema swaps in place)."""
+        """The served module is the trained one: evaluation uses the rollout engine (ema.enabled swaps in place)."""
         return True
 
     def build(self, cfg, accelerator, policy: Policy, version: int):
@@ -122,14 +122,14 @@ class EngineProcess:
 
     @staticmethod
     def evaluates_served(cfg) -> bool:
-        """The process holds only synced weights, never train.ema's average: with it, evaluate the trained module."""
-        return not cfg.train.ema
+        """The process holds only synced weights, never the EMA average: with it, evaluate the trained module."""
+        return not cfg.ema.enabled
 
     def build(self, cfg, accelerator, policy: Policy, version: int):
         from flywheel.sync.engine_process import EngineProcess as Process
 
         if accelerator.num_processes > 1:
-            raise ValueError("async_rollouts=true needs a single trainer process (the engine takes the other cores); "
+            raise ValueError("rollout.asynchronous=true needs a single trainer process (the engine takes the other cores); "
                              f"this run has {accelerator.num_processes}")
         # The engine starts one version below the trainer's: the first sync below, which gives it the
         # trainer's weights, lands on the trainer's version, so that a version names the same weights in a
@@ -154,7 +154,7 @@ class RayPool:
     @staticmethod
     def evaluates_served(cfg) -> bool:
         """The replicas hold only synced weights, as the engine process does."""
-        return not cfg.train.ema
+        return not cfg.ema.enabled
 
     def build(self, cfg, accelerator, policy: Policy, version: int):
         from flywheel.scale.config import build_rollout_engine
@@ -166,12 +166,12 @@ class RayPool:
 
 
 class WorkflowStage:
-    """model.workflow: the flywheel rolls out the whole workflow through the layout's engine (the trained stage's
+    """workflow.name: the flywheel rolls out the whole workflow through the layout's engine (the trained stage's
     log-probs, the final outputs); weight sync stays on that engine, so only the trained card's version moves."""
 
     @staticmethod
     def wrap(cfg, engine, device):
-        return workflow_stage_engine(cfg, engine, device) if cfg.model.workflow else engine
+        return workflow_stage_engine(cfg, engine, device) if cfg.workflow.name else engine
 
 
 def make_layout(cfg, serve: str = "colocated"):
@@ -181,7 +181,7 @@ def make_layout(cfg, serve: str = "colocated"):
         raise ValueError("; ".join(refusals))
     if cfg.rollout.backend == "ray":
         return RayPool()
-    if cfg.async_rollouts:
+    if cfg.rollout.asynchronous:
         return EngineProcess()
     return SwappedIn() if serve == "swapped" else Colocated()
 

@@ -19,13 +19,16 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.card_folders import check_card_path
 from engine.types import MAX_STEPS
-from flywheel.runs.checks import ConfigChecks
-from flywheel.runs.config import ConfigError
+from flywheel.config.parsing import ConfigError
 from flywheel.runs.rundir import RunDir, RunDirInUseError
 from rewards.registry import REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, resolve_args
+
+if TYPE_CHECKING:
+    from flywheel.config.validation import ConfigChecks
 
 # A bound on `steps` that no real run reaches (1e7 steps of one second each is four months): a typo such as
 # steps=1e12 is refused instead of starting a run whose progress bar and schedules are meaningless.
@@ -49,7 +52,7 @@ def check_bounds(cfg, checks: ConfigChecks) -> None:
     """`steps` and the denoising steps within what the trainer and the engine take."""
     checks.require("steps", lambda v: v <= MAX_TRAINING_STEPS,
                    f"must be at most {MAX_TRAINING_STEPS:,} training steps".replace(",", "_"))
-    for key in ("sampling.steps", "sampling.eval_steps"):
+    for key in ("sampling.steps", "eval.steps"):
         checks.require(key, lambda v: v <= MAX_STEPS, f"must be at most {MAX_STEPS} (the engine's bound on "
                        "denoising steps)", allow_none=True)
 
@@ -127,8 +130,8 @@ def check_run_dir(cfg, checks: ConfigChecks) -> None:
 
 def check_reward_keys(cfg, checks: ConfigChecks) -> None:
     """The reward keys by themselves (`rewards.registry.check_spec`: modules, the spec's syntax and weights,
-    known scorers, reward_args)."""
-    for problem in check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):  # imports reward_modules first
+    known scorers, reward.args)."""
+    for problem in check_spec(cfg.reward.scorers, cfg.reward.args, cfg.reward.modules):  # imports reward.modules first
         checks.fail(problem)
 
 
@@ -136,12 +139,12 @@ def check_rewards(cfg, checks: ConfigChecks) -> None:
     """What the reward keys need beyond their names (once `check_reward_keys` passes; it reports otherwise):
     each scorer's local folder (scorers that registered a check, e.g. the CLIP family) and every `remote:`
     server answering /health."""
-    if check_spec(cfg.rewards, cfg.reward_args, cfg.reward_modules):
+    if check_spec(cfg.reward.scorers, cfg.reward.args, cfg.reward.modules):
         return
-    scorer_kwargs = resolve_args(cfg.rewards, cfg.reward_args)
+    scorer_kwargs = resolve_args(cfg.reward.scorers, cfg.reward.args)
     # Ray reward actors on a cluster elsewhere read their folders there: only the names are checked here.
     remote_workers = cfg.rollout.reward_actors > 0 and cfg.rollout.address is not None
-    for key, name, _ in parse_spec_targets(cfg.rewards):  # name: what `get` builds (a short name's target)
+    for key, name, _ in parse_spec_targets(cfg.reward.scorers):  # name: what `get` builds (a short name's target)
         kwargs = dict(scorer_kwargs.get(key, {}))
         try:
             if remote_workers and not name.startswith(REMOTE):
@@ -150,10 +153,10 @@ def check_rewards(cfg, checks: ConfigChecks) -> None:
             else:
                 check_scorer(name, **kwargs)
         except KeyError as e:
-            checks.fail(f"rewards={cfg.rewards!r}: {e.args[0]}")
+            checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {e.args[0]}")
             continue
         except (ValueError, OSError) as e:
-            checks.fail(f"rewards={cfg.rewards!r}: {name}: {e}")
+            checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {name}: {e}")
             continue
         if name.startswith(REMOTE):
             _probe_remote(cfg, name, kwargs, checks)
@@ -161,13 +164,13 @@ def check_rewards(cfg, checks: ConfigChecks) -> None:
 
 def _probe_remote(cfg, name: str, kwargs: dict, checks: ConfigChecks) -> None:
     """GET /health of a remote: reward once, within REMOTE_PROBE_S of wall clock (no retries)."""
-    probe_s = min(REMOTE_PROBE_S, cfg.reward_timeout_s) if cfg.reward_timeout_s > 0 else REMOTE_PROBE_S
+    probe_s = min(REMOTE_PROBE_S, cfg.reward.timeout_s) if cfg.reward.timeout_s > 0 else REMOTE_PROBE_S
     try:
         get(name, **{**kwargs, "timeout_s": probe_s, "budget_s": probe_s, "retries": 0,
                      "health_timeout_s": probe_s})
     except Exception as e:  # noqa: BLE001  (any failure of the probe is the same answer: not usable)
-        checks.fail(f"rewards={cfg.rewards!r}: {name} is not reachable ({' '.join(str(e).split())}); start it "
-                    f"with `python -m rewards.serve --reward NAME --port PORT`, or fix the address")
+        checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {name} is not reachable ({' '.join(str(e).split())}); "
+                    f"start it with `python -m rewards.serve --reward NAME --port PORT`, or fix the address")
 
 
 def check_model_path(cfg, checks: ConfigChecks) -> None:
@@ -222,7 +225,7 @@ def check_built_model(cfg, model) -> None:
     """The card's size and frame rules for the rollout and evaluation requests, asked of the loaded model
     (`latent_shape`, which the first rollout would call); a video card whose VAE decodes another number of
     frames than requested is said (`decoded_frames`, LTX-2)."""
-    if cfg.model.workflow is not None:
+    if cfg.workflow.name is not None:
         return  # the workflow's stages set their own sizes (engine/workflows), checked when it is built
     s = cfg.sampling
     keys = f"sampling.height={s.height}, sampling.width={s.width}, sampling.frames={s.frames}"

@@ -13,7 +13,7 @@ from engine import Engine
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.layouts import RayPool, WorkflowStage, make_layout
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.sections import rollout_request_kwargs
+from flywheel.config.sections import rollout_request_kwargs
 from flywheel.rollout_collector import Flywheel, RolloutBatch, eval_samples
 from flywheel.scale.config import build_rewards
 from flywheel.sync.async_rollouts import AsyncCollector
@@ -34,12 +34,12 @@ class Rollouts:
         self.engine, self.controller = self.layout.build(cfg, accelerator, policy, version)
         if isinstance(self.layout, RayPool):
             self.pools.append(self.engine)
-        rewards = build_rewards(cfg.rollout, cfg.rewards, mode=cfg.rewards_mode, remote_timeout_s=cfg.reward_timeout_s,
-                                remote_budget_s=cfg.reward_budget_s, reward_args=cfg.reward_args,
-                                modules=cfg.reward_modules)
+        rewards = build_rewards(cfg.rollout, cfg.reward.scorers, mode=cfg.reward.aggregation, remote_timeout_s=cfg.reward.timeout_s,
+                                remote_budget_s=cfg.reward.budget_s, reward_args=cfg.reward.args,
+                                modules=cfg.reward.modules)
         if cfg.rollout.reward_actors:
             self.pools.append(rewards)
-        if policy.card_defaults.get("video") or cfg.model.workflow:
+        if policy.card_defaults.get("video") or cfg.workflow.name:
             # Image scorers see each video's middle frame (a workflow's output may be videos whatever card is
             # trained: image_video.t2i_i2v); images pass through unchanged.
             rewards = MiddleFrameRewards(rewards)
@@ -49,16 +49,16 @@ class Rollouts:
         self.flywheel = Flywheel(
             rollout_engine, rewards, PromptSampler(load_prompts(cfg.data.prompts), cfg.data.prompts_per_step, cfg.seed),
             cfg.data.group_size, request_kwargs=rollout_request_kwargs(cfg.sampling), seed=cfg.seed,
-            adv_clip=cfg.train.adv_clip_max, overlap_scoring=cfg.overlap_scoring, global_std=cfg.train.global_std,
+            adv_clip=cfg.advantage.clip_max, overlap_scoring=cfg.rollout.overlap_scoring, global_std=cfg.advantage.global_std,
             same_noise_per_group=cfg.sampling.same_noise_per_group)
         self.eval_engine = rollout_engine
         if not self.layout.evaluates_served(cfg):
             # The served weights are not the ones to evaluate (the copy samples the sampling policy; the engine
-            # process and Ray hold only synced weights, never train.ema's average): evaluate the trained module.
+            # process and Ray hold only synced weights, never the EMA average): evaluate the trained module.
             self.eval_engine = Engine(policy.model, device=accelerator.device, weight_version=version,
                                       time_shift=cfg.sampling.time_shift)
-        if cfg.async_rollouts:
-            self.collector = AsyncCollector(self.flywheel.collect, cfg.max_staleness)
+        if cfg.rollout.asynchronous:
+            self.collector = AsyncCollector(self.flywheel.collect, cfg.rollout.max_staleness)
             if "async_collector" in trainer_state:
                 self.collector.load_state_dict(trainer_state["async_collector"])  # the staleness counts continue
         self.total_steps = cfg.steps

@@ -11,7 +11,7 @@ metrics, progress and the finish lines: the blocks the training loop (flywheel/r
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     summary = train(run, rollouts, algorithm)                   # flywheel.recipe.training_loop.train
 
-With train.ema, the run keeps an EMA of the trained weights (flywheel/recipe/ema.py) that evaluation uses and
+With ema.enabled, the run keeps an EMA of the trained weights (flywheel/recipe/ema.py) that evaluation uses and
 that is exported beside the trained LoRA (lora_ema/ and lora/); rollouts and weight sync keep the trained weights.
 
 The main process holds the run directory's lock (`RunDirLock`) from `RecipeRun(...)` to the end of the loop.
@@ -45,9 +45,9 @@ from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
 from flywheel.recipe.hacking_stop import HackingStop
 from flywheel.recipe.policy import Policy, fsdp_full_params
 from flywheel.recipe.rollouts import Rollouts
-from flywheel.recipe.sections import eval_request_kwargs
+from flywheel.config.sections import eval_request_kwargs
 from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trainable, save_checkpoint
-from flywheel.runs.config import config_to_dict, save_config
+from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names
@@ -58,7 +58,7 @@ from rewards.registry import get as get_scorer
 # Checkpointed tensors of a recipe's own (a sampling policy, an EMA) travel beside the trained weights
 # under this prefix, and are handed back to the recipe on resume.
 RECIPE_TENSOR_PREFIX = "recipe/"
-# train.ema's average of the trained weights in a checkpoint (its own prefix: a recipe's tensors stay its own).
+# the EMA average of the trained weights in a checkpoint (its own prefix: a recipe's tensors stay its own).
 EMA_TENSOR_PREFIX = "ema/"
 
 # Row keys whose mean must be finite: a NaN there stops the run at its step.
@@ -83,7 +83,7 @@ class RecipeRun:
             set_rank_threads(cfg.threads, self.accelerator.num_processes)
         self.start_step, self.version, self.trainer_state = 0, 0, {}
         self.recipe_tensors: dict[str, torch.Tensor] = {}
-        self.ema: WeightEMA | None = None  # train.ema's average, held by the main process (it evaluates and saves)
+        self.ema: WeightEMA | None = None  # the EMA average, held by the main process (it evaluates and saves)
         self.wall_offset = 0.0  # wall seconds of the run before a resume
         self.best: BestCheckpoint | None = None  # best/, kept by the main process once train() starts
         self.hacking_stop = HackingStop(0)
@@ -130,8 +130,8 @@ class RecipeRun:
     # --- setup ------------------------------------------------------------------------------------
 
     def resume(self, policy: Policy, optimizer) -> None:
-        """Load the checkpoint named by resume= (weights, optimizer, RNG, trainer state, train.ema's average);
-        for a fresh run, save its config and start train.ema's average at the weights as they are.
+        """Load the checkpoint named by resume= (weights, optimizer, RNG, trainer state, the EMA average);
+        for a fresh run, save its config and start the EMA average at the weights as they are.
 
         The recipe's own checkpointed tensors (see `save`) land in `self.recipe_tensors`.
         """
@@ -180,19 +180,19 @@ class RecipeRun:
         self.accelerator.wait_for_everyone()
 
     def _start_ema(self, policy: Policy, checkpointed: dict[str, torch.Tensor] | None) -> WeightEMA | None:
-        """train.ema's average on the main process: the weights of a fresh run, the checkpoint's on resume."""
-        if not self.cfg.train.ema:
+        """the EMA average on the main process: the weights of a fresh run, the checkpoint's on resume."""
+        if not self.cfg.ema.enabled:
             if checkpointed and self.is_main:  # allowed (evaluation on the trained weights), but never silently
-                print(f"warning: resume={self.cfg.resume} holds a train.ema average and this run has train.ema="
+                print(f"warning: resume={self.cfg.resume} holds an EMA average and this run has ema.enabled="
                       "false: the average is dropped, and the next checkpoints will not hold it (resume with "
-                      "train.ema=true to keep it)", file=sys.stderr, flush=True)
+                      "ema.enabled=true to keep it)", file=sys.stderr, flush=True)
             return None
         if checkpointed is not None and not checkpointed:  # checked on every rank: they all stop together
-            raise ResumeError(f"resume={self.cfg.resume}: the checkpoint holds no train.ema average (its run had "
-                              "train.ema=false); resume with train.ema=false, or start a fresh run")
+            raise ResumeError(f"resume={self.cfg.resume}: the checkpoint holds no EMA average (its run had "
+                              "ema.enabled=false); resume with ema.enabled=false, or start a fresh run")
         if not self.is_main:
             return None
-        ema = WeightEMA(policy.named_params, what="the train.ema average")
+        ema = WeightEMA(policy.named_params, what="the EMA average")
         if checkpointed:
             ema.load_state_dict(checkpointed)
         return ema
@@ -219,12 +219,12 @@ class RecipeRun:
                               f"is at {rollouts.flywheel.sampler.position(self.start_step)}: the prompts of data.prompts "
                               "changed since it was saved")
         self.rollouts = rollouts
-        self.judges = {**judges_for_card(cfg.model.card), **eval_judges(cfg.eval_judges)} if self.is_main else {}
+        self.judges = {**judges_for_card(cfg.model.card), **eval_judges(cfg.eval.judges)} if self.is_main else {}
         self.watch = HackingWatch()  # reward rising while the judge falls, overall or in one class
         self.best = BestCheckpoint(self.dir.path) if self.is_main else None
-        self.hacking_stop = HackingStop(cfg.train.stop_on_hacking, self.trainer_state)
-        if cfg.train.stop_on_hacking and self.is_main and not self.judges:
-            print(f"warning: train.stop_on_hacking={cfg.train.stop_on_hacking} has no effect: the {cfg.model.card} "
+        self.hacking_stop = HackingStop(cfg.eval.stop_on_hacking, self.trainer_state)
+        if cfg.eval.stop_on_hacking and self.is_main and not self.judges:
+            print(f"warning: eval.stop_on_hacking={cfg.eval.stop_on_hacking} has no effect: the {cfg.model.card} "
                   "card has no judges, so the hacking watch never fires", file=sys.stderr, flush=True)
         for earlier in (self.dir.metrics.read() if cfg.resume and self.is_main else []):
             if "eval/reward/mean" in earlier:  # a resumed run keeps comparing with the evaluations before it
@@ -259,7 +259,7 @@ class RecipeRun:
 
     def end(self, base_eval: dict | None, row: dict, skipped: int, skip_reasons: dict[str, int],
             stopping: bool) -> dict:
-        """After the last step (or a train.stop_on_hacking stop): the finish lines and the run's summary."""
+        """After the last step (or an eval.stop_on_hacking stop): the finish lines and the run's summary."""
         self.skip_reasons = skip_reasons
         stopped = None
         if stopping:
@@ -274,14 +274,14 @@ class RecipeRun:
         return summary
 
     def move_ema(self, steps_done: int) -> dict:
-        """After a training step: move train.ema's average on its schedule (`train_ema_decay`); its metrics.
+        """After a training step: move the EMA average on its schedule (`train_ema_decay`); its metrics.
 
         Once per training step rather than per optimizer step: the unit of every step key, and a state that
         every checkpoint ends on. A step that took no optimizer step still counts (the weights stayed).
         """
-        if not self.cfg.train.ema:
+        if not self.cfg.ema.enabled:
             return {}
-        decay = train_ema_decay(steps_done, self.cfg.train)
+        decay = train_ema_decay(steps_done, self.cfg.ema)
         if decay is None:
             return {}
         with self.full_params():  # a collective under FSDP: every rank enters, the main process averages
@@ -290,7 +290,7 @@ class RecipeRun:
         return {"ema/decay": decay}
 
     def ema_weights(self):
-        """A context in which the trained module holds train.ema's average (a no-op without train.ema)."""
+        """A context in which the trained module holds the EMA average (a no-op without ema.enabled)."""
         if self.ema is None:
             return contextlib.nullcontext()
         return self.policy.weights_swapped(self.ema.shadow)
@@ -301,12 +301,12 @@ class RecipeRun:
             return {}
         cfg = self.cfg
         items = load_prompts(cfg.data.eval_prompts)
-        # With train.ema the evaluation engine's module runs the average for these samples only: the weights are
+        # With ema.enabled the evaluation engine's module runs the average for these samples only: the weights are
         # back, bit for bit, before the next rollout, and the engine's version (which names the trained
         # weights, and which no swap bumps) is left alone. eval/ema says which weights were measured.
         with self.ema_weights():
-            metrics, traj = self.rollouts.eval_samples(items, cfg.sampling.eval_seeds,
-                                                   eval_request_kwargs(cfg.sampling), self.judges)
+            metrics, traj = self.rollouts.eval_samples(items, cfg.eval.seeds,
+                                                   eval_request_kwargs(cfg.sampling, cfg.eval), self.judges)
         if self.ema is not None:
             metrics["eval/ema"] = 1.0
         watched = self.watch.observe(metrics, step)
@@ -319,7 +319,7 @@ class RecipeRun:
             _progress_write(f"step {step}: {watched.warning}")
         if step % cfg.sample_every == 0 or step == cfg.steps:
             # One image per prompt, first seed: a row per class for the toy tasks, framed by the judge's verdict.
-            first = slice(None, None, cfg.sampling.eval_seeds)
+            first = slice(None, None, cfg.eval.seeds)
             shown = traj.images[first].detach().cpu()
             if is_video(shown):
                 # With the sound of a joint audio+video card muxed in, at the card's frame rate.
@@ -342,15 +342,15 @@ class RecipeRun:
         return metrics
 
     def stop_for_hacking(self) -> bool:
-        """After an evaluation: whether train.stop_on_hacking's streak is reached (the main process counts; every
+        """After an evaluation: whether eval.stop_on_hacking's streak is reached (the main process counts; every
         rank gets its answer, so they all leave the loop together)."""
-        if not self.cfg.train.stop_on_hacking:
+        if not self.cfg.eval.stop_on_hacking:
             return False
         verdict = all_reduce_mean({"stop": float(self.is_main and self.hacking_stop.should_stop)})
         return verdict["stop"] > 0
 
     def _write_best(self, folder) -> dict:
-        """best/'s files: the weights as evaluated (train.ema's average when on) and, for LoRA, the adapter."""
+        """best/'s files: the weights as evaluated (the EMA average when on) and, for LoRA, the adapter."""
         from safetensors.torch import save_file
 
         lora = self.cfg.model.finetune == "lora"
@@ -374,8 +374,8 @@ class RecipeRun:
 
     def save(self, step: int, trainer_state: dict, recipe_tensors: dict[str, torch.Tensor]) -> None:
         """Checkpoint the trained weights, the optimizer, RNG and trainer state (and the recipe's tensors, and
-        train.ema's average: the trained weights stay the ones a resume continues from)."""
-        if self.cfg.train.stop_on_hacking:  # the streak continues across a resume
+        the EMA average: the trained weights stay the ones a resume continues from)."""
+        if self.cfg.eval.stop_on_hacking:  # the streak continues across a resume
             trainer_state = {**trainer_state, **self.hacking_stop.state()}
         with self.full_params():
             if self.is_main:
@@ -391,7 +391,7 @@ class RecipeRun:
         self.accelerator.wait_for_everyone()
 
     def finish(self, base_eval: dict | None, row: dict, skipped: int = 0) -> dict:
-        """Save the LoRA for diffusers (lora/: the trained adapter; lora_ema/: train.ema's average, when on),
+        """Save the LoRA for diffusers (lora/: the trained adapter; lora_ema/: the EMA average, when on),
         print base -> final and which adapter is which, end the trackers. A NaN final eval fails the run, and so
         does a run in which no step took an optimizer step (NothingTrainedError), both once everything is saved.
         `skipped`: the run's steps (all sessions) that took no optimizer step."""
@@ -409,17 +409,17 @@ class RecipeRun:
                     if self.ema is not None:
                         with self.ema_weights():
                             save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora_ema", pipeline)
-                        exported.append((self.dir.path / "lora_ema", "the train.ema average of the trained adapter"
+                        exported.append((self.dir.path / "lora_ema", "the EMA average of the trained adapter"
                                          " (the one evaluation used)"))
             self.accelerator.wait_for_everyone()
         final_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
-        done = row.get("step", self.start_step)  # a run stopped by train.stop_on_hacking ends early
+        done = row.get("step", self.start_step)  # a run stopped by eval.stop_on_hacking ends early
         trained = done - skipped
         if self.is_main:
             for warning in self._unmoved_warnings(exported, zero_adapter):
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
             base = base_eval if base_eval is not None else self._first_eval()
-            measured = " (of the train.ema average)" if self.ema is not None else ""
+            measured = " (of the EMA average)" if self.ema is not None else ""
             print(f"eval reward: base {base.get('eval/reward/mean', float('nan')):.3f} -> "
                   f"final {final_eval.get('eval/reward/mean', float('nan')):.3f}{measured} (run dir {self.dir.path})",
                   flush=True)
@@ -446,7 +446,7 @@ class RecipeRun:
         return f"{trained} of {done} steps took an optimizer step" + (f" ({why})" if why else "")
 
     def _unmoved_warnings(self, exported: list[tuple[Path, str]], zero_adapter: bool) -> list[str]:
-        """Why an exported adapter (or train.ema's average) is still the one the run started from, if it is."""
+        """Why an exported adapter (or the EMA average) is still the one the run started from, if it is."""
         out = []
         names = [p.name for p, _ in exported]
         if zero_adapter:
@@ -454,18 +454,18 @@ class RecipeRun:
                        "nothing (no optimizer step moved it)")
         if self.ema is None:
             return out
-        tc = self.cfg.train
+        ec = self.cfg.ema
         where = f"{self.dir.path / 'lora_ema'} and the evaluation" if "lora_ema" in names else "the evaluation"
-        if self.cfg.steps < first_ema_move(tc):
-            out.append(f"the train.ema average never moved: it moves after every train.ema_update_every="
-                       f"{tc.ema_update_every}-th step from train.ema_start_step={tc.ema_start_step}, and this run "
+        if self.cfg.steps < first_ema_move(ec):
+            out.append(f"the EMA average never moved: it moves after every ema.update_every="
+                       f"{ec.update_every}-th step from ema.start_step={ec.start_step}, and this run "
                        f"has steps={self.cfg.steps}; {where} use the weights the run started from (lower "
-                       "train.ema_update_every, or take lora/, the trained adapter)")
+                       "ema.update_every, or take lora/, the trained adapter)")
         elif not self.ema.moved:
-            out.append(f"the train.ema average still equals the weights the run started from (no step moved "
+            out.append(f"the EMA average still equals the weights the run started from (no step moved "
                        f"them before it was updated); {where} use those weights")
         elif "lora_ema" in names and _all_lora_b_zero(self.ema.shadow):
-            out.append(f"{self.dir.path / 'lora_ema'}: every lora_B of the train.ema average is zero, so it "
+            out.append(f"{self.dir.path / 'lora_ema'}: every lora_B of the EMA average is zero, so it "
                        "changes nothing")
         return out
 
@@ -508,5 +508,5 @@ def _progress(name: str, enabled: bool, start: int, total: int):
 
 
 def eval_judges(names: str) -> dict:
-    """The scorers named in `eval_judges` (comma-separated), built to evaluate only, by name."""
+    """The scorers named in `eval.judges` (comma-separated), built to evaluate only, by name."""
     return {name: get_scorer(name) for name in (n.strip() for n in names.split(",")) if name}

@@ -41,7 +41,7 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
     started = time.perf_counter() - run.wall_offset  # time/wall_s continues a resumed run's
     base_eval = run.begin(rollouts)  # resume checks, judges, trackers, the step-0 evaluation
     version = rollouts.version
-    steps = StepAccounting(run.trainer_state, cfg.train.max_masked_steps, run.dir.metrics_path, run.is_main)
+    steps = StepAccounting(run.trainer_state, cfg.reward.max_masked_steps, run.dir.metrics_path, run.is_main)
     row, stopping, progress = {}, False, run.progress()
     try:
         for step in range(run.start_step, cfg.steps):
@@ -63,16 +63,16 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
                 version = synced.pop("weight_version")
                 metrics.update(synced)
             metrics["weight_version_after"] = version
-            # 5. EMA: train.ema's average of the trained weights, on its schedule.
+            # 5. EMA: the EMA average of the trained weights, on its schedule.
             metrics.update(run.move_ema(done))
             metrics.update({"time/train_s": t1 - t0, "time/wait_s": t0 - step_start})
             row = {"step": done, **all_reduce_mean({**batch.metrics, **metrics}),
                    "weight_version": batch.trajectory.weight_version, "time/step_s": time.perf_counter() - step_start}
             run.check_row(row)
             row.update(rollouts.metrics())
-            # 6. Evaluate: judges, the hacking watch, best/ (main process), on eval_every and at the end.
+            # 6. Evaluate: judges, the hacking watch, best/ (main process), on eval.every and at the end.
             stopping = False
-            if done % cfg.eval_every == 0 or done == cfg.steps:
+            if done % cfg.eval.every == 0 or done == cfg.steps:
                 with run.full_params():
                     row.update(run.evaluate(done))
                 stopping = run.stop_for_hacking()
@@ -109,7 +109,7 @@ class StepAccounting:
         self.masked_run = self.masked_run + 1 if signal["valid"] == 0 else 0
         if self.masked_run >= self.max_masked_steps:
             raise RuntimeError(f"step {step + 1}: the rewards masked every sample of the last {self.masked_run} steps "
-                               f"(train.max_masked_steps={self.max_masked_steps}); see the reward/*/invalid metrics "
+                               f"(reward.max_masked_steps={self.max_masked_steps}); see the reward/*/invalid metrics "
                                f"in {self.metrics_path} and the scorer's errors")
         return False
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from flywheel.config.aliases import renamed_flat_keys
 from flywheel.runs.rundir import CONFIG_FILENAME, METRICS_FILENAME, atomic_write_bytes, atomic_write_text, read_metrics
 
 RUN_INFO_FILENAME = "run.json"
@@ -455,7 +456,7 @@ def config_diff(runs: list[Run]) -> list[tuple[str, list[str]]]:
     A key missing from a run's config.yaml (another recipe's section, an older
     run) shows as ABSENT; `CONFIG_DIFF_IGNORED` keys are left out.
     """
-    flats = [flatten_config(r.config) for r in runs]
+    flats = [renamed_flat_keys(flatten_config(r.config)) for r in runs]  # a run from before the rename: new names
     keys: dict[str, None] = {}
     for flat in flats:
         keys.update(dict.fromkeys(flat))

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from flywheel.runs.checkpoint import CheckpointError, checkpoint_step, resolve_resume
-from flywheel.runs.config import (
+from flywheel.config.parsing import (
     RESUME_HISTORY_KEY,
     ConfigError,
     apply_config_files,
@@ -40,17 +40,17 @@ from flywheel.runs.rundir import CONFIG_FILENAME, RUN_INFO_FILENAME
 # rewards and algorithm), and changing one half-way would make one run out of two different ones.
 RESUMABLE_KEYS = {
     "steps": "train further, or stop earlier (not before the checkpoint's step)",
-    "eval_every": "evaluation cadence: which steps are measured, not what is trained",
+    "eval.every": "evaluation cadence: which steps are measured, not what is trained",
     "sample_every": "sample-grid cadence",
     "save_every": "checkpoint cadence",
     "keep_checkpoints": "checkpoints kept on disk",
     "tracker": "where the metrics are sent (metrics.jsonl is written either way)",
     "project": "the tracker's project name",
-    "reward_timeout_s": "remote rewards' bound of one call: how long to wait, not what is scored",
-    "reward_budget_s": "remote rewards' bound of all retries of one batch",
+    "reward.timeout_s": "remote rewards' bound of one call: how long to wait, not what is scored",
+    "reward.budget_s": "remote rewards' bound of all retries of one batch",
     "train.learning_rate": "set on the optimizer after the checkpoint's AdamW state is loaded (its moments kept); "
                            "the usual remedy for a run that grows unstable",
-    "train.ema": "false drops the checkpoint's average, with a warning; true needs a checkpoint that holds one",
+    "ema.enabled": "false drops the checkpoint's average, with a warning; true needs a checkpoint that holds one",
 }
 # Keys that name the run rather than configure it: never compared.
 _RUN_IDENTITY = ("resume", "overwrite", "run_dir")

@@ -2,7 +2,7 @@
 
 Layout of a run directory:
 
-    <run>/config.yaml        the resolved config (see `flywheel.runs.config`)
+    <run>/config.yaml        the resolved config (see `flywheel.config.parsing`)
     <run>/metrics.jsonl      one JSON object per line, one line a step
     <run>/samples/           PNG grids of samples
     <run>/checkpoints/       step_000123/ dirs (see `flywheel.runs.checkpoint`)
@@ -541,9 +541,9 @@ class RunDir:
     def write_config(self, cfg: Any) -> Path:
         """Write config.yaml atomically from a dict or a config dataclass."""
         if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-            # Imported here, not at the top: flywheel.runs.config imports this module
+            # Imported here, not at the top: flywheel.config.parsing imports this module
             # for its atomic writes.
-            from flywheel.runs.config import config_to_dict
+            from flywheel.config.parsing import config_to_dict
 
             cfg = config_to_dict(cfg)
         if not isinstance(cfg, dict):

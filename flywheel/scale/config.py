@@ -1,4 +1,5 @@
-"""`RolloutConfig` (the recipes' `rollout` section) and `build_rollout_engine`: a local engine or a Ray pool.
+"""`build_rollout_engine`: a local engine or a Ray pool, for the recipes' `rollout` section (`RolloutConfig`,
+defined in flywheel/config/sections.py and importable from here).
 
 The recipe keeps its engine and its `WeightSyncController`; with backend "ray"
 both come from here: a `RayEnginePool` (which serves as the engine) and a
@@ -9,58 +10,10 @@ every replica the trainer's weights.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("local", "ray")
-SYNC_BACKENDS = ("object_store", "nccl", "gloo")
-
-
-@dataclass
-class RolloutConfig:
-    """Where rollouts run."""
-
-    backend: str = "local"
-    """local: the engine in the trainer's process (the recipes' layouts); ray: a pool of replica actors"""
-    replicas: int = 1
-    """rollout replicas in all (split evenly over the trainer's ranks: each rank drives its share)"""
-    cpus_per_replica: float = 1.0
-    """CPUs Ray reserves for each replica"""
-    gpus_per_replica: float = 0.0
-    """GPUs Ray reserves for each replica (> 0: the replica's engine runs on CUDA)"""
-    address: str | None = None
-    """Ray to join: "auto" (a cluster started with `ray start`), "ray://host:10001", or None for a local Ray"""
-    sync_backend: str = "object_store"
-    """ray backend: object_store (one ray.put read by every replica), nccl (a broadcast group trainer -> replicas,
-    GPUs) or gloo (the same group on CPUs)"""
-    sync_port: int = 29555
-    """nccl/gloo: the group's TCP port on the trainer's host (rank r uses sync_port + r)"""
-    max_failures: int = 3
-    """failed attempts of one chunk of requests (or of rows to score) before the step stops with an error"""
-    reward_actors: int = 0
-    """0: rewards are scored in the trainer's process; N > 0: on N Ray actors (RayRewardPool), any backend"""
-    cpus_per_reward_actor: float = 1.0
-    """CPUs Ray reserves for each reward actor"""
-    gpus_per_reward_actor: float = 0.0
-    """GPUs Ray reserves for each reward actor (a large scorer on a GPU of its own)"""
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"rollout.backend={self.backend!r}: valid backends are {', '.join(BACKENDS)}")
-        if self.sync_backend not in SYNC_BACKENDS:
-            raise ValueError(f"rollout.sync_backend={self.sync_backend!r}: valid are {', '.join(SYNC_BACKENDS)}")
-        if self.replicas < 1:
-            raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
-        if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
-            raise ValueError(f"rollout.cpus_per_replica and rollout.gpus_per_replica must be >= 0, got "
-                             f"{self.cpus_per_replica} and {self.gpus_per_replica}")
-        if self.max_failures < 0 or self.reward_actors < 0:
-            raise ValueError(f"rollout.max_failures and rollout.reward_actors must be >= 0, got {self.max_failures} "
-                             f"and {self.reward_actors}")
-        if self.cpus_per_reward_actor < 0 or self.gpus_per_reward_actor < 0:
-            raise ValueError(f"rollout.cpus_per_reward_actor and rollout.gpus_per_reward_actor must be >= 0, got "
-                             f"{self.cpus_per_reward_actor} and {self.gpus_per_reward_actor}")
+from flywheel.config.sections import BACKENDS, SYNC_BACKENDS, RolloutConfig  # noqa: F401 (its old home)
 
 
 def _ray(cfg: RolloutConfig):
@@ -78,7 +31,7 @@ def build_rewards(cfg: RolloutConfig, spec, reward_args: dict | None = None, mod
                   **reward_kwargs):
     """The run's scorer: a RewardSet here, or a RayRewardPool of cfg.reward_actors actors (the same `score`).
 
-    `modules` are imported first (here and in every reward actor: they register scorers); `reward_args`
+    `modules` are imported first (here and in every reward actor: they register scorers); `reward.args`
     (the config's, see rewards.registry.resolve_args) become each scorer's constructor arguments."""
     from rewards.registry import import_modules, resolve_args
 

@@ -7,7 +7,7 @@ Each actor builds the same `RewardSet` (the spec and its kwargs) once, on its
 own resources (a GPU for a large scorer). `score` cuts the batch into contiguous,
 balanced chunks, one per actor, and joins the `RewardBatch`es in order; the
 scores do not depend on which actor scored a row. The call blocks, so the
-flywheel's `overlap_scoring` thread overlaps it with the next chunk's rollout
+flywheel's `rollout.overlap_scoring` thread overlaps it with the next chunk's rollout
 exactly as it does for a local RewardSet.
 
 Faults: actors are started with `max_restarts`; a chunk whose actor died is sent
@@ -35,7 +35,7 @@ class RewardWorker:
 
     def __init__(self, spec, kwargs: dict, threads: int, modules: list[str]):
         torch.set_num_threads(threads)
-        import_modules(modules)  # scorers that the trainer's reward_modules register, registered here too
+        import_modules(modules)  # scorers that the trainer's reward.modules register, registered here too
         self.rewards = RewardSet(spec, **kwargs)
         self.rows = 0
         self.busy_s = 0.0

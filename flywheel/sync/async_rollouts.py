@@ -3,7 +3,7 @@
 The engine runs in its own process (`flywheel.sync.engine_process`), so rollout and
 training use different cores; a background thread only waits on it. A batch
 generated with weights `staleness` versions older than the trainer's is used
-if staleness <= max_staleness, else thrown away and generated again. The
+if staleness <= rollout.max_staleness, else thrown away and generated again. The
 trainer corrects for the lag with a truncated importance weight (see
 `trainers/grpo.py`), and the staleness of every batch used is counted.
 """
@@ -20,7 +20,7 @@ class AsyncCollector:
 
     def __init__(self, collect: Callable[[int], object], max_staleness: int = 1):
         if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
         self.collect = collect
         self.max_staleness = max_staleness
         self.staleness_counts: Counter[int] = Counter()

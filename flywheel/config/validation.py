@@ -1,0 +1,366 @@
+"""One check per config section, and `check_shared_sections`, which runs them all before a run does any work.
+
+Each `check_<section>(cfg, checks)` records the problems of its section's keys (and of the few that span two
+sections) in a `ConfigChecks`; the recipe then adds its own (`validate_config` in trainers/<algo>.py) and one
+ConfigError lists every problem, each a line naming the key, its value and what is valid. The checks that
+look beyond the values (the run directory, the model folder, the scorers' folders and servers) are in
+flywheel/recipe/preflight.py and run last, still before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from engine import get_card, list_cards
+from flywheel.config.parsing import ConfigError
+from flywheel.prompts import load_prompts
+from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_reward_keys,
+                                       check_rewards, check_run_dir, warn_prompts_per_step)
+
+POSITIVE = "must be an integer >= 1"
+
+
+# ---- collecting the problems: ConfigChecks ----------------------------------------------------------------------
+
+
+def config_value(cfg: Any, key: str) -> Any:
+    """The value at a dotted key of a config dataclass ("train.learning_rate")."""
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def non_finite_fields(cfg: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of every float field (or float inside a tuple/list field) that is NaN or inf."""
+    bad = []
+    for name in (f.name for f in dataclasses.fields(cfg) if f.init):
+        value, key = getattr(cfg, name), f"{prefix}{name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            bad += non_finite_fields(value, f"{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            bad.append(key)
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            bad.append(key)
+    return bad
+
+
+class ConfigChecks:
+    """Collects every problem of a config, then raises one ConfigError that lists them all.
+
+        checks = ConfigChecks(cfg)
+        checks.require("steps", lambda v: v >= 1, "a positive number of training steps")
+        checks.raise_if_any()
+    """
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self._non_finite = non_finite_fields(cfg)
+        self.problems = [f"{key}={config_value(cfg, key)}: must be a finite number" for key in self._non_finite]
+
+    def require(self, key: str, ok: Callable[[Any], bool], valid: str, allow_none: bool = False) -> None:
+        """Record `key` as invalid unless `ok(value)` (None passes when `allow_none`); `valid` says what is."""
+        value = config_value(self.cfg, key)
+        if (value is None and allow_none) or key in self._non_finite:  # a non-finite value is reported once
+            return
+        try:
+            good = value is not None and bool(ok(value))
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            self.problems.append(f"{key}={value!r}: {valid}")
+
+    def fail(self, message: str) -> None:
+        """Record a problem that spans several keys (the message names them)."""
+        self.problems.append(message)
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(self.problems))
+
+
+# ---- the checks, one per section --------------------------------------------------------------------------------
+
+
+def check_shared_sections(cfg) -> ConfigChecks:
+    """Check every shared section (run, model, data, sampling, train's optimizer keys, reward, advantage, ema,
+    eval, rollout, workflow); the recipe adds its own, then raises.
+
+    Returns the ConfigChecks so that every bad key, shared or the recipe's, comes in one ConfigError.
+    """
+    checks = ConfigChecks(cfg)
+    for check in (check_run, check_model, check_data, check_sampling, check_optimizer, check_reward,
+                  check_advantage, check_ema, check_eval, check_rollout, check_workflow):
+        check(cfg, checks)
+    check_bounds(cfg, checks)
+    check_environment(cfg, checks)
+    return checks
+
+
+def check_run(cfg, checks: ConfigChecks) -> None:
+    """The top-level run keys: step counts and cadences, the seed, threads and the trackers."""
+    for key in ("steps", "sample_every", "save_every", "keep_checkpoints"):
+        checks.require(key, lambda v: v >= 1, POSITIVE)
+    checks.require("seed", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("threads", lambda v: v >= 0, "must be an integer >= 0 or null (0/null: OMP_NUM_THREADS, else "
+                   "the cores divided among the processes)", allow_none=True)
+    try:
+        from flywheel.runs.tracking import tracker_names
+
+        tracker_names(cfg.tracker)
+    except ValueError as e:
+        checks.fail(str(e))
+
+
+def check_model(cfg, checks: ConfigChecks) -> None:
+    """`model`: a known card and LoRA's rank and alpha."""
+    checks.require("model.lora_rank", lambda v: v >= 1, POSITIVE)
+    checks.require("model.lora_alpha", lambda v: v > 0, "must be > 0")
+    try:
+        get_card(cfg.model.card)
+    except (KeyError, ValueError) as e:
+        checks.fail(f"model.card={cfg.model.card!r}: {e}")
+    else:
+        if cfg.model.experts is not None and "experts" not in get_card(cfg.model.card).defaults:
+            checks.fail(f"model.experts={cfg.model.experts}: card {cfg.model.card!r} has one transformer; the key "
+                        f"chooses the trained experts of a two-expert card ("
+                        f"{', '.join(c for c in list_cards() if 'experts' in get_card(c).defaults)}); leave it unset")
+
+
+def check_data(cfg, checks: ConfigChecks) -> None:
+    """`data`: the batch shape, and both datasets load (with an image per row exactly for image-conditioned
+    cards)."""
+    checks.require("data.prompts_per_step", lambda v: v >= 1, POSITIVE)
+    checks.require("data.group_size", lambda v: v >= 2, "must be >= 2: advantages compare the samples of a group")
+    for key in ("data.prompts", "data.eval_prompts"):
+        try:
+            items = load_prompts(config_value(cfg, key))
+        except (OSError, ValueError) as e:
+            checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
+        else:
+            check_dataset_images(cfg, key, items, checks)
+            if key == "data.prompts":
+                warn_prompts_per_step(cfg, len(items))
+
+
+def check_sampling(cfg, checks: ConfigChecks) -> None:
+    """`sampling`: the rollouts' sampler, its noise, guidance, schedule, window, size and audio."""
+    checks.require("sampling.steps", lambda v: v >= 1, POSITIVE)
+    for key in ("sampling.height", "sampling.width", "sampling.frames"):
+        checks.require(key, lambda v: v >= 1, POSITIVE + " or null", allow_none=True)
+    sampler = cfg.sampling.sampler
+    if sampler == "cps":
+        checks.require("sampling.noise_level", lambda v: 0 < v < 1, "is CPS's eta for sampler=cps: in (0, 1)")
+    elif sampler == "sde":
+        checks.require("sampling.noise_level", lambda v: 0 < v <= 10, "is Flow-SDE's a: in (0, 10] (0 is the ODE)")
+    if cfg.sampling.same_noise_per_group and sampler == "ode":
+        checks.fail("sampling.same_noise_per_group=true with sampling.sampler=ode: every sample of a group would "
+                    "be the same image (no reward spread, nothing to train on); use sampler=sde or cps, or set "
+                    "same_noise_per_group=false")
+    checks.require("sampling.guidance_scale", lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
+    check_rollout_cache_keys(cfg, checks)
+    checks.require("sampling.time_shift", lambda v: 0 < v <= 100, "must be in (0, 100] (1 = no shift)")
+    checks.require("sampling.sde_window", lambda w: 0 <= w[0] < w[1] <= cfg.sampling.steps,
+                   f"must be [start, end) with 0 <= start < end <= sampling.steps ({cfg.sampling.steps})",
+                   allow_none=True)
+    check_audio_keys(cfg, checks)
+
+
+def check_optimizer(cfg, checks: ConfigChecks) -> None:
+    """The optimizer and batching keys every recipe's `train` section has (OptimConfig); the recipe checks
+    the rest of its section."""
+    for key in ("train.minibatch_size", "train.gradient_accumulation_steps"):
+        checks.require(key, lambda v: v >= 1, POSITIVE)
+    checks.require("train.updates_per_rollout", lambda v: v >= 1, POSITIVE + " or null", allow_none=True)
+    checks.require("train.learning_rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    checks.require("train.weight_decay", lambda v: v >= 0, "must be >= 0")
+    checks.require("train.adam_betas", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
+                   "must be two numbers in [0, 1)")
+    checks.require("train.max_grad_norm", lambda v: v > 0, "must be > 0")
+    check_minibatches(cfg, checks)
+
+
+def check_reward(cfg, checks: ConfigChecks) -> None:
+    """`reward`: the scorers' spec, arguments and modules (by name: rewards.registry.check_spec), the bounds of
+    remote scorers and the masked-steps stop."""
+    for key in ("reward.timeout_s", "reward.budget_s"):
+        checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
+    checks.require("reward.max_masked_steps", lambda v: v >= 1, POSITIVE)
+    check_reward_keys(cfg, checks)
+
+
+def check_advantage(cfg, checks: ConfigChecks) -> None:
+    """`advantage`: the clip, and a normalisation that does something with the reward's aggregation."""
+    checks.require("advantage.clip_max", lambda v: v > 0, "must be > 0")
+    if cfg.reward.aggregation == "gdpo" and cfg.advantage.global_std:
+        checks.fail("advantage.global_std=true does nothing with reward.aggregation=gdpo, which normalises over "
+                    "the batch already: set one of them")
+
+
+def check_ema(cfg, checks: ConfigChecks) -> None:
+    """`ema`: the decay and the schedule of its moves."""
+    checks.require("ema.decay", lambda v: 0 <= v < 1,
+                   "must be in [0, 1) (EMA <- decay·EMA + (1 - decay)·weights; 0 = the trained weights)")
+    checks.require("ema.start_step", lambda v: v >= 0, "must be an integer >= 0")
+    checks.require("ema.update_every", lambda v: v >= 1, POSITIVE)
+
+
+def check_eval(cfg, checks: ConfigChecks) -> None:
+    """`eval`: cadence, samples, guidance, the adaptive loop, judges and the hacking stop."""
+    for key in ("eval.every", "eval.seeds"):
+        checks.require(key, lambda v: v >= 1, POSITIVE)
+    checks.require("eval.steps", lambda v: v >= 1, POSITIVE + " or null", allow_none=True)
+    checks.require("eval.guidance_scale", lambda v: 0 <= v <= 100, "must be in [0, 100] (1 = no guidance)")
+    checks.require("eval.cache_threshold", lambda v: 0 <= v <= 1,
+                   "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
+    checks.require("eval.stop_on_hacking", lambda v: v >= 0, "must be an integer >= 0 (0 = off)")
+    for name in [n.strip() for n in cfg.eval.judges.split(",") if n.strip()]:
+        from rewards.registry import available
+
+        if name not in available():
+            checks.fail(f"eval.judges names {name!r}, which is not a registered scorer; known: "
+                        f"{', '.join(available())}")
+
+
+def check_rollout(cfg, checks: ConfigChecks) -> None:
+    """`rollout`: the keys its own __post_init__ does not check (the layout's and Ray's are checked there, as
+    the section is built)."""
+    checks.require("rollout.max_staleness", lambda v: v >= 0, "must be an integer >= 0")
+
+
+def check_workflow(cfg, checks: ConfigChecks) -> None:
+    """`workflow`: name is a registered workflow and stage its first card stage on model.card; neither key
+    without the other; no engine process (its stages run in this one)."""
+    from engine.workflows import default_registry, stage_paths
+
+    wf = cfg.workflow
+    workflow_id, stage = wf.name, wf.stage
+    if workflow_id is None:
+        if stage is not None:
+            checks.fail(f"workflow.stage={stage!r} names a stage of a workflow, but workflow.name is null; set "
+                        f"workflow.name to one of: {', '.join(default_registry().ids())}")
+        if wf.paths:
+            checks.fail("workflow.paths is set but workflow.name is null: it gives the folders of a "
+                        "workflow's other cards")
+        return
+    registry = default_registry()
+    try:
+        paths = stage_paths(registry, workflow_id)
+    except (KeyError, ValueError) as e:
+        checks.fail(f"workflow.name={workflow_id!r}: {str(e).strip(chr(34))}")
+        return
+    if stage not in paths:
+        checks.fail(f"workflow.stage={stage!r}: name the stage of {workflow_id!r} to train; its card stages, in "
+                    f"the order they run: {', '.join(f'{p} ({c})' for p, c in paths.items())}")
+        return
+    first = next(iter(paths))
+    if stage != first:
+        checks.fail(f"workflow.stage={stage!r}: only the first stage to run ({first!r}) can be trained; a later "
+                    f"stage starts from another stage's output, which the trainer does not regenerate")
+    if paths[stage] != cfg.model.card:
+        checks.fail(f"model.card={cfg.model.card!r}: stage {stage!r} of {workflow_id!r} runs card "
+                    f"{paths[stage]!r}; set model.card={paths[stage]}")
+    unknown = sorted(set(wf.paths) - set(paths.values()))
+    if unknown:
+        checks.fail(f"workflow.paths names card(s) {', '.join(unknown)} that {workflow_id!r} does not run; "
+                    f"its cards: {', '.join(sorted(set(paths.values())))}")
+
+
+def check_environment(cfg, checks: ConfigChecks) -> None:
+    """What needs more than the config's values, still before anything is written: the run dir is usable, the
+    model folder is the card's, the scorers' folders are there and remote reward servers answer."""
+    check_run_dir(cfg, checks)
+    check_model_path(cfg, checks)
+    check_rewards(cfg, checks)
+
+
+def card_flag(card: str, name: str) -> bool:
+    """A card's boolean default (`audio`, `image_conditioned`, `video`); False for an unknown card, which the
+    card check reports."""
+    try:
+        return bool(get_card(card).defaults.get(name, False))
+    except KeyError:
+        return False
+
+
+def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
+    """An image-conditioned card (image-to-video) needs an "image" in every row of its datasets, and no other
+    card takes one: refused here, before a model of many GB is loaded for the first generate to fail."""
+    conditioned = card_flag(cfg.model.card, "image_conditioned")
+    rows = [i + 1 for i, item in enumerate(items) if ("image" in item.metadata) != conditioned]
+    if not rows:
+        if conditioned:
+            check_images_readable(key, items, checks)
+        return
+    shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
+    if conditioned:
+        checks.fail(f"{key}={config_value(cfg, key)!r}: card {cfg.model.card!r} is conditioned on an image per prompt "
+                    f"(a first frame, or the source image of an edit), but "
+                    f"prompt(s) {shown} have none: use a .jsonl whose rows are "
+                    f"{{\"prompt\": ..., \"image\": \"path.png\"}}")
+    else:
+        checks.fail(f"{key}={config_value(cfg, key)!r}: prompt(s) {shown} name an \"image\" but card "
+                    f"{cfg.model.card!r} takes none; only image-conditioned cards (image-to-video, editing) do")
+
+
+def check_images_readable(key: str, items, checks: ConfigChecks) -> None:
+    """Every row's image is a file PIL can read as an image (its header only: cheap for a large dataset), so a
+    corrupt or mislabelled file is named by its row here rather than failing a rollout after the model loads."""
+    from PIL import Image
+
+    bad, verdict = [], {}
+    for i, item in enumerate(items):
+        path = item.metadata["image"]
+        if path not in verdict:
+            try:
+                with Image.open(path) as image:
+                    image.size  # noqa: B018  (the header is parsed by open; size proves it was)
+                verdict[path] = None
+            except (OSError, ValueError) as e:
+                verdict[path] = type(e).__name__
+        if verdict[path] is not None:
+            bad.append(f"row {i + 1}: {path!r}")
+    if bad:
+        more = f"; and {len(bad) - 10} more" if len(bad) > 10 else ""
+        checks.fail(f"{key}: {len(bad)} image(s) cannot be read as images: {'; '.join(bad[:10])}{more}")
+
+
+def check_audio_keys(cfg, checks: ConfigChecks) -> None:
+    """sampling.audio only on a card that generates sound; its own guidance and noise level only with it."""
+    sampling = cfg.sampling
+    if sampling.audio and cfg.model.card in list_cards() and not card_flag(cfg.model.card, "audio"):
+        checks.fail(f"sampling.audio=true: card {cfg.model.card!r} generates no sound; joint audio+video cards: "
+                    f"{', '.join(c for c in list_cards() if card_flag(c, 'audio'))}")
+    for key in ("sampling.audio_guidance_scale", "sampling.audio_noise_level"):
+        if config_value(cfg, key) is not None and not sampling.audio:
+            checks.fail(f"{key}={config_value(cfg, key)} is set but sampling.audio=false: it applies to the audio "
+                        f"only; set sampling.audio=true or {key}=null")
+    checks.require("sampling.audio_guidance_scale", lambda v: 0 <= v <= 100, "must be in [0, 100] or null",
+                   allow_none=True)
+    checks.require("sampling.audio_noise_level", lambda v: 0 <= v <= 10,
+                   "must be in [0, 10] or null (0 = deterministic audio steps)", allow_none=True)
+
+
+def check_rollout_cache_keys(cfg, checks) -> None:
+    """sampling.cache_threshold / early_exit: in range, and on steps the adaptive loop may skip. A stochastic
+    rollout may skip only the ODE steps after its SDE window; a recipe that places the windows itself (GRPO's
+    mixgrpo and fast variants) turns the cache off for a window that reaches the last step."""
+    sampling = cfg.sampling
+    checks.require("sampling.cache_threshold", lambda v: 0 <= v <= 1,
+                   "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
+    checks.require("sampling.early_exit", lambda v: 0 < v <= 1,
+                   "must be in (0, 1] (the predicted image's relative change still to come), or null for none",
+                   allow_none=True)
+    adaptive = sampling.cache_threshold > 0 or sampling.early_exit is not None
+    places_windows = getattr(cfg.train, "variant", "flow_grpo") != "flow_grpo"
+    window_end = sampling.sde_window[1] if sampling.sde_window is not None else sampling.steps
+    if adaptive and sampling.sampler != "ode" and not places_windows and window_end >= sampling.steps:
+        checks.fail(f"sampling.cache_threshold / early_exit with sampling.sampler={sampling.sampler} and "
+                    f"sampling.sde_window={None if sampling.sde_window is None else list(sampling.sde_window)}: a "
+                    "stochastic rollout skips model calls only on the ODE steps after its SDE window (a trained "
+                    "step's log-prob needs its own call), and this window leaves none; set an sde_window ending "
+                    "before sampling.steps, sampler=ode (recipes that train no per-step log-probs: nft, awm, dpo), "
+                    "or cache_threshold=0 and early_exit=null")

@@ -1,0 +1,35 @@
+"""docs/configuration.md lists every key of every shared section with its default and docstring, and every old
+key name: its generated part is what `python -m flywheel.config.reference` prints from the dataclasses now."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flywheel.config.aliases import ALIASES
+from flywheel.config.reference import BEGIN, END, PAGE, SECTIONS, page_with_reference, reference
+from flywheel.config.sections import RunConfig
+
+
+def test_the_page_holds_the_reference_generated_from_the_dataclasses():
+    page = PAGE.read_text(encoding="utf-8")
+    assert page.count(BEGIN) == 1 and page.count(END) == 1
+    assert page_with_reference(page) == page, (
+        "docs/configuration.md is out of date with the config dataclasses: run "
+        "`python -m flywheel.config.reference --write`")
+
+
+def test_the_reference_has_every_key_its_default_and_every_alias():
+    text = reference()
+    for prefix, cls, _ in SECTIONS:
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            if prefix == "" and key in {s for s, _, _ in SECTIONS}:
+                continue  # a section: it has its own table
+            assert f"| `{key}` |" in text, key
+    assert "| `ema.decay` | `float` | `0.9` | EMA <- decay" in text
+    assert "| `rollout.asynchronous` | `bool` | `false` |" in text
+    for old, new in ALIASES.items():
+        assert f"| `{old}` | `{new}` |" in text
+    # Every section of the recipes' base config has a table, and nothing else does.
+    sections = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}
+    assert sections <= {s for s, _, _ in SECTIONS}
