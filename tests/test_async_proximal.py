@@ -77,9 +77,13 @@ def update(model, traj, cfg, staleness):
     policy = Policy(model, list(model.transformer.named_parameters()), ref_velocity_of(model, reference), {})
     metrics = {} if staleness is None else {"staleness": staleness}
     batch = RolloutBatch(traj, None, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4, metrics)
-    grpo = GRPO(policy, torch.optim.SGD(model.transformer.parameters(), lr=0.5), model.transformer, cfg,
-                Accelerator(cpu=True))
     counts = forwards(model.transformer)
+
+    def before_each_step():  # where async rollouts hand the trainer the cores a finished rollout freed
+        counts["before_each_step"] += 1
+    counts["before_each_step"] = 0
+    grpo = GRPO(policy, torch.optim.SGD(model.transformer.parameters(), lr=0.5), model.transformer, cfg,
+                Accelerator(cpu=True), before_each_step)
     result = grpo.update(batch, step=0)
     assert result.stepped
     return result.metrics, copy.deepcopy(model.transformer.state_dict()), counts
@@ -108,7 +112,9 @@ def test_the_start_of_update_pass_runs_only_where_the_weights_have_moved(model, 
         cfg.train.clip_range = 1e-4
     metrics, _, counts = update(model, lagged(rollout(model)), cfg, staleness)
     assert metrics["train/optimizer_steps"] == optimizer_steps
-    assert counts == {"grad": (ROWS // cfg.train.minibatch_size) * STEPS, "no_grad": no_grad}
+    trained = (ROWS // cfg.train.minibatch_size) * STEPS
+    # The threads are checked before every forward of the pass and before each trained step's forward and backward.
+    assert counts == {"grad": trained, "no_grad": no_grad, "before_each_step": no_grad + 2 * trained}
 
 
 def test_the_fused_proximal_log_probs_give_the_separate_pass_loss_and_gradients_bit_for_bit(model):

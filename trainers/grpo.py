@@ -475,7 +475,7 @@ class GRPO(ServesTrainedWeights):
     optimizer and the config; it samples with the trained weights and keeps no tensors of its own.
 
     `transformer` is the trained module as prepared (DDP-wrapped on several ranks). `before_each_step()` runs
-    before every denoising step's forward (async rollouts adjust the threads there).
+    before every denoising step's forward and its backward (async rollouts adjust the threads there).
     """
 
     def __init__(self, policy: Policy, optimizer, transformer, cfg: Config, accelerator,
@@ -524,6 +524,7 @@ class GRPO(ServesTrainedWeights):
                                              proximal=start[0][at, j] if decoupled and moved else None,
                                              old_mean=start[1][at, j] if start is not None and moved else None,
                                              weight=weight[local], decoupled=decoupled)
+                self.before_each_step()  # the backward is half a step's work: it too gets the cores a rollout freed
                 grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
                 grads.record(stats)
             grads.maybe_step(m)
