@@ -2,6 +2,7 @@
 
     python benchmarks/async_flywheel.py --json out.json      # 40 steps each
     python benchmarks/async_flywheel.py --quick              # 10 steps each
+    python benchmarks/async_flywheel.py --phases             # CPU seconds of a step's phases, one thread (30 s)
 
 Runs the GRPO recipe twice, side by side in one process run, with the same
 config: once synchronous (colocated engine: roll out, then train) and once
@@ -25,6 +26,11 @@ cores). With r1 the one-thread rollout, t_c-1 and t_c the train times on cores -
 - `async_speedup_any_overlap`, any schedule's: a step no shorter than the all-core train or rollout, nor
   than the two phases' one-thread CPU time spread over the cores. It stays above the layout's ceiling
   wherever training gains less than cores x from cores x the threads.
+`--phases` measures instead what a default toy step's phases cost in CPU seconds of the thread that runs
+them, at one torch thread, in this process: the rollout (a local engine), the async update (a batch one
+version old), and the start-of-update pass of the proximal log-probs over every trained step that the async
+update ran before 2026-12-02 (it now runs only for minibatches after an update's first optimizer step).
+CPU time of one thread hardly moves with other work on the machine, unlike the steps/s above.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
+from benchmarks.report import Column, add_report_args, print_metrics, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 
 def run(mode_overrides: list[str], steps: int, overrides: list[str]) -> dict:
@@ -87,12 +93,70 @@ def layout_ceiling(sync: dict, one_thread: dict, shared: dict) -> float:
     return sync["step_s"] / layout_step_s(one_thread["rollout_s"], shared["train_s"], sync["train_s"])
 
 
+def phase_cpu_seconds(repeats: int = 3) -> dict:
+    """CPU seconds of this thread (one torch thread) for the rollout, the async update and the proximal pass of a
+    default toy GRPO step; the fastest of `repeats` for the update and the pass (each from the same weights)."""
+    import copy
+
+    import torch
+    from accelerate import Accelerator
+
+    from engine import Engine, GenerationRequest
+    from flywheel.prompts import load_prompts
+    from flywheel.recipe.policy import build_policy, make_optimizer
+    from flywheel.recipe.sections import rollout_request_kwargs
+    from flywheel.rollout_collector import RolloutBatch
+    from trainers.grpo import GRPO, Config, chosen_steps, start_of_update_steps, trained_fraction, trained_mask
+
+    torch.set_num_threads(1)
+    cfg = Config()
+    cfg.async_rollouts = True
+    policy = build_policy(cfg, torch.device("cpu"), reference=cfg.train.kl_beta > 0 or cfg.train.log_kl)
+    optimizer = make_optimizer(policy, cfg.train)
+    prompts = load_prompts(cfg.data.prompts)
+    rows = cfg.data.prompts_per_step * cfg.data.group_size
+    requests = [GenerationRequest(prompt=prompts[(i // cfg.data.group_size) % len(prompts)].prompt, seed=i,
+                                  **rollout_request_kwargs(cfg.sampling)) for i in range(rows)]
+    start = time.thread_time()
+    traj = Engine(policy.model).generate(requests)
+    rollout_s = time.thread_time() - start
+    advantages = torch.randn(rows, generator=torch.Generator().manual_seed(0))
+    usable = torch.ones(rows, dtype=torch.bool)
+    weights, moments = copy.deepcopy(policy.model.transformer.state_dict()), copy.deepcopy(optimizer.state_dict())
+    grpo = GRPO(policy, optimizer, policy.model.transformer, cfg, Accelerator(cpu=True))
+    fraction, selection = trained_fraction(cfg.train)
+    trained = trained_mask(traj, chosen_steps(traj, fraction, torch.Generator().manual_seed(0), selection))
+    update_s, pass_s = [], []
+    for _ in range(repeats):
+        policy.model.transformer.load_state_dict(weights)
+        optimizer.load_state_dict(moments)
+        batch = RolloutBatch(traj, None, advantages, usable, torch.arange(rows) // cfg.data.group_size,
+                             {"staleness": 1})
+        start = time.thread_time()
+        grpo.update(batch, step=0)
+        update_s.append(time.thread_time() - start)
+        start = time.thread_time()
+        start_of_update_steps(policy.model, policy.model.transformer, traj, [list(range(rows))], trained,
+                              cfg.train.cfg_in_train)
+        pass_s.append(time.thread_time() - start)
+    return {"cpu_rollout_s": rollout_s, "cpu_async_update_s": min(update_s), "cpu_proximal_pass_s": min(pass_s),
+            "proximal_pass_of_old_update": min(pass_s) / (min(update_s) + min(pass_s)), "rows": rows,
+            "trained_steps": int(trained.any(0).sum()), "load_average_1m": os.getloadavg()[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     add_report_args(parser, quick="10 steps each (under a minute)")
+    parser.add_argument("--phases", action="store_true",
+                        help="CPU seconds of a default step's phases at one thread instead (load-insensitive)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     args = parser.parse_args()
+    if args.phases:
+        result = phase_cpu_seconds()
+        print_metrics(result)
+        write_json(args.json, result)
+        return
     steps = 10 if args.quick else args.steps
 
     cores = os.cpu_count() or 1
