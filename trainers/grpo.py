@@ -184,8 +184,8 @@ def step_policy(model, transformer, traj: Trajectory, j: int, use_cfg: bool):
 
 def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, advantages: torch.Tensor,
                    usable: torch.Tensor, cfg: GRPOConfig, proximal: torch.Tensor | None = None,
-                   old_mean: torch.Tensor | None = None,
-                   weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   old_mean: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                   decoupled: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip loss (+ beta·KL) of stochastic step j of a trajectory batch under the current weights.
 
     Flow-GRPO (arXiv 2505.05470, Eq. 8): per sample and step, with r = pi_theta / pi_old,
@@ -200,6 +200,9 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     start of this update (computed once, before any optimizer step) are the
     proximal policy: r = pi_theta / pi_prox is clipped, and the truncated
     importance weight min(pi_prox / pi_behaviour, cap) corrects for the lag.
+    `decoupled` with `proximal` None: the current weights are the proximal ones
+    (no optimizer step of the update yet), so this forward's own log-probs,
+    detached, are pi_prox: the values a separate no-grad pass would give.
 
     GRPO-Guard (`cfg.guard`, arXiv 2510.22319). Both policies of the ratio are
     Gaussians with the step's std s (s = sigma_t·sqrt(|dt|) for Flow-SDE), so with
@@ -231,6 +234,8 @@ def grpo_step_loss(model, transformer, ref_velocity, traj: Trajectory, j: int, a
     log_prob, mean, std, cond, uncond_cond = step_policy(model, transformer, traj, j, cfg.cfg_in_train)
     t, t_next = traj.timesteps[j], traj.timesteps[j + 1]
     behaviour = traj.log_probs[:, j]
+    if decoupled and proximal is None:
+        proximal = log_prob.detach()
     log_ratio = log_prob - (behaviour if proximal is None else proximal)
     guard_shift = torch.zeros_like(log_prob)
     if cfg.guard:
@@ -430,12 +435,16 @@ def step_rows(traj: Trajectory, rows: list[int]) -> Trajectory:
 
 @torch.no_grad()
 def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: list[list[int]],
-                          trained: torch.Tensor, use_cfg: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [N, T], means [N, T, *latent]) of the trained (row, step) pairs under the weights now,
-    before any optimizer step of the update: the proximal policy of async rollouts, and GRPO-Guard's mu_old.
+                          trained: torch.Tensor, use_cfg: bool,
+                          before_each_step: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [N, T], means [N, T, *latent]) of the trained (row, step) pairs of `minibatches` under the
+    weights now, before any optimizer step of the update: the proximal policy of async rollouts, and
+    GRPO-Guard's and DPPO's mu_old (rows of other minibatches stay 0).
 
-    Computed with the row groups and forwards the loss will use, so the first
-    minibatch's ratio against them is exactly 1.
+    Computed with the row groups and forwards the loss will use, so a ratio
+    against them is exactly 1 until the weights move. The update passes only
+    the minibatches trained after its first optimizer step: before it, the
+    loss's own forward gives these values (`grpo_step_loss(decoupled=True)`).
     """
     log_probs = torch.zeros_like(traj.log_probs)
     means = torch.zeros_like(traj.latents[:, 1:])
@@ -444,10 +453,22 @@ def start_of_update_steps(model, transformer, traj: Trajectory, minibatches: lis
         for j in range(traj.num_steps):
             local = rows_at(mask, j)
             if local:
+                before_each_step()
                 at = [rows[i] for i in local]
                 log_probs[at, j], means[at, j] = step_policy(model, transformer, step_rows(sub, local), j,
                                                              use_cfg)[:2]
     return log_probs, means
+
+
+def decoupled_ppo(cfg: Config, batch: RolloutBatch) -> bool:
+    """Whether the update needs decoupled PPO's proximal policy: async rollouts whose batch lags the trainer.
+
+    At staleness 0 (the first batch, a regenerated one) the weights that sampled
+    are the weights at the start of the update, so the recorded log-probs are
+    the proximal ones and the importance weight is 1: the synchronous loss. A
+    batch without a staleness (not from the async collector) counts as lagged.
+    """
+    return bool(cfg.rollout.asynchronous) and batch.metrics.get("staleness", 1) > 0
 
 
 class GRPO(ServesTrainedWeights):
@@ -455,7 +476,7 @@ class GRPO(ServesTrainedWeights):
     optimizer and the config; it samples with the trained weights and keeps no tensors of its own.
 
     `transformer` is the trained module as prepared (DDP-wrapped on several ranks). `before_each_step()` runs
-    before every denoising step's forward (async rollouts adjust the threads there).
+    before every denoising step's forward and its backward (async rollouts adjust the threads there).
     """
 
     def __init__(self, policy: Policy, optimizer, transformer, cfg: Config, accelerator,
@@ -479,12 +500,16 @@ class GRPO(ServesTrainedWeights):
         per_row = trained.sum(1)
         grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
         minibatches = grads.minibatches(len(traj))
-        # The policy before any optimizer step: async's proximal policy, and Guard's and DPPO's mu_old once the
-        # weights move within the update (before that, the current means are mu_old exactly).
-        several_steps = len(minibatches) > grads.accumulation
-        start = (start_of_update_steps(model, transformer, traj, minibatches, trained, tc.cfg_in_train)
-                 if cfg.rollout.asynchronous or ((tc.guard or tc.policy_loss == "dppo") and several_steps) else None)
+        decoupled = decoupled_ppo(cfg, batch)
+        # The policy before any optimizer step (decoupled PPO's proximal log-probs, Guard's and DPPO's mu_old)
+        # costs a pass only for the minibatches trained after the first optimizer step: before it the current
+        # weights are that policy, and each loss forward's own values, detached, are it exactly.
+        later = minibatches[grads.accumulation:]
+        start = (start_of_update_steps(model, transformer, traj, later, trained, tc.cfg_in_train,
+                                       self.before_each_step)
+                 if later and (decoupled or tc.guard or tc.policy_loss == "dppo") else None)
         for m, rows in enumerate(minibatches):
+            moved = m >= grads.accumulation  # an optimizer step of this update came before this minibatch
             sub, mask = traj.select(rows), trained[rows]
             adv, usable = batch.advantages[rows], batch.usable[rows]
             # usable / number usable, times K / (the row's own trained steps): exactly 1 when every row has all K.
@@ -497,9 +522,10 @@ class GRPO(ServesTrainedWeights):
                 at = [rows[r] for r in local]
                 loss, stats = grpo_step_loss(model, transformer, self.policy.ref_velocity, step_rows(sub, local), j,
                                              adv[local], usable[local], tc,
-                                             proximal=start[0][at, j] if cfg.rollout.asynchronous else None,
-                                             old_mean=None if start is None else start[1][at, j],
-                                             weight=weight[local])
+                                             proximal=start[0][at, j] if decoupled and moved else None,
+                                             old_mean=start[1][at, j] if start is not None and moved else None,
+                                             weight=weight[local], decoupled=decoupled)
+                self.before_each_step()  # the backward is half a step's work: it too gets the cores a rollout freed
                 grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
                 grads.record(stats)
             grads.maybe_step(m)
