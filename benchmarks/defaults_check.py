@@ -25,11 +25,15 @@ step 0, every N-th step and the last only: a sweep run evaluated every 10 steps
 then also says what a run evaluated every 20 (the no-argument runs' eval_every)
 would have printed. Evaluating never changes training, so those rows are that
 run's. The watch columns then come from the replay, not from the logged flags.
+`--until S` reads each run as if it had ended at step S (its rows after S left
+out): nothing in these recipes depends on the number of steps configured, so
+that is the S-step run (given that it evaluated at S).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -108,6 +112,12 @@ def replay_watch(run: Run, every: int) -> tuple[list[tuple[int, int, float, floa
     return warnings, signals
 
 
+def truncated(run: Run, until: int) -> Run:
+    """`run` as if it had ended at step `until`: its rows (and their wall times) after that step left out."""
+    kept = [(r, w) for r, w in zip(run.rows, run.walls) if r["step"] <= until]
+    return dataclasses.replace(run, rows=[r for r, _ in kept], walls=[w for _, w in kept])
+
+
 def check_run(run: Run, watch_every: int | None = None) -> Check:
     """The bars of the module docstring for one run (the watch replayed every `watch_every` steps if given)."""
     evals = run.series(REWARD_KEY)
@@ -165,10 +175,16 @@ def main(argv: list[str] | None = None) -> list[Check]:
     parser.add_argument("--json", help="also write the checks to this JSON file")
     parser.add_argument("--watch-every", type=int, default=None, metavar="N",
                         help="replay the watch on the evaluations at step 0, every N-th step and the last")
+    parser.add_argument("--until", type=int, default=None, metavar="S",
+                        help="read each run as if it had ended at step S (the rows after S left out)")
     args = parser.parse_args(argv)
-    if args.watch_every is not None and args.watch_every < 1:
-        parser.error(f"--watch-every {args.watch_every}: must be an integer >= 1")
-    checks = [check_run(r, args.watch_every) for r in load_runs(args.run_dirs)]
+    for flag, value in (("--watch-every", args.watch_every), ("--until", args.until)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: must be an integer >= 1")
+    runs = load_runs(args.run_dirs)
+    if args.until is not None:
+        runs = [truncated(r, args.until) for r in runs]
+    checks = [check_run(r, args.watch_every) for r in runs]
     print(table(checks))
     if args.json:
         Path(args.json).write_text(json.dumps([c.to_json() for c in checks], indent=1) + "\n")

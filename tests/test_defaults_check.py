@@ -132,3 +132,15 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert data[1]["watch_steps"] == [30] and checks[0].ok
     with pytest.raises(SystemExit):
         dc.main([str(good), "--watch-every", "0"])
+
+
+def test_until_reads_the_run_as_if_it_ended_there(tmp_path):
+    rows = GOOD + [_eval(60, 0.99, 0.10, 0.05, warning=1.0)]  # a last stretch that fails three bars
+    path = _run_dir(tmp_path, rows)
+    assert not dc.check_run(Run.load(path)).ok
+    check = dc.check_run(dc.truncated(Run.load(path), 40))
+    assert check.ok and (check.final_step, check.reward_final, check.wall_s) == (40, 0.96, 40.0)
+    checks = dc.main([str(path), "--until", "40", "--watch-every", "20"])
+    assert checks[0].ok and checks[0].watch_steps == []
+    with pytest.raises(SystemExit):
+        dc.main([str(path), "--until", "0"])
