@@ -90,7 +90,7 @@ def test_all_problems_come_at_once_and_before_the_run_dir_is_touched(tmp_path):
 def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
     defaults = parse_config(Config, [])
     assert parse_config(Config, ["--config", str(ROOT / "configs" / "toy_nft.yaml")]) == defaults
-    assert defaults.steps == 50  # stops before a prompt's seeds collapse into one image (docs/tuning_nft.md)
+    assert (defaults.steps, defaults.train.kl_beta) == (55, 0.03)  # no reward hacking (docs/recipes/nft.md)
     validate_config(defaults)
     numbers = parse_config(Config, ["--config", str(ROOT / "configs" / "toy_numbers_nft.yaml")])
     validate_config(numbers)
