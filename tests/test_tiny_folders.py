@@ -1,4 +1,4 @@
-"""`python -m engine.families.tiny`: a tiny stand-in folder of any card, for a smoke test.
+"""`python tests/tiny_models`: a tiny stand-in folder of any card, for a smoke test.
 
 Each card's folder is written through the documented entry point, then read the
 two ways a user's folder is: the card's loader (a one-step generation through
@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from engine import Engine, GenerationRequest, get_card, list_cards
-from engine.families.tiny import (SHIPPED_CARDS, TINY_BUILDERS, TINY_SIZES, TinyFolderError, main, smoke_command,
-                                  write_tiny_folder)
 from flywheel.runs.rundir import read_metrics
+from tiny_models.folders import (SHIPPED_CARDS, TINY_BUILDERS, TINY_SIZES, TinyFolderError, main, smoke_command,
+                                 write_tiny_folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 # What every folder holds besides its family's own components (what check_diffusers_folder asks of a user's).
