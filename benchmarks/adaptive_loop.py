@@ -11,7 +11,7 @@ early-exit tolerance alone) runs the same evaluation; its eval reward is
 compared with the plain loop's (reward_drop = plain - adaptive, so a negative
 drop is a rise), and so are its images (max / mean absolute pixel difference).
 
-Tiny SD3 (engine/families/tiny.py, random weights, 2 layers, 64x64 images,
+Tiny SD3 (tests/tiny_models/core.py, random weights, 2 layers, 64x64 images,
 CFG 3, 10 steps on the folder's shift-3 schedule): images/s and the max / mean
 pixel difference against the plain loop. Random weights make no pictures: this
 shows the loop runs on a real family and what it changes, not a quality figure.
@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models: the tests' tiny folders
 
 from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
@@ -125,7 +126,7 @@ def toy_curve(steps: int, settings: list[tuple[float, float | None, int]], round
 def sd3_curve(thresholds: list[float], orders: list[int], rounds: int, batch: int) -> dict:
     """Images/s and pixel differences of the tiny SD3 at each threshold against the plain loop."""
     from engine import Engine, GenerationRequest
-    from engine.families.tiny import build_tiny_sd3
+    from tiny_models.core import build_tiny_sd3
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_tiny_sd3(Path(tmp) / "sd3", num_layers=2, sample_size=32)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tiny_models: the tests' tiny folders
 from benchmarks.report import add_report_args, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
 
 RECIPES = ("grpo", "nft", "awm", "dpo")
@@ -124,7 +125,7 @@ def child(spec: dict) -> dict:
 
 def build_folder(folder: Path, size: tuple[int, int, int]) -> tuple[int, int]:
     """A random SD3 folder of this size; returns (transformer parameters, their bytes as saved: float32)."""
-    from engine.families.tiny import tiny_sd3_pipeline
+    from tiny_models.core import tiny_sd3_pipeline
 
     layers, heads, head_dim = size
     pipe = tiny_sd3_pipeline(num_layers=layers, heads=heads, head_dim=head_dim)

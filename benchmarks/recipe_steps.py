@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny model builders (tests/tiny_models)
 from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402
 
 RECIPES = ("grpo", "nft", "awm", "dpo", "draft")
@@ -49,9 +50,9 @@ def run_args(folder: Path, prompts: Path, run_dir: Path, steps: int, pixels: int
     return [f"run_dir={run_dir}", "model.card=sd3", f"model.path={folder}", "model.finetune=lora",
             f"model.dtype={dtype}", "tracker=none", f"steps={steps}", f"data.prompts={prompts}",
             f"data.eval_prompts={prompts}", "data.prompts_per_step=2", "data.group_size=4",
-            f"sampling.steps={sampler_steps}", "sampling.eval_steps=1", "sampling.eval_seeds=1",
-            f"sampling.height={pixels}", f"sampling.width={pixels}", "rewards=digit_alignment:1.0",
-            "eval_every=1000", "sample_every=1000", "save_every=1000"]
+            f"sampling.steps={sampler_steps}", "eval.steps=1", "eval.seeds=1",
+            f"sampling.height={pixels}", f"sampling.width={pixels}", "reward.scorers=digit_alignment:1.0",
+            "eval.every=1000", "sample_every=1000", "save_every=1000"]
 
 
 def recipe_args(recipe: str, sampler_steps: int) -> list[str]:
@@ -67,7 +68,7 @@ def build_folder(folder: Path, size: tuple[int, int, int, int], dtype: str) -> i
     read in bf16); returns the transformer's parameter count."""
     import torch
 
-    from engine.families.tiny import tiny_sd3_pipeline
+    from tiny_models.core import tiny_sd3_pipeline
 
     layers, heads, head_dim, latent = size
     pipe = tiny_sd3_pipeline(num_layers=layers, heads=heads, head_dim=head_dim, sample_size=latent)

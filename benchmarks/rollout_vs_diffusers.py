@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models: the tests' tiny folders
 
 from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights only: never ask the hub
@@ -212,7 +213,7 @@ class Family:
 def sd3_setup(sizes, device, dtype):
     from engine.families.common import prepare_pipeline
     from engine.families.sd3 import SD3Model
-    from engine.families.tiny import tiny_sd3_pipeline
+    from tiny_models.core import tiny_sd3_pipeline
 
     pipe = prepare_pipeline(tiny_sd3_pipeline(seed=0, **sizes), device, dtype)
     return pipe, SD3Model(pipe, dtype, dict(pipe.scheduler.config)), sizes["sample_size"] * pipe.vae_scale_factor
@@ -229,7 +230,7 @@ def sd3_call(pipe, cond, uncond, noise, steps, guidance, pixels):
 def qwen_image_setup(sizes, device, dtype):
     from engine.families.common import prepare_pipeline
     from engine.families.qwen_image import QwenImageModel
-    from engine.families.tiny_qwen_image import tiny_qwen_image_pipeline
+    from tiny_models.qwen_image import tiny_qwen_image_pipeline
 
     builder = {k: v for k, v in sizes.items() if k != "latent_size"}
     pipe = prepare_pipeline(tiny_qwen_image_pipeline(seed=0, **builder), device, dtype)
@@ -260,7 +261,7 @@ _LTX2_TEXT: dict = {}  # batch size -> the pipeline's Gemma inputs, computed onc
 def ltx2_setup(sizes, device, dtype):
     from engine.families.common import prepare_pipeline
     from engine.families.ltx2 import LTX2Model
-    from engine.families.tiny_ltx2 import tiny_ltx2_pipeline
+    from tiny_models.ltx2 import tiny_ltx2_pipeline
 
     builder = {k: v for k, v in sizes.items() if k != "pixels"}
     pipe = prepare_pipeline(tiny_ltx2_pipeline(seed=0, **builder), device, dtype)
@@ -303,7 +304,7 @@ def wan22_setup(sizes, device, dtype):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from engine.families.common import prepare_pipeline
-    from engine.families.tiny_2026 import tiny_wan22_pipeline
+    from tiny_models.families_2026 import tiny_wan22_pipeline
     from engine.families.wan22 import Wan22Model
 
     builder = {k: v for k, v in sizes.items() if k != "pixels"}
@@ -332,7 +333,7 @@ def kontext_setup(sizes, device, dtype):
 
     from engine.families.common import prepare_pipeline
     from engine.families.flux_kontext import FluxKontextModel
-    from engine.families.tiny_edit import tiny_flux_kontext_pipeline
+    from tiny_models.edit import tiny_flux_kontext_pipeline
 
     builder = {k: v for k, v in sizes.items() if k != "latent_size"}
     pipe = prepare_pipeline(tiny_flux_kontext_pipeline(seed=0, **builder), device, dtype)

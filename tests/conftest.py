@@ -43,8 +43,8 @@ def pytest_xdist_auto_num_workers(config):
 # The files that take longest (pytest --durations, 2026-12-02), started first: the workers get whole files in
 # collection order (--dist loadfile), so a long file collected last would leave the other workers idle at the end.
 LONGEST_FILES = ("test_grpo_variants.py", "test_toy_numbers.py", "test_workflows_rl.py", "test_grpo.py",
-                 "test_config_metrics.py", "test_dppo.py", "test_rundir_lock.py", "test_recipe_guards.py",
-                 "test_ray_grpo.py", "test_awm.py", "test_vlm_judge.py", "test_families_edit.py",
+                 "test_config_metrics.py", "test_resume_recipes.py", "test_dppo.py", "test_rundir_lock.py",
+                 "test_recipe_guards.py", "test_ray_grpo.py", "test_awm.py", "test_vlm_judge.py", "test_families_edit.py",
                  "test_families_2026.py", "test_nft.py", "test_dpo.py", "test_draft.py", "test_ray_pool.py",
                  "test_distributed_configs.py", "test_faults_async.py", "test_families.py")
 

@@ -35,7 +35,7 @@ def kill_after_checkpoint(recipe: str, run_dir: Path, args: list[str], step: int
 def tiny_sd3_lora_ema_args(tmp_path: Path, run_dir: Path) -> list[str]:
     """A 2-step GRPO LoRA run with ema.enabled on a tiny SD3 (two prompts, 32x32, 2 denoising steps): the
     command-line arguments, with the tiny folder and the prompts written under `tmp_path`."""
-    import engine.families.tiny as tiny
+    import tiny_models.core as tiny
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\na blue dog\n")

@@ -289,7 +289,7 @@ def test_bad_loop_settings_and_paths_are_clear_errors(toy_engine):
 # ---- a real family ------------------------------------------------------------------------------------------------
 
 def test_tiny_sd3_ragged_rows_equal_each_row_alone_with_cfg(tmp_path):
-    from engine.families.tiny import build_tiny_sd3
+    from tiny_models.core import build_tiny_sd3
 
     engine = Engine.from_card("sd3", path=str(build_tiny_sd3(tmp_path / "sd3")))
     batch = [GenerationRequest(prompt=p, seed=i, card="sd3", sampler="ode", guidance_scale=3.0, height=32, width=32,

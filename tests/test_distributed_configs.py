@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny_sd3(tmp_path_factory):
-    from engine.families.tiny import build_tiny_sd3
+    from tiny_models.core import build_tiny_sd3
 
     root = tmp_path_factory.mktemp("dist")
     (root / "prompts.txt").write_text("a red cat\na blue dog\n")

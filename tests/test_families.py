@@ -34,7 +34,7 @@ PROMPTS = ["a red cat", "a blue dog"]
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory):
     """card id -> a tiny diffusers folder of that family (built once)."""
-    import engine.families.tiny as tiny
+    import tiny_models.core as tiny
 
     root = tmp_path_factory.mktemp("tiny-families")
     return {card: getattr(tiny, builder)(root / card) for card, (builder, _, _) in FAMILIES.items()}
@@ -135,7 +135,7 @@ def test_engine_ode_rollout_equals_the_stock_pipeline(tiny_folders, card, guidan
 @pytest.fixture(scope="session")
 def unipc_wan_folder(tmp_path_factory):
     """A tiny Wan folder with Wan2.1's default scheduler, UniPC (order 2, flow sigmas, flow_shift 3)."""
-    import engine.families.tiny as tiny
+    import tiny_models.core as tiny
 
     return tiny.build_tiny_wan(tmp_path_factory.mktemp("tiny-wan-unipc") / "wan", scheduler=tiny.wan_unipc_scheduler())
 
@@ -172,7 +172,7 @@ def test_image_ode_rollout_follows_a_non_euler_flow_scheduler(tmp_path, card):
     sigmas: the engine's ODE rollout equals the stock pipeline's for those schedulers too."""
     from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
 
-    import engine.families.tiny as tiny
+    import tiny_models.core as tiny
 
     if card == "sd3":
         scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",

@@ -1,6 +1,6 @@
 """The 2026 cards `flux2-klein`, `z-image` and `wan2.2-t2v` on tiny random folders built from configs.
 
-Each folder is written once per session by `python -m engine.families.tiny`'s
+Each folder is written once per session by `python tests/tiny_models`'s
 builder and loaded through the card's loader. Parity runs the engine's ODE
 against the stock pipeline's own __call__ on the engine's initial noise, at a
 non-square size, with three prompts (different negative prompts) and mixed
@@ -38,8 +38,8 @@ STEPS = 4
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory):
-    """Each card's tiny folder, written by the command users run (python -m engine.families.tiny)."""
-    from engine.families.tiny import main
+    """Each card's tiny folder, written by the command users run (python tests/tiny_models)."""
+    from tiny_models.folders import main
 
     root = tmp_path_factory.mktemp("tiny-2026")
     for card in CARDS:
@@ -120,7 +120,7 @@ def test_cards_are_registered_without_importing_diffusers():
 
 
 def test_tiny_folders_and_their_smoke_commands(folders):
-    from engine.families.tiny import smoke_command
+    from tiny_models.folders import smoke_command
 
     for card in CARDS:
         assert (folders[card] / "model_index.json").is_file()
@@ -140,7 +140,7 @@ def test_incomplete_folders_name_what_is_missing(folders, tmp_path):
 
 
 def test_a_wan21_folder_is_not_a_wan22_one(tmp_path):
-    from engine.families.tiny import build_tiny_wan
+    from tiny_models.core import build_tiny_wan
 
     folder = build_tiny_wan(tmp_path / "wan21")
     (folder / "transformer_2").mkdir()  # passes the folder check; the pipeline still has one expert
@@ -211,7 +211,7 @@ def test_flux2_klein_decode_and_schedule_are_the_pipelines(stock, models):
 
 
 def test_flux2_klein_distilled_folder_refuses_guidance(tmp_path):
-    from engine.families.tiny_2026 import build_tiny_flux2_klein
+    from tiny_models.families_2026 import build_tiny_flux2_klein
 
     model = load_model("flux2-klein", path=str(build_tiny_flux2_klein(tmp_path / "klein", is_distilled=True)))
     assert model.embedded_guidance  # no unconditional branch

@@ -36,7 +36,7 @@ SOURCE_SIZES = [(20, 40), (40, 80), (32, 64)]  # (h, w): the request's aspect ra
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory):
-    import engine.families.tiny_edit as tiny_edit
+    import tiny_models.edit as tiny_edit
 
     root = tmp_path_factory.mktemp("tiny-edit")
     return {card: getattr(tiny_edit, builder)(root / card) for card, (builder, _, _) in CARDS.items()}

@@ -29,7 +29,7 @@ SEEDS = (3, 11, 4)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from engine.families.tiny_ltx2 import build_tiny_ltx2
+    from tiny_models.ltx2 import build_tiny_ltx2
 
     return build_tiny_ltx2(tmp_path_factory.mktemp("tiny-ltx2") / "ltx2")
 

@@ -35,7 +35,7 @@ SEEDS = (3, 11, 4)
 
 @pytest.fixture(scope="session")
 def qwen_folder(tmp_path_factory):
-    from engine.families.tiny_qwen_image import build_tiny_qwen_image
+    from tiny_models.qwen_image import build_tiny_qwen_image
 
     return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image") / "qwen-image")
 

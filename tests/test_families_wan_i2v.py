@@ -30,7 +30,7 @@ IMAGE_SIZES = [(20, 36), (40, 24), (16, 16)]
 
 @pytest.fixture(scope="session")
 def folder(tmp_path_factory):
-    from engine.families.tiny_wan_i2v import build_tiny_wan_i2v
+    from tiny_models.wan_i2v import build_tiny_wan_i2v
 
     return build_tiny_wan_i2v(tmp_path_factory.mktemp("tiny-wan-i2v") / "wan-i2v")
 

@@ -1,7 +1,7 @@
 """What a run leaves for its user to find: video samples named by their prompt, and the wandb-offline line.
 
 The video run is a one-step GRPO run on a tiny Wan2.1 folder written by
-`engine.families.tiny`; the wandb check makes a real offline wandb run in the
+`tests/tiny_models`; the wandb check makes a real offline wandb run in the
 run directory and syncs nothing (no network), only checks that the printed
 `wandb sync` path names the folder wandb wrote.
 """
@@ -38,7 +38,7 @@ def test_a_long_prompt_is_cut_on_a_word_boundary_within_the_bound():
 
 @pytest.mark.slow  # a tiny Wan folder and a one-step run with two evaluations: ~10 s of CPU, more on a busy machine
 def test_video_samples_are_named_by_their_prompt(tmp_path):
-    from engine.families.tiny import smoke_command, write_tiny_folder
+    from tiny_models.folders import smoke_command, write_tiny_folder
     from trainers.grpo import main as grpo_main
 
     folder = write_tiny_folder("wan2.1-t2v", tmp_path / "wan")

@@ -56,7 +56,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("card", ["toy-digits", "sd3"])
 def test_a_runs_lora_is_fused_into_the_served_weights_and_a_second_one_replaces_it(card, tmp_path):
     if card == "sd3":
-        from engine.families.tiny import build_tiny_sd3
+        from tiny_models.core import build_tiny_sd3
 
         model = load_model("sd3", path=str(build_tiny_sd3(tmp_path / "sd3")))
         fields = dict(height=32, width=32, guidance_scale=2.0)

@@ -111,7 +111,7 @@ def test_an_image_for_a_card_that_takes_none_is_a_400(toy_model):
 
 @pytest.fixture(scope="module")
 def i2v_model(tmp_path_factory):
-    from engine.families.tiny_wan_i2v import build_tiny_wan_i2v
+    from tiny_models.wan_i2v import build_tiny_wan_i2v
 
     return load_model("wan2.1-i2v", path=str(build_tiny_wan_i2v(tmp_path_factory.mktemp("i2v") / "wan-i2v")))
 
@@ -163,7 +163,7 @@ def _save(path, height, width):
 
 @pytest.fixture(scope="module")
 def ltx2_model(tmp_path_factory):
-    from engine.families.tiny_ltx2 import build_tiny_ltx2
+    from tiny_models.ltx2 import build_tiny_ltx2
 
     return load_model("ltx2", path=str(build_tiny_ltx2(tmp_path_factory.mktemp("ltx2") / "ltx2")))
 

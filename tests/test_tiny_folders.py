@@ -1,4 +1,4 @@
-"""`python -m engine.families.tiny`: a tiny stand-in folder of any card, for a smoke test.
+"""`python tests/tiny_models`: a tiny stand-in folder of any card, for a smoke test.
 
 Each card's folder is written through the documented entry point, then read the
 two ways a user's folder is: the card's loader (a one-step generation through
@@ -8,6 +8,7 @@ one-step GRPO LoRA run on the SD3 folder.
 """
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -17,9 +18,9 @@ import torch
 from PIL import Image
 
 from engine import Engine, GenerationRequest, get_card, list_cards
-from engine.families.tiny import (SHIPPED_CARDS, TINY_BUILDERS, TINY_SIZES, TinyFolderError, main, smoke_command,
-                                  write_tiny_folder)
 from flywheel.runs.rundir import read_metrics
+from tiny_models.folders import (SHIPPED_CARDS, TINY_BUILDERS, TINY_SIZES, TinyFolderError, main, smoke_command,
+                                 write_tiny_folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 # What every folder holds besides its family's own components (what check_diffusers_folder asks of a user's).
@@ -92,6 +93,40 @@ def test_an_unknown_card_lists_the_valid_ones_before_writing_anything(tmp_path, 
     assert not out.exists() and not list(tmp_path.iterdir())
     assert main(["--card", "toy-digits", "--out", str(out)]) == 2
     assert "ships its weights" in capsys.readouterr().err
+
+
+def test_the_documented_command_runs_from_the_repository_root(tmp_path):
+    """`python tests/tiny_models ...` (README, docs/models.md), in a fresh interpreter without tests/ on its
+    path: the folder's entry point finds its own package."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # the editable install's place, not tests/
+    cmd = [sys.executable, "tests/tiny_models"]
+    out = subprocess.run([*cmd, "--card", "sd5", "--out", str(tmp_path / "x")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: --card sd5:"), out.stderr[-2000:]
+    assert ", ".join(TINY_BUILDERS) in out.stderr and not list(tmp_path.iterdir())
+    usage = subprocess.run([*cmd, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python tests/tiny_models ")
+
+
+def test_no_product_package_ships_or_imports_the_tiny_builders():
+    """The wheel packages what pyproject's packages.find includes: the tiny builders are test support."""
+    import re
+
+    from setuptools import find_namespace_packages
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    include = re.findall(r'"([^"]+)"', re.search(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*?)\]",
+                                                 pyproject).group(1))
+    shipped = find_namespace_packages(where=str(ROOT), include=include)
+    assert {"engine", "engine.families", "rewards", "flywheel", "trainers"} <= set(shipped)
+    assert not [p for p in shipped if p.split(".")[0] in ("tests", "tiny_models")]
+    sources = [p for package in shipped for p in (ROOT / package.replace(".", "/")).glob("*.py")]
+    assert not [p for p in sources if p.name.startswith("tiny")]
+    assert not [p for p in sources if "tiny_models" in p.read_text()]
 
 
 def test_without_diffusers_the_error_says_what_to_install(tmp_path, capsys, monkeypatch):

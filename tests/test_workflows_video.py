@@ -16,8 +16,8 @@ SIZE = dict(height=32, width=32, frames=5)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from engine.families.tiny import build_tiny_sd3
-    from engine.families.tiny_wan_i2v import build_tiny_wan_i2v
+    from tiny_models.core import build_tiny_sd3
+    from tiny_models.wan_i2v import build_tiny_wan_i2v
 
     root = tmp_path_factory.mktemp("t2i-i2v")
     return {"sd3": str(build_tiny_sd3(root / "sd3")), "wan2.1-i2v": str(build_tiny_wan_i2v(root / "wan-i2v"))}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.families.tiny import LETTERS
+from tiny_models.core import LETTERS
 
 TEXT_WIDTH = 16  # Gemma hidden size = the connectors' width = the transformer's caption_channels
 TEXT_LAYERS = 1

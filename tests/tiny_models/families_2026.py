@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from engine.families.tiny import t5_encoder, t5_tokenizer, wan_unipc_scheduler
-from engine.families.tiny_qwen_image import qwen2_tokenizer
+from tiny_models.core import t5_encoder, t5_tokenizer, wan_unipc_scheduler
+from tiny_models.qwen_image import qwen2_tokenizer
 
 QWEN3_WIDTH = 16
 # A Qwen3-like chat template: the user turn, the assistant's opening, and the empty thinking block that
@@ -101,7 +101,7 @@ def tiny_z_image_pipeline(seed: int = 0, scheduler=None):
     """The ZImagePipeline of `build_tiny_z_image`, in memory (random weights from `seed`)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
-    from engine.families.tiny import autoencoder_kl
+    from tiny_models.core import autoencoder_kl
 
     tokenizer = qwen3_tokenizer()
     torch.manual_seed(seed)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.families.tiny import t5_encoder, t5_tokenizer, wan_unipc_scheduler
+from tiny_models.core import t5_encoder, t5_tokenizer, wan_unipc_scheduler
 
 WAN_TEXT_TOKENS = 512  # the text context length diffusers' Wan cross-attention assumes
 CLIP_CROP = 16  # the tiny CLIP vision tower's input size (real: 224)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.families.tiny import autoencoder_kl, clip_text_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
+from tiny_models.core import autoencoder_kl, clip_text_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
 
 
 def tiny_flux_kontext_pipeline(seed: int = 0, scheduler=None, num_layers: int = 1, num_single_layers: int = 1,
@@ -79,7 +79,7 @@ def qwen2_vl_tokenizer():
     words, and the special tokens."""
     from transformers import Qwen2Tokenizer
 
-    from engine.families.tiny_qwen_image import _byte_alphabet
+    from tiny_models.qwen_image import _byte_alphabet
 
     to_bytes = _byte_alphabet()
     vocab = {c: i for i, c in enumerate(to_bytes)}
@@ -104,7 +104,7 @@ def qwen25_vl_with_vision(tokenizer, seed: int = 0):
     (patch 14, 2x2 merge), the image/vision token ids the tokenizer's."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from engine.families.tiny_qwen_image import TEXT_WIDTH
+    from tiny_models.qwen_image import TEXT_WIDTH
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in EDIT_SPECIAL_TOKENS}
     torch.manual_seed(seed)
@@ -151,7 +151,7 @@ def tiny_qwen_image_edit_plus_pipeline(seed: int = 0, scheduler=None):
     """The QwenImageEditPlusPipeline of `build_tiny_qwen_image_edit_plus`, in memory (random weights)."""
     from diffusers import QwenImageEditPlusPipeline, QwenImageTransformer2DModel
 
-    from engine.families.tiny_qwen_image import LATENT_CHANNELS, TEXT_WIDTH, qwen_image_scheduler, qwen_image_vae
+    from tiny_models.qwen_image import LATENT_CHANNELS, TEXT_WIDTH, qwen_image_scheduler, qwen_image_vae
 
     tokenizer = qwen2_vl_tokenizer()
     torch.manual_seed(seed)
