@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flywheel.recipe import layouts
+from flywheel.recipe import rollouts as layouts
 from flywheel.recipe.algorithm import Algorithm, UpdateResult, gradient_result
 from flywheel.recipe.training_loop import FLAT_STEP, train
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flywheel.rollout_collector
-import flywheel.recipe.layouts
+import flywheel.recipe.rollouts
 from engine import Engine, GenerationRequest, load_model
 from engine.workflows import WorkflowError, WorkflowRunner, WorkflowStageEngine
 from flywheel.runs.config import ConfigError, parse_config
@@ -68,13 +68,13 @@ def test_the_stage_engine_returns_the_trained_stages_log_probs_with_the_final_im
 
 def test_grpo_trains_the_first_stage_and_leaves_the_refine_stages_weights_and_version(tmp_path, monkeypatch):
     made = []
-    original = flywheel.recipe.layouts.workflow_stage_engine
+    original = flywheel.recipe.rollouts.workflow_stage_engine
 
     def recording(*args, **kwargs):
         made.append(original(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(flywheel.recipe.layouts, "workflow_stage_engine", recording)
+    monkeypatch.setattr(flywheel.recipe.rollouts, "workflow_stage_engine", recording)
     _, rows = run(tmp_path, "two", *SMALL, "steps=2", "eval.every=2")
     (stage_engine,) = made
     base = load_model("toy-digits").transformer.state_dict()

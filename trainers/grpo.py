@@ -64,7 +64,7 @@ from flywheel.cli import run_main
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradient_result
 from flywheel.recipe.dppo import dppo_loss
-from flywheel.recipe.layouts import check_layout_options
+from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config

@@ -60,7 +60,7 @@ from flywheel.distributed import rank_and_world
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
-from flywheel.recipe.layouts import check_layout_options
+from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config

@@ -11,7 +11,7 @@ scratch memory at a time), so a full fine-tune swaps without a second copy of th
 then holds the trained values until the context ends. Other tensors (a float32 average of bf16 weights) are
 copied in, with the trained values saved aside.
 
-DiffusionNFT's rollouts use it through the "swapped" layout (flywheel/recipe/layouts.py `SwappedIn`): the engine
+DiffusionNFT's rollouts use it through the "swapped" layout (flywheel/recipe/rollouts.py `SwappedIn`): the engine
 serves the trainer's own module, and the loop swaps theta_old in around every rollout and sync.
 """
 
