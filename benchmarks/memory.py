@@ -9,7 +9,7 @@ tiny SD3 folder's text encoders and VAE is written to a temporary folder, and ea
 process of its own (peaks never mix): 2 training steps of 2 prompts x 2 samples at 32x32, 2 denoising steps,
 guidance 1, the jpeg_compressibility reward, an evaluation of the 2 prompts at the start and the end, 2 flow
 times trained per sample (RECIPE_ARGS), each recipe's other keys at their defaults (GRPO, AWM and DPO hold a
-reference policy, NFT does not: see docs/memory.md). On a GPU the peak is `torch.cuda.max_memory_allocated`; on a CPU it is the process's peak
+reference policy, and so does NFT with its default train.kl_beta 0.03: see docs/memory.md). On a GPU the peak is `torch.cuda.max_memory_allocated`; on a CPU it is the process's peak
 resident set (VmHWM) above its RSS once torch, diffusers and the recipe are imported (the libraries' own
 memory is left out). Both are read when the run saves its first checkpoint, after its last evaluation:
 `*_peak_run_*` adds the checkpoint and the LoRA export after it (safetensors serialises a checkpoint in
