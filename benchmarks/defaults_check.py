@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import add_report_args, write_json  # noqa: E402
 from flywheel.hacking_watch import HackingWatch  # noqa: E402
 from flywheel.runs.compare import REWARD_KEY, Run, judge_key, load_runs, render_table  # noqa: E402
 
@@ -90,6 +90,19 @@ class Check:
         out = asdict(self)
         out.update(ok=self.ok, diversity_ratio=self.diversity_ratio)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+
+def flat_result(checks: list[Check]) -> dict:
+    """One flat object for --json: each run's fields under its name, each bar as <name>_pass_<bar>."""
+    out: dict = {}
+    for check in checks:
+        for key, value in check.to_json().items():
+            if key == "passes":
+                out.update({f"{check.name}_pass_{bar}": ok for bar, ok in value.items()})
+            elif key != "name":
+                out[f"{check.name}_{key}"] = value
+    out["all_ok"] = all(c.ok for c in checks)
+    return out
 
 
 def typicality_judge(run: Run) -> str | None:
@@ -172,7 +185,8 @@ def table(checks: list[Check]) -> str:
 def main(argv: list[str] | None = None) -> list[Check]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="run directories (the run_dir=... of trainers/<recipe>.py)")
-    parser.add_argument("--json", help="also write the checks to this JSON file")
+    add_report_args(parser, quick=None, json_help="also write the checks here, as one flat JSON object "
+                    "(<run name>_<field>, <run name>_pass_<bar>, all_ok)")
     parser.add_argument("--watch-every", type=int, default=None, metavar="N",
                         help="replay the watch on the evaluations at step 0, every N-th step and the last")
     parser.add_argument("--until", type=int, default=None, metavar="S",
@@ -186,8 +200,7 @@ def main(argv: list[str] | None = None) -> list[Check]:
         runs = [truncated(r, args.until) for r in runs]
     checks = [check_run(r, args.watch_every) for r in runs]
     print(table(checks))
-    if args.json:
-        Path(args.json).write_text(json.dumps([c.to_json() for c in checks], indent=1) + "\n")
+    write_json(args.json, flat_result(checks))
     return checks
 
 

@@ -42,6 +42,9 @@ def adapters_disabled(module: nn.Module):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    # peft's enable_adapters(True) marks every active adapter trainable again: an adapter frozen on purpose
+    # (Wan2.2's expert left out by model.experts) would then get gradients and be exported as trained.
+    frozen = [p for layer in layers for p in layer.parameters() if not p.requires_grad]
     for layer in layers:
         layer.enable_adapters(False)
     try:
@@ -49,6 +52,8 @@ def adapters_disabled(module: nn.Module):
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def lora_state_dict(module: nn.Module) -> dict:

@@ -128,8 +128,8 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "good" in text and "bad" in text and "watch_final" in text
     data = json.loads(out.read_text())
-    assert [d["name"] for d in data] == ["good", "bad"] and [d["ok"] for d in data] == [True, False]
-    assert data[1]["watch_steps"] == [30] and checks[0].ok
+    assert (data["good_ok"], data["bad_ok"], data["all_ok"]) == (True, False, False)
+    assert data["bad_watch_steps"] == [30] and data["good_pass_watch_final"] is True and checks[0].ok
     with pytest.raises(SystemExit):
         dc.main([str(good), "--watch-every", "0"])
 

@@ -40,3 +40,22 @@ def test_gaussian_init_is_seeded_too():
     assert all(torch.equal(a[n], b[n]) for n in a)
     lora_a = next(p for n, p in a.items() if "lora_A" in n)
     assert 0.2 < float(lora_a.std()) * 4 ** 0.5 < 5  # N(0, 1/r), r = 4: not the Kaiming-uniform default
+
+
+def test_switching_the_adapters_off_and_on_keeps_a_frozen_adapter_frozen():
+    """The reference forward (`adapters_disabled`) must not make trainable an adapter frozen on purpose (Wan2.2's
+    expert left out by model.experts): peft's enable_adapters(True) marks every active adapter trainable again,
+    and a later export then wrote the untouched expert as trained."""
+    from flywheel.lora import adapters_disabled, add_lora
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    add_lora(module, 2, 2, ["0", "1"])
+    for name, p in module.named_parameters():
+        if name.startswith("1.") and "lora_" in name:
+            p.requires_grad_(False)
+    before = {n: p.requires_grad for n, p in module.named_parameters()}
+    assert any(before.values()) and not all(v for n, v in before.items() if "lora_" in n)
+    x = torch.ones(1, 4)
+    with adapters_disabled(module):
+        module(x)
+    assert {n: p.requires_grad for n, p in module.named_parameters()} == before

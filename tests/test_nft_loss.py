@@ -218,6 +218,7 @@ class TrainKeys(NFTConfig):
     minibatch_size: int = 2
     gradient_accumulation_steps: int = 2
     max_grad_norm: float = 1e9  # no clipping: the oracle is plain SGD
+    kl_beta: float = 0.0  # the paper's KL-free loss (the recipe's default 0.03 needs a reference; tested on its own)
 
 
 @dataclass

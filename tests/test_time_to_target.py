@@ -258,7 +258,7 @@ def test_cached_entries_run_their_recipes_config_with_the_cache(tmp_path, capsys
     with pytest.raises(SystemExit):
         ttt.parse_args(["--cached", "--cache-threshold", "0"])
     assert ttt.main(["--recipes", "grpo,awm", "--cached", "--check-only", "--out-dir", str(tmp_path / "runs")]) == 0
-    assert "awm+cache: 120 steps, sampling.cache_threshold=0.15" in capsys.readouterr().out
+    assert "awm+cache: 50 steps, sampling.cache_threshold=0.15" in capsys.readouterr().out
 
 
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
