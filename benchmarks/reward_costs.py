@@ -146,8 +146,13 @@ def rendered_text(batch: int, pixels: int, text: str = "HELLO"):
 # ---- the rows: name -> (what it is given, seconds per image) ----------------------------------------------
 
 
-def measure_rows(sizes: Sizes, root: Path) -> tuple[list[tuple[str, str, float | None]], dict]:
-    """Every row's (name, input, seconds per image, None when skipped) and the extra keys (skips, HPSv3's)."""
+ROW_NAMES = ("digit_alignment", "number_alignment", "jpeg_compressibility", "ocr", "clip_score", "clip_score_video",
+             "pickscore", "pickscore_video", "aesthetic", "aesthetic_video", "audio_loudness", "av_onset_sync", "hpsv3")
+
+
+def measure_rows(sizes: Sizes, root: Path, only: set[str] | None = None) -> tuple[list[tuple[str, str, float | None]], dict]:
+    """Every row's (name, input, seconds per image, None when skipped) and the extra keys (skips, HPSv3's);
+    with `only`, just those rows are timed (their models are still built)."""
     import torch
 
     import rewards
@@ -158,6 +163,8 @@ def measure_rows(sizes: Sizes, root: Path) -> tuple[list[tuple[str, str, float |
     extra: dict = {}
 
     def row(name: str, given: str, scorer, images, prompts, **kwargs) -> None:
+        if only is not None and name not in only:
+            return
         call = lambda: scorer(images, prompts, [{}] * len(prompts), **kwargs)  # noqa: E731
         rows.append((name, given, seconds_per_image(call, len(prompts), r)))
         print(f"{name} ({given}): {rows[-1][2]:.4g} s/image", flush=True)
@@ -200,7 +207,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=None, help="images per call (default 8, --quick 2)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 2, --quick 1)")
     parser.add_argument("--pixels", type=int, default=None, help="image side (default 512, --quick 64)")
+    parser.add_argument("--only", default=None, metavar="NAMES",
+                        help=f"comma-separated rows to time (default all): {', '.join(ROW_NAMES)}")
     args = parser.parse_args(argv)
+    only = None if args.only is None else {n.strip() for n in args.only.split(",") if n.strip()}
+    if only is not None and (not only or only - set(ROW_NAMES)):
+        parser.error(f"--only {args.only!r}: unknown rows {sorted(only - set(ROW_NAMES)) or '(none given)'}; "
+                     f"valid: {', '.join(ROW_NAMES)}")
     import torch
 
     sizes = Sizes(batch=args.batch or (2 if args.quick else 8), repeats=args.repeats or (1 if args.quick else 2),
@@ -210,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--batch {sizes.batch} and --repeats {sizes.repeats} must be >= 1, --pixels "
                          f"{sizes.pixels} >= 32")
     with tempfile.TemporaryDirectory(prefix="flywheel-reward-costs-") as tmp:
-        rows, extra = measure_rows(sizes, Path(tmp))
+        rows, extra = measure_rows(sizes, Path(tmp), only)
     result: dict = {"threads": torch.get_num_threads(), "batch": sizes.batch, "repeats": sizes.repeats,
                     "pixels": sizes.pixels, "quick": bool(args.quick)}
     for name, given, seconds in rows:

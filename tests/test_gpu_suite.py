@@ -200,3 +200,14 @@ def test_reward_costs_quick_measures_every_scorer_of_the_docs_table(tmp_path):
     assert "TINY" in got["hpsv3_input"]
     assert got["hpsv3_real_over_tiny_params"] == pytest.approx(QWEN2_VL_7B_PARAMS / got["hpsv3_tiny_params"])
     assert json.loads((tmp_path / "c.json").read_text()) == got
+
+
+def test_reward_costs_only_times_the_named_rows_and_refuses_unknown_ones(tmp_path, capsys):
+    from benchmarks.reward_costs import main
+
+    got = main(["--quick", "--only", "digit_alignment,audio_loudness"])
+    assert {k for k in got if k.endswith("_s_per_image")} == {"digit_alignment_s_per_image",
+                                                             "audio_loudness_s_per_image"}
+    with pytest.raises(SystemExit):
+        main(["--quick", "--only", "digit_alignment,pickscor"])
+    assert "unknown rows ['pickscor']" in capsys.readouterr().err
