@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models: the tiny HPSv3 folder
 
 from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402
 
@@ -91,43 +92,12 @@ def clip_folder(root: Path, kind: str) -> Path:
 
 
 def hpsv3_folder(root: Path) -> tuple[Path, int]:
-    """A tiny random Qwen2-VL (2 layers, width 32) with a word-level tokenizer, Qwen2-VL's image processor and
-    a random reward head, laid out as an HPSv3 folder; returns it and the backbone's parameter count."""
-    import torch
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    """The tests' tiny random HPSv3 folder (tests/tiny_models/hpsv3.py), with positions for a 512x512 image;
+    returns it and the backbone's parameter count."""
+    from tiny_models.hpsv3 import write_tiny_hpsv3
 
-    from rewards.hpsv3 import HEAD_FILE, REWARD_TOKEN
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", REWARD_TOKEN]
-    words = ["a", "cat", "dog", "red", "blue", "photo", "of", "the", "image", "prompt", "score", "system", "user",
-             "assistant", "you", "are", "helpful", "."]
     folder = root / "tiny-hpsv3"
-    vocab = {t: i for i, t in enumerate(["[UNK]"] + words + specials)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="<|endoftext|>",
-                                        additional_special_tokens=specials[1:])
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, in_channels=3,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["[UNK]"],
-        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    Qwen2VLImageProcessorPil().save_pretrained(folder)
-    save_file({"rm_head.0.weight": torch.randn(16, 32), "rm_head.0.bias": torch.randn(16),
-               "rm_head.3.weight": torch.randn(8, 16), "rm_head.3.bias": torch.randn(8),
-               "rm_head.5.weight": torch.randn(2, 8), "rm_head.5.bias": torch.randn(2)}, str(folder / HEAD_FILE))
-    return folder, sum(p.numel() for p in model.parameters())
+    return folder, write_tiny_hpsv3(folder, max_positions=32768)
 
 
 def rendered_text(batch: int, pixels: int, text: str = "HELLO"):
