@@ -62,6 +62,22 @@ def test_loss_is_the_mean_over_pairs_of_minus_log_sigmoid_of_the_implicit_margin
     assert float(stats["ref_mse"]) == pytest.approx(1.25, abs=1e-6)
 
 
+def test_kl_beta_adds_the_weighted_velocity_mse_to_the_reference_and_its_gradient():
+    """loss = DPO + kl_beta·sum_p w_p·(mean|v_w - ref_w|^2 + mean|v_l - ref_l|^2)/2: per-pair MSEs 0.5 and 2 (above)."""
+    loss, stats = loss_of(kl_beta=0.1)
+    assert float(loss) == pytest.approx((LOSS_0 + LOSS_1) / 2 + 0.1 * 1.25, rel=1e-6)
+    assert float(stats["ref_mse"]) == pytest.approx(1.25, abs=1e-6)  # logged as before, without the weight
+    loss, _ = loss_of(kl_beta=0.1, weight=torch.tensor([0.25, 0.75]))
+    assert float(loss) == pytest.approx(0.25 * LOSS_0 + 0.75 * LOSS_1 + 0.1 * (0.25 * 0.5 + 0.75 * 2.0), rel=1e-6)
+    # The KL's own gradient: d/dv_w of kl_beta·w_p·mean|v_w - ref_w|^2/2 = kl_beta·w_p·(v_w - ref_w)/D, D = 2.
+    grads = []
+    for kl_beta in (0.0, 0.1):
+        v_w = V_W.clone().requires_grad_(True)
+        dpo_loss(v_w, V_L, REF_W, REF_L, X0_W, X0_L, EPS, BETA, kl_beta=kl_beta)[0].backward()
+        grads.append(v_w.grad)
+    torch.testing.assert_close(grads[1] - grads[0], 0.1 * 0.5 * (V_W - REF_W) / 2)
+
+
 def test_pair_weights_select_and_weigh_pairs():
     loss, stats = loss_of(weight=torch.tensor([1.0, 0.0]))
     assert float(loss) == pytest.approx(LOSS_0, rel=1e-6)

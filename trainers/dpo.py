@@ -38,6 +38,8 @@ Deviations, each on purpose:
 - ODE rollouts by default (flow_grpo: Flow-SDE); training uses the conditional
   velocity only.
 - Times and noise come from a generator seeded by (seed, step, rank).
+- `train.kl_beta` (default 0, off: the paper's loss) adds a velocity MSE to the
+  reference, an option from outside the paper; neither public code has it.
 - Several ranks run the same number of minibatches (zero-weight padding), so DDP's
   collectives line up; a step with no pair on any rank takes no optimizer step.
 
@@ -100,6 +102,9 @@ class DPOConfig(OptimConfig):
     schedule's time shift (public codes)"""
     minibatch_size: int = 64
     """pairs per training forward (each pair is two rows, winner and loser)"""
+    kl_beta: float = 0.0
+    """weight of the velocity MSE to the reference, mean over both rows of each pair of ||v_theta - v_ref||^2, added
+    to the loss (0 = the paper's loss alone)"""
     swap_pairs: bool = False
     """a control for tests: train every pair the wrong way round (loser as the winner); the reward must fall"""
 
@@ -177,8 +182,9 @@ def preference_pairs(rewards: torch.Tensor, valid: torch.Tensor, group_ids: torc
 
 def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_l: torch.Tensor,
              x0_w: torch.Tensor, x0_l: torch.Tensor, noise: torch.Tensor, beta: float,
-             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Diffusion-DPO loss of P pairs: sum over pairs of weight·(-log sigmoid(-beta·Delta)).
+             weight: torch.Tensor | None = None, kl_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Diffusion-DPO loss of P pairs: sum over pairs of weight·(-log sigmoid(-beta·Delta)), plus kl_beta times the
+    pairs' weighted velocity MSE to the reference (1/2 of winner's plus loser's mean ||v_theta - v_ref||^2).
 
     v_w, v_l [P, ...]: the trained policy's velocities at the winner's and the
     loser's x_t = (1 - t)·x0 + t·noise (one t and one noise per pair); v_ref_*:
@@ -194,10 +200,12 @@ def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_
     ref_l = matching_error(v_ref_l.detach(), x0_l, noise)
     delta = (e_w - ref_w) - (e_l - ref_l)
     margin = -beta * delta  # the implicit reward margin: > 0 when the policy prefers the winner more than ref
-    loss = (weight * -F.logsigmoid(margin)).sum()
+    dpo = (weight * -F.logsigmoid(margin)).sum()
     # The velocity MSE to the reference over both rows of each pair: how far the policy has moved.
-    kl = (weight * 0.5 * ((v_w.float() - v_ref_w.float()).pow(2).flatten(1).mean(1)
-                          + (v_l.float() - v_ref_l.float()).pow(2).flatten(1).mean(1))).sum().detach()
+    kl = (weight * 0.5 * ((v_w.float() - v_ref_w.detach().float()).pow(2).flatten(1).mean(1)
+                          + (v_l.float() - v_ref_l.detach().float()).pow(2).flatten(1).mean(1))).sum()
+    loss = dpo + kl_beta * kl if kl_beta else dpo
+    kl = kl.detach()
     m = margin.detach()
     stats = {
         "loss": loss.detach(),
@@ -317,7 +325,8 @@ class DPO(ServesTrainedWeights):
                 with torch.no_grad():
                     v_ref = policy.ref_velocity(x_t, t, cond)
                 v = policy.velocity(self.transformer, x_t, t, cond)
-                loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight)
+                loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight,
+                                     tc.kl_beta)
                 grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
                 grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
             grads.maybe_step(m)
@@ -334,6 +343,7 @@ def validate_config(cfg: Config) -> None:
     checks = check_shared_sections(cfg)
     check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
+    checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = the paper's loss alone)")
     checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
     checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")
     if cfg.train.gradient_accumulation_steps != 1 or cfg.train.updates_per_rollout not in (None, 1):
