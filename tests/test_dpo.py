@@ -113,6 +113,7 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     ("train.beta=inf", "train.beta=inf: must be a finite number"),
     ("train.kl_beta=-0.5", "train.kl_beta=-0.5: must be >= 0"),
     ("train.kl_beta=nan", "train.kl_beta=nan: must be a finite number"),
+    ("train.kl_rows=all", "train.kl_rows=all: it sets the rows train.kl_beta regularises, but train.kl_beta=0.0"),
     ("train.gradient_accumulation_steps=2", "the number of pairs (so of minibatches) changes from step to step"),
     ("train.updates_per_rollout=2", "train.updates_per_rollout=2"),
     ("reward.aggregation=sum_of_advantages", "reward.aggregation=sum_of_advantages: DPO ranks samples by their total reward"),

@@ -9,7 +9,7 @@ the update is compared with plain SGD on a loss written here from the formulas
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +20,7 @@ from engine import Engine, GenerationRequest, PromptEmbeds, load_model
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.update import update_generator
-from trainers.dpo import DPO, DRAW_STREAM, DPOConfig, dpo_loss, draw_times_and_noise, preference_pairs
+from trainers.dpo import ANCHOR_STREAM, DPO, DRAW_STREAM, DPOConfig, dpo_loss, draw_times_and_noise, preference_pairs
 
 # ---- the 2-pair case ------------------------------------------------------------------------
 # pair 0: x0_w = [0, 1], x0_l = [1, 0], eps = [1, 1]  -> u_w = eps - x0_w = [1, 0], u_l = [0, 1]
@@ -279,6 +279,57 @@ def test_dpo_update_equals_sgd_on_the_hand_written_loss(toy, swap):
     assert metrics["dpo/pairs"] == 2 and metrics["dpo/groups_used"] == 1.0
     assert metrics["dpo/reward_gap"] == pytest.approx((0.8 + 0.6) / 2)
     assert metrics["ref_mse"] > 0 and metrics["grad_norm"] > 0 and 0 <= metrics["dpo/implicit_acc"] <= 1
+
+
+def test_kl_rows_all_adds_every_rows_velocity_mse_to_the_reference_as_sgd_on_the_hand_written_loss(toy):
+    """train.kl_rows=all: each minibatch adds kl_beta·sum over its share of the step's rows (rows m, m + M, ... of
+    M minibatches) of mean|v_theta - v_ref|^2 / ROWS, at one flow time and noise a row from the anchor stream; the
+    pair rows' own KL is then left out (they are among the rows)."""
+    model, traj, reference, start = toy
+    cfg = RecipeConfig(seed=3)
+    cfg.train.kl_beta, cfg.train.kl_rows = 0.5, "all"
+    model.transformer.load_state_dict(start)
+    metrics = run_update(model, traj, reference, cfg, step=4)
+    after_recipe = copy.deepcopy(model.transformer.state_dict())
+
+    # The oracle: the pair terms as above, one pair per minibatch, then each minibatch's anchor rows.
+    model.transformer.load_state_dict(start)
+    transformer = model.transformer
+    tc = cfg.train
+    opt = torch.optim.SGD(transformer.parameters(), lr=LR)
+    times, noise = draw_times_and_noise(traj, 2, tc, update_generator(cfg.seed, 4, 0, DRAW_STREAM))
+    anchor_t, anchor_eps = draw_times_and_noise(traj, ROWS, replace(tc, timesteps_per_pair=1),
+                                                update_generator(cfg.seed, 4, 0, ANCHOR_STREAM))
+    x0 = traj.latents[:, -1]
+    anchor_mses = []
+    for p, (w, lo) in enumerate(HAND_PAIRS):
+        for i in range(tc.timesteps_per_pair):
+            t, eps = float(times[p, i]), noise[p, i]
+            errors = {}
+            for name, row in (("w", w), ("l", lo)):
+                cond = row_cond(traj, row)
+                x_t = (1 - t) * x0[[row]] + t * eps
+                with torch.no_grad():
+                    ref_error = ((model.velocity(reference, x_t, t, cond) - (eps - x0[[row]])) ** 2).mean()
+                errors[name] = ((model.velocity(transformer, x_t, t, cond) - (eps - x0[[row]])) ** 2).mean() - ref_error
+            (-torch.log(torch.sigmoid(-tc.beta * (errors["w"] - errors["l"]))) / tc.timesteps_per_pair).backward()
+        for row in range(p, ROWS, 2):  # this minibatch's share of the rows
+            t, eps = float(anchor_t[row, 0]), anchor_eps[row, 0]
+            x_t = (1 - t) * x0[[row]] + t * eps
+            cond = row_cond(traj, row)
+            with torch.no_grad():
+                v_ref = model.velocity(reference, x_t, t, cond)
+            mse = ((model.velocity(transformer, x_t, t, cond) - v_ref) ** 2).mean()
+            anchor_mses.append(float(mse))
+            (tc.kl_beta * mse / ROWS).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, value in transformer.state_dict().items():
+        torch.testing.assert_close(after_recipe[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # Logged: the mean over minibatches of each one's mean anchor MSE (4 rows each).
+    assert metrics["dpo/anchor_mse"] == pytest.approx((sum(anchor_mses[:4]) / 4 + sum(anchor_mses[4:]) / 4) / 2,
+                                                      rel=1e-5)
+    assert metrics["dpo/anchor_mse"] > 0
 
 
 def test_no_pair_takes_no_step_and_says_why(toy):

@@ -39,7 +39,9 @@ Deviations, each on purpose:
   velocity only.
 - Times and noise come from a generator seeded by (seed, step, rank).
 - `train.kl_beta` (default 0, off: the paper's loss) adds a velocity MSE to the
-  reference, an option from outside the paper; neither public code has it.
+  reference, an option from outside the paper; neither public code has it. It covers
+  the pairs' rows, or with `train.kl_rows=all` every rollout row of the step (one flow
+  time each, an extra forward of the policy and the reference per row).
 - Several ranks run the same number of minibatches (zero-weight padding), so DDP's
   collectives line up; a step with no pair on any rank takes no optimizer step.
 
@@ -50,7 +52,7 @@ docs/recipes/dpo.md; why the toy default still games its reward: docs/tuning_dpo
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
@@ -75,6 +77,7 @@ from flywheel.recipe.update import GradientSteps, trajectory_conditioning, updat
 
 # The stream of update_generator for DPO's flow times and noise (never equal to another recipe's draws).
 DRAW_STREAM = 0x44504F  # "DPO"
+ANCHOR_STREAM = 0x44504F41  # "DPOA": the flow times and noise of train.kl_rows=all's rows
 PAIRINGS = ("best_worst", "all_pairs")
 
 
@@ -105,6 +108,9 @@ class DPOConfig(OptimConfig):
     kl_beta: float = 0.0
     """weight of the velocity MSE to the reference, mean over both rows of each pair of ||v_theta - v_ref||^2, added
     to the loss (0 = the paper's loss alone)"""
+    kl_rows: Literal["pairs", "all"] = "pairs"
+    """the rows kl_beta pulls toward the reference: "pairs" (the trained winners and losers) or "all" (every rollout
+    row of the step, at one flow time each from time_sampling: a class whose groups give no pair is held too)"""
     swap_pairs: bool = False
     """a control for tests: train every pair the wrong way round (loser as the winner); the reward must fall"""
 
@@ -260,6 +266,11 @@ def draw_times_and_noise(traj: Trajectory, n_pairs: int, tc: DPOConfig, generato
     return times, noise
 
 
+def anchor_mse(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """Per-row velocity MSE to the reference [R], mean over elements (train.kl_rows=all's term)."""
+    return (v.float() - v_ref.detach().float()).pow(2).flatten(1).mean(1)
+
+
 # ---------------------------------------------------------------------------------------
 # The update
 # ---------------------------------------------------------------------------------------
@@ -311,7 +322,16 @@ class DPO(ServesTrainedWeights):
                                                                               self.accelerator.process_index,
                                                                               DRAW_STREAM))
         grads = GradientSteps(self.accelerator, self.transformer, self.optimizer, policy.named_params, tc, step)
-        for m, slot in enumerate(grads.minibatches(slots)):
+        minibatches = grads.minibatches(slots)
+        anchored = tc.kl_beta > 0 and tc.kl_rows == "all"
+        if anchored:
+            # Every row of the step, spread over the minibatches (each rank has the same rows and minibatches).
+            anchor_rows = [list(range(m, len(traj), len(minibatches))) for m in range(len(minibatches))]
+            anchor_t, anchor_eps = draw_times_and_noise(traj, len(traj), replace(tc, timesteps_per_pair=1),
+                                                        update_generator(cfg.seed, step,
+                                                                         self.accelerator.process_index,
+                                                                         ANCHOR_STREAM))
+        for m, slot in enumerate(minibatches):
             w_rows, l_rows = winners[slot].tolist(), losers[slot].tolist()
             n = len(slot)
             # Winners then losers in one forward, each with its own prompt's conditioning (the same prompt per pair).
@@ -326,11 +346,30 @@ class DPO(ServesTrainedWeights):
                     v_ref = policy.ref_velocity(x_t, t, cond)
                 v = policy.velocity(self.transformer, x_t, t, cond)
                 loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight,
-                                     tc.kl_beta)
-                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+                                     0.0 if anchored else tc.kl_beta)
+                last = i == k - 1 and not (anchored and anchor_rows[m])
+                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=last)
                 grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
+            if anchored and anchor_rows[m]:
+                rows = anchor_rows[m]
+                loss, anchor_mse = self.anchor_loss(traj.select(rows), x0_all[rows], anchor_t[rows, 0].to(device),
+                                                    anchor_eps[rows, 0].to(device), tc.kl_beta, len(traj))
+                grads.backward(loss, m, last_of_minibatch=True)
+                grads.record({"dpo/anchor_mse": anchor_mse})
             grads.maybe_step(m)
         return gradient_result({**grads.metrics(), **pair_metrics, "dpo/no_pair": 0.0})
+
+    def anchor_loss(self, rows: Trajectory, x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, kl_beta: float,
+                    total_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """train.kl_rows=all: kl_beta times these rows' share of the step's mean velocity MSE to the reference (the
+        sum over their rows of mean|v_theta - v_ref|^2, over `total_rows`), and their mean MSE for the log."""
+        cond, _ = trajectory_conditioning(rows, use_cfg=False)
+        x_t = noised(x0, eps, t)
+        with torch.no_grad():
+            v_ref = self.policy.ref_velocity(x_t, t, cond)
+        v = self.policy.velocity(self.transformer, x_t, t, cond)
+        mse = anchor_mse(v, v_ref)
+        return kl_beta * mse.sum() / total_rows, mse.detach().mean()
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,6 +383,9 @@ def validate_config(cfg: Config) -> None:
     check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
     checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = the paper's loss alone)")
+    if cfg.train.kl_rows == "all" and not cfg.train.kl_beta > 0:
+        checks.fail(f"train.kl_rows=all: it sets the rows train.kl_beta regularises, but train.kl_beta="
+                               f"{cfg.train.kl_beta}; set train.kl_beta > 0 or leave train.kl_rows=pairs")
     checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
     checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")
     if cfg.train.gradient_accumulation_steps != 1 or cfg.train.updates_per_rollout not in (None, 1):
