@@ -231,7 +231,8 @@ def item_request(item: PromptItem, seed: int, card: str, request_kwargs: dict) -
 
 @torch.no_grad()
 def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], seeds_per_prompt: int,
-             request_kwargs: dict, judges: dict | None = None) -> tuple[dict[str, float], Trajectory]:
+             request_kwargs: dict, judges: dict | None = None,
+             seed_offset: int = EVAL_SEED_OFFSET) -> tuple[dict[str, float], Trajectory]:
     """Samples of `items` at fixed seeds; eval/reward/* and eval/judge/* metrics, and the trajectory.
 
     The same prompts, seeds and sampler every time, so evaluations at different
@@ -245,9 +246,11 @@ def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], se
     starts in one class, where the overall mean hides it. With more than one
     seed a prompt, `eval/diversity` is the mean over prompts of the per-pixel
     std across that prompt's seeds (`group_diversity`): the collapse a sample
-    grid shows when every seed of a prompt gives the same image.
+    grid shows when every seed of a prompt gives the same image. `seed_offset`: the
+    first seed (another one draws another evaluation set: benchmarks/watch_noise.py
+    measures the judges' noise that way).
     """
-    requests = [item_request(item, EVAL_SEED_OFFSET + s, engine.card_id, request_kwargs)
+    requests = [item_request(item, seed_offset + s, engine.card_id, request_kwargs)
                 for item in items for s in range(seeds_per_prompt)]
     # Classes come from the prompts alone: a bad class is reported before anything is generated.
     classes = eval_classes(judges or {}, [r.prompt for r in requests], [r.metadata for r in requests])
