@@ -215,8 +215,9 @@ def test_the_shipped_config_gives_the_mask_something_to_act_on():
     assert cfg.train.policy_loss == "dppo" and dppo_mask_can_act(cfg, world_size=1)
     assert not dppo_mask_can_act(config("train.policy_loss=dppo"), world_size=1)  # 128 rows, one minibatch
     grpo = parse_config(Config, ["--config", "configs/toy_numbers_grpo.yaml"])
-    # the same rollout budget and task as GRPO's toy-numbers baseline
-    assert (cfg.steps, cfg.reward.scorers) == (grpo.steps, grpo.reward.scorers)
+    # the same rollout budget and task as GRPO's toy-numbers baseline; its length is its own (70 steps, where
+    # the reward-hacking bars still hold: docs/recipes/dppo.md), and the benchmark compares no lengths
+    assert cfg.reward.scorers == grpo.reward.scorers and cfg.steps <= grpo.steps
     assert (cfg.data, cfg.sampling, cfg.model) == (grpo.data, grpo.sampling, grpo.model)
 
 
