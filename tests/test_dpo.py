@@ -103,6 +103,10 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     validate_config(cfg)
     assert cfg.sampling.sampler == "ode" and cfg.model.card == "toy-digits" and cfg.run_dir == "runs/dpo-toy"
     assert cfg.train.pairing == "best_worst" and not cfg.train.swap_pairs
+    # What keeps the toy default from gaming its reward (docs/recipes/dpo.md): the velocity pull on every row and
+    # evaluation of the EMA. No other recipe turns the EMA on by default.
+    assert (cfg.train.kl_beta, cfg.train.kl_rows) == (1.0, "all")
+    assert cfg.ema.enabled and cfg.ema.decay == 0.85
 
 
 @pytest.mark.parametrize("override, named", [
@@ -113,7 +117,7 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     ("train.beta=inf", "train.beta=inf: must be a finite number"),
     ("train.kl_beta=-0.5", "train.kl_beta=-0.5: must be >= 0"),
     ("train.kl_beta=nan", "train.kl_beta=nan: must be a finite number"),
-    ("train.kl_rows=all", "train.kl_rows=all: it sets the rows train.kl_beta regularises, but train.kl_beta=0.0"),
+    ("train.kl_beta=0", "train.kl_rows=all: it sets the rows train.kl_beta regularises, but train.kl_beta=0.0"),
     ("train.gradient_accumulation_steps=2", "the number of pairs (so of minibatches) changes from step to step"),
     ("train.updates_per_rollout=2", "train.updates_per_rollout=2"),
     ("reward.aggregation=sum_of_advantages", "reward.aggregation=sum_of_advantages: DPO ranks samples by their total reward"),
