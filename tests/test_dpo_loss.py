@@ -191,11 +191,10 @@ HAND_PAIRS = [(1, 0), (6, 5)]
 
 @dataclass
 class TrainSection(DPOConfig):
-    """The recipe's train section with one pair per minibatch, no clipping and the paper's loss alone (no velocity
-    pull, which the recipe's defaults add): the oracle is plain SGD."""
+    """The recipe's train section with one pair per minibatch, no clipping and the paper's loss alone: kl_beta 0,
+    with kl_rows left at its default "all", turns the recipe's velocity pull off. The oracle is plain SGD."""
 
     kl_beta: float = 0.0
-    kl_rows: str = "pairs"
     minibatch_size: int = 1
     max_grad_norm: float = 1e9
     timesteps_per_pair: int = 2
