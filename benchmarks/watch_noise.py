@@ -36,10 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402 (shared flags, table, JSON)
+from flywheel.rollout_collector import RESERVED_CLASS_NAMES  # noqa: E402 (eval/judge/<name>/<these> are not classes)
 
 CARDS = {"toy-digits": "digit_alignment", "toy-numbers": "number_alignment"}
 SEED_STRIDE = 1_000  # seed sets [offset, offset + seeds) never overlap (seeds a prompt stays under this)
-SUMMARY_KEYS = ("mean", "std", "invalid", "min_class")  # eval/judge/<name>/<these> are not classes
 
 
 def evaluate(card: str, repeats: int, seeds: int) -> list[dict[str, float]]:
@@ -65,7 +65,7 @@ def evaluate(card: str, repeats: int, seeds: int) -> list[dict[str, float]]:
 def class_series(evals: list[dict[str, float]]) -> dict[str, list[float]]:
     """judge/class -> its mean in each evaluation, for every per-class judge key present in all of them."""
     keys = [k for k in evals[0] if k.startswith("eval/judge/") and k.count("/") == 3
-            and k.rsplit("/", 1)[1] not in SUMMARY_KEYS]
+            and k.rsplit("/", 1)[1] not in RESERVED_CLASS_NAMES]
     return {k[len("eval/judge/"):]: [e[k] for e in evals] for k in keys if all(k in e for e in evals)}
 
 

@@ -286,7 +286,7 @@ def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], se
 
 
 # Per-class metric keys sit beside these summary keys; a class may not take one of their names.
-_RESERVED_CLASS_NAMES = ("mean", "std", "invalid", "min_class")
+RESERVED_CLASS_NAMES = ("mean", "std", "invalid", "min_class")
 
 
 def eval_classes(judges: dict, prompts: list[str], metadata: list[dict]) -> list | None:
@@ -314,9 +314,9 @@ def eval_classes(judges: dict, prompts: list[str], metadata: list[dict]) -> list
             continue
         if isinstance(c, bool) or not isinstance(c, (int, str)):
             raise ValueError(f"judge {source!r}: class {c!r} is a {type(c).__name__}; a class is an int or a str")
-        if "/" in str(c) or str(c) in _RESERVED_CLASS_NAMES or not str(c):
+        if "/" in str(c) or str(c) in RESERVED_CLASS_NAMES or not str(c):
             raise ValueError(f"judge {source!r}: class {str(c)!r} cannot name a metric; a class may not be empty, "
-                             f"contain '/' or be one of {', '.join(_RESERVED_CLASS_NAMES)}")
+                             f"contain '/' or be one of {', '.join(RESERVED_CLASS_NAMES)}")
     return found
 
 

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "watch_noise.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ holds scripts, not an installed package
 
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("watch_noise", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-wn = _load_benchmark()
+from benchmarks import watch_noise as wn  # noqa: E402
 
 
 def evaluation(typicality_3: float, svc_3: float, reward: float = 0.5) -> dict[str, float]:

@@ -61,7 +61,7 @@ from flywheel.cli import run_main
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
-from flywheel.recipe.flow_matching import matching_error, noised
+from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
@@ -228,10 +228,10 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: to
     zero = torch.zeros((), device=v_theta.device)
     kl, anchor = zero, zero
     if v_ref is not None:
-        kl = ((v_theta.float() - v_ref.detach().float()).pow(2).flatten(1).mean(1) * row_weight).sum()
+        kl = (velocity_mse(v_theta, v_ref) * row_weight).sum()
         loss = loss + kl_beta * kl
     if v_anchor is not None:
-        anchor = ((v_theta.float() - v_anchor.detach().float()).pow(2).flatten(1).mean(1) * row_weight).sum()
+        anchor = (velocity_mse(v_theta, v_anchor) * row_weight).sum()
         loss = loss + anchor_beta * anchor
     detached = error.detach()
     positive, negative = mask * (adv > 0).float(), mask * (adv < 0).float()

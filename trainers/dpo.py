@@ -68,7 +68,7 @@ from flywheel.cli import run_main
 from flywheel.distributed import all_gather_cat, rank_and_world
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradient_result
-from flywheel.recipe.flow_matching import matching_error, noised
+from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy, build_policy, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
@@ -216,8 +216,7 @@ def dpo_loss(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_
     margin = -beta * delta  # the implicit reward margin: > 0 when the policy prefers the winner more than ref
     dpo = (weight * -F.logsigmoid(margin)).sum()
     # The velocity MSE to the reference over both rows of each pair: how far the policy has moved.
-    kl = (weight * 0.5 * ((v_w.float() - v_ref_w.detach().float()).pow(2).flatten(1).mean(1)
-                          + (v_l.float() - v_ref_l.detach().float()).pow(2).flatten(1).mean(1))).sum()
+    kl = (weight * 0.5 * (velocity_mse(v_w, v_ref_w) + velocity_mse(v_l, v_ref_l))).sum()
     loss = dpo + kl_beta * kl if kl_beta else dpo
     kl = kl.detach()
     m = margin.detach()
@@ -272,11 +271,6 @@ def draw_times_and_noise(traj: Trajectory, n_pairs: int, tc: DPOConfig, generato
         raise ValueError(f"train.time_sampling={tc.time_sampling!r}: use rollout_grid, uniform or logit_normal")
     noise = torch.randn((n_pairs, k, *traj.latents.shape[2:]), generator=generator)
     return times, noise
-
-
-def anchor_mse(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
-    """Per-row velocity MSE to the reference [R], mean over elements (train.kl_rows=all's term)."""
-    return (v.float() - v_ref.detach().float()).pow(2).flatten(1).mean(1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -376,7 +370,7 @@ class DPO(ServesTrainedWeights):
         with torch.no_grad():
             v_ref = self.policy.ref_velocity(x_t, t, cond)
         v = self.policy.velocity(self.transformer, x_t, t, cond)
-        mse = anchor_mse(v, v_ref)
+        mse = velocity_mse(v, v_ref)
         return kl_beta * mse.sum() / total_rows, mse.detach().mean()
 
 

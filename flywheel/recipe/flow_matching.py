@@ -20,3 +20,9 @@ def matching_error(v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> to
     """Per-row flow-matching error: mean over elements of (v - (noise - x0))^2, shape [N], float32."""
     target = noise.float() - x0.float()
     return (v.float() - target).pow(2).flatten(1).mean(1)
+
+
+def velocity_mse(v: torch.Tensor, v_other: torch.Tensor) -> torch.Tensor:
+    """Per-row velocity MSE to another model's velocity (a reference or an anchor, held fixed): mean over elements
+    of (v - v_other)^2, shape [N], float32; the gradient flows through v only."""
+    return (v.float() - v_other.detach().float()).pow(2).flatten(1).mean(1)
