@@ -15,6 +15,9 @@ and eval rewards of both.
 Every run sets `threads=` itself (so an exported OMP_NUM_THREADS does not change what is measured): sync
 and async run on every core; the async recipe gives its engine process one thread and trains on the others
 while a rollout runs, on all of them once it is done (`cpu_core_sharing` in flywheel/recipe/rollouts.py).
+OpenMP's wait policy is the recipes' (passive, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: export one
+to measure another). `--rounds` (default 3) repeats sync, async and the one-thread run, each round in the
+reverse order of the last, and reports medians with each ratio's min and max over the rounds.
 
 It also bounds what the overlap could reach on this machine, from a short synchronous run on one thread
 (the engine process's count) and one on cores - 1 (the trainer's while a rollout runs; the same run on 2
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +48,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Before torch loads, as in the recipes: OpenMP's wait policy is read once, then, and before 2026-12-02 this
+# script measured GNU OpenMP's spinning default, which no recipe run gets (flywheel/openmp_env.py).
+import flywheel.openmp_env  # noqa: E402,F401
 from benchmarks.report import Column, add_report_args, print_metrics, print_table, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 
@@ -91,6 +98,22 @@ def layout_step_s(rollout_1: float, train_shared: float, train_all: float) -> fl
 def layout_ceiling(sync: dict, one_thread: dict, shared: dict) -> float:
     """Sync step time over `layout_step_s` (one_thread: a run on one thread; shared: on cores - 1)."""
     return sync["step_s"] / layout_step_s(one_thread["rollout_s"], shared["train_s"], sync["train_s"])
+
+
+def round_summary(per_round: list[dict]) -> dict:
+    """The flat JSON of several rounds: each mode's figures and the ratios as medians over the rounds (a ratio is
+    taken within its round, from runs made minutes apart at most), the ratios' min and max beside them."""
+    out: dict = {}
+    for mode, prefix in (("sync", "sync_"), ("async", "async_"), ("single", "one_thread_"), ("shared", "shared_")):
+        if mode == "shared" and all(r["runs"]["shared"] is r["runs"]["single"] for r in per_round):
+            continue
+        keys = per_round[0]["runs"][mode].keys() if mode in ("sync", "async") else ("rollout_s", "train_s", "step_s")
+        out.update({prefix + k: statistics.median(r["runs"][mode][k] for r in per_round) for k in keys})
+    for key in ("async_speedup", "async_speedup_ceiling", "async_of_ceiling", "async_speedup_any_overlap"):
+        values = [r[key] for r in per_round]
+        out[key] = statistics.median(values)
+        out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
+    return out
 
 
 def phase_cpu_seconds(repeats: int = 3) -> dict:
@@ -147,6 +170,9 @@ def phase_cpu_seconds(repeats: int = 3) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of sync, async and one-thread runs, each round in the reverse order of the last; "
+                             "the figures are medians over rounds (--quick: 1)")
     add_report_args(parser, quick="10 steps each (under a minute)")
     parser.add_argument("--phases", action="store_true",
                         help="CPU seconds of a default step's phases at one thread instead (load-insensitive)")
@@ -158,25 +184,31 @@ def main() -> None:
         write_json(args.json, result)
         return
     steps = 10 if args.quick else args.steps
-
+    rounds = 1 if args.quick else args.rounds
     cores = os.cpu_count() or 1
-    sync = run([f"threads={cores}"], steps, args.overrides)
-    asynchronous = run([f"threads={cores}", "rollout.asynchronous=true"], steps, args.overrides)
-    short = max(4, steps // 4)
-    single = run(["threads=1"], short, args.overrides)
-    shared = single if cores <= 2 else run([f"threads={cores - 1}"], short, args.overrides)
-    result = {f"sync_{k}": v for k, v in sync.items()}
-    result.update({f"async_{k}": v for k, v in asynchronous.items()})
-    result.update({f"one_thread_{k}": v for k, v in single.items() if k in ("rollout_s", "train_s", "step_s")})
-    if shared is not single:
-        result.update({f"shared_{k}": v for k, v in shared.items() if k in ("rollout_s", "train_s", "step_s")})
-    result["async_speedup"] = asynchronous["steps_per_s"] / sync["steps_per_s"]
-    result["async_speedup_ceiling"] = layout_ceiling(sync, single, shared)
-    result["async_of_ceiling"] = result["async_speedup"] / result["async_speedup_ceiling"]
-    result["async_speedup_any_overlap"] = overlap_bound(sync, single, cores)
+    modes = {"sync": [f"threads={cores}"], "async": [f"threads={cores}", "rollout.asynchronous=true"],
+             "single": ["threads=1"]}
+    if cores > 2:
+        modes["shared"] = [f"threads={cores - 1}"]
+    per_round = []
+    for i in range(rounds):
+        # Every round runs each mode once, in the reverse order of the round before: the machine's speed
+        # drifts by 10-30% over minutes here, and a fixed order would charge that drift to one mode.
+        order = list(modes) if i % 2 == 0 else list(reversed(modes))
+        runs = {name: run(modes[name], steps if name in ("sync", "async") else max(4, steps // 4), args.overrides)
+                for name in order}
+        runs.setdefault("shared", runs["single"])
+        speedup = runs["async"]["steps_per_s"] / runs["sync"]["steps_per_s"]
+        ceiling = layout_ceiling(runs["sync"], runs["single"], runs["shared"])
+        per_round.append({"runs": runs, "async_speedup": speedup, "async_speedup_ceiling": ceiling,
+                          "async_of_ceiling": speedup / ceiling,
+                          "async_speedup_any_overlap": overlap_bound(runs["sync"], runs["single"], cores)})
+    result = round_summary(per_round)
     result["cores"] = cores
     result["steps"] = steps
+    result["rounds"] = rounds
     result["load_average_1m"] = os.getloadavg()[0]  # other work on the machine: the figures need it near 0
+    sync, asynchronous, single = (per_round[0]["runs"][k] for k in ("sync", "async", "single"))  # the table: round 0
 
     print_table([Column("mode", 16, align="<"), Column("steps/s", 9, ".3f"), Column("rollout s", 11, ".3f"),
                  Column("train s", 9, ".3f"), Column("wall s", 8, ".1f"), Column("train reward", 14, ".3f"),
@@ -184,9 +216,15 @@ def main() -> None:
                 [(mode, r["steps_per_s"], r["rollout_s"], r["train_s"], r["wall_s"], r["final_train_reward"],
                   r["final_eval_reward"]) for mode, r in (("sync", sync), ("async", asynchronous),
                                                           ("sync, 1 thread", single))])
+    if rounds > 1:
+        print_table([Column("round", 6), Column("async speedup", 14, ".3f"), Column("ceiling", 8, ".3f"),
+                     Column("of ceiling", 11, ".3f")],
+                    [(i, r["async_speedup"], r["async_speedup_ceiling"], r["async_of_ceiling"])
+                     for i, r in enumerate(per_round)])
     print(f"async_speedup {result['async_speedup']:.2f}x = {result['async_of_ceiling']:.2f} of the layout's ceiling "
-          f"{result['async_speedup_ceiling']:.2f}x (goal >= 0.9); any overlap on {cores} cores: at most "
-          f"{result['async_speedup_any_overlap']:.2f}x; load average {result['load_average_1m']:.2f}")
+          f"{result['async_speedup_ceiling']:.2f}x (goal >= 0.9; medians of {rounds} round(s), of ceiling "
+          f"{result['async_of_ceiling_min']:.2f}-{result['async_of_ceiling_max']:.2f}); any overlap on {cores} "
+          f"cores: at most {result['async_speedup_any_overlap']:.2f}x; load average {result['load_average_1m']:.2f}")
     write_json(args.json, result)
 
 
