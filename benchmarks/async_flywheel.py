@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous flywheel on the toy task: steps/s and the rewards both reach.
 
-    python benchmarks/async_flywheel.py --json out.json      # 40 steps each
+    python benchmarks/async_flywheel.py --json out.json      # 3 rounds of 40 steps each (about 7 minutes)
     python benchmarks/async_flywheel.py --quick              # 10 steps each
     python benchmarks/async_flywheel.py --phases             # CPU seconds of a step's phases, one thread (30 s)
 
@@ -185,6 +185,8 @@ def main() -> None:
         return
     steps = 10 if args.quick else args.steps
     rounds = 1 if args.quick else args.rounds
+    if rounds < 1 or steps < 2:  # steps/s is timed from the first step's end: it needs two steps
+        parser.error(f"--rounds must be >= 1 and --steps >= 2, got --rounds {rounds} --steps {steps}")
     cores = os.cpu_count() or 1
     modes = {"sync": [f"threads={cores}"], "async": [f"threads={cores}", "rollout.asynchronous=true"],
              "single": ["threads=1"]}
