@@ -63,7 +63,7 @@ from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -452,10 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="awm")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="awm")
-    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
-    optimizer = make_optimizer(policy, cfg.train)
-    run.resume(policy, optimizer)
-    transformer, optimizer = run.prepare(policy, optimizer)
+    policy, transformer, optimizer = run.trained_policy(reference=cfg.train.kl_beta > 0)
     awm = AWM(policy, optimizer, transformer, cfg, run.accelerator)
     awm.load_state_dict(run.recipe_tensors)  # the EMA anchor of a resumed run
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)

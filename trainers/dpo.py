@@ -70,7 +70,7 @@ from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, EMAConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -410,10 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="dpo")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="dpo")
-    policy = build_policy(cfg, run.device, reference=True)
-    optimizer = make_optimizer(policy, cfg.train)
-    run.resume(policy, optimizer)
-    transformer, optimizer = run.prepare(policy, optimizer)
+    policy, transformer, optimizer = run.trained_policy(reference=True)
     dpo = DPO(policy, optimizer, transformer, cfg, run.accelerator)
     dpo.load_state_dict(run.recipe_tensors)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)

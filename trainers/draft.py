@@ -64,7 +64,7 @@ from engine.sampling import ode_step
 from flywheel.cli import run_main
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import WeightEMA
-from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -506,10 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="draft")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="draft")
-    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0)
-    optimizer = make_optimizer(policy, cfg.train)
-    run.resume(policy, optimizer)
-    transformer, optimizer = run.prepare(policy, optimizer)
+    policy, transformer, optimizer = run.trained_policy(reference=cfg.train.kl_beta > 0)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)
     draft = Draft(policy, optimizer, transformer, cfg, run.accelerator, DifferentiableReward.for_run(cfg, rollouts))
     draft.load_state_dict(run.recipe_tensors)  # the EMA anchor of a resumed run

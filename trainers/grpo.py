@@ -65,7 +65,7 @@ from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradient_result
 from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -661,10 +661,7 @@ def main(argv: list[str] | None = None) -> dict:
               "(KL 0 to the behaviour policy), so the mask never acts and the loss is the unclipped policy gradient; "
               "lower train.minibatch_size (or set train.updates_per_rollout > 1) for a trust region that acts",
               file=sys.stderr, flush=True)
-    policy = build_policy(cfg, run.device, reference=cfg.train.kl_beta > 0 or cfg.train.log_kl)
-    optimizer = make_optimizer(policy, cfg.train)
-    run.resume(policy, optimizer)
-    transformer, optimizer = run.prepare(policy, optimizer)
+    policy, transformer, optimizer = run.trained_policy(reference=cfg.train.kl_beta > 0 or cfg.train.log_kl)
     grpo = GRPO(policy, optimizer, transformer, cfg, run.accelerator)
     grpo.load_state_dict(run.recipe_tensors)
     rollouts = Rollouts(cfg, run.accelerator, policy, run.version, run.trainer_state)

@@ -61,7 +61,7 @@ from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy, build_policy, make_optimizer
+from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -465,10 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="nft")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="nft")
-    policy = build_policy(cfg, run.device, reference=bool(cfg.train.kl_beta))  # only the KL penalty needs one
-    optimizer = make_optimizer(policy, cfg.train)
-    run.resume(policy, optimizer)
-    transformer, optimizer = run.prepare(policy, optimizer)
+    policy, transformer, optimizer = run.trained_policy(reference=bool(cfg.train.kl_beta))  # only the KL penalty needs one
     nft = NFT(policy, optimizer, transformer, cfg, run.accelerator)
     nft.load_state_dict(run.recipe_tensors)  # theta_old of a resumed run
     # The engine serves the trained module; the loop swaps theta_old into it around rollouts and syncs

@@ -43,7 +43,7 @@ from flywheel.prompts import load_prompts
 from flywheel.recipe.best import LORA_DIRNAME, WEIGHTS_FILENAME, BestCheckpoint
 from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
 from flywheel.recipe.hacking_stop import HackingStop
-from flywheel.recipe.policy import Policy, fsdp_full_params
+from flywheel.recipe.policy import Policy, build_policy, fsdp_full_params, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.sections import eval_request_kwargs
 from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trainable, save_checkpoint
@@ -196,6 +196,16 @@ class RecipeRun:
         if checkpointed:
             ema.load_state_dict(checkpointed)
         return ema
+
+    def trained_policy(self, reference: bool):
+        """The policy every recipe trains, ready for the launch: built on this run's device (with a frozen
+        reference when `reference`), its optimizer from cfg.train, both resumed from the checkpoint (if any),
+        then prepared (DDP, FSDP). Returns (policy, train_transformer, optimizer)."""
+        policy = build_policy(self.cfg, self.device, reference=reference)
+        optimizer = make_optimizer(policy, self.cfg.train)
+        self.resume(policy, optimizer)
+        transformer, optimizer = self.prepare(policy, optimizer)
+        return policy, transformer, optimizer
 
     def prepare(self, policy: Policy, optimizer):
         """Wrap the transformer and optimizer for the launch (DDP, FSDP); returns (train_transformer, optimizer)."""
