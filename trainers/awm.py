@@ -60,7 +60,8 @@ from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
-from flywheel.recipe.ema import WeightEMA
+from flywheel.recipe.ema import (ANCHOR_PREFIX, WeightEMA, anchor_checkpoint,  # noqa: F401 (ANCHOR_PREFIX: its names)
+                                 checkpointed_anchor)
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
@@ -78,7 +79,6 @@ HUBER_DELTA = 1e-10
 # user's of the same (seed, step, rank), such as a rollout's starting noise.
 DRAW_STREAM = 0x41574D  # "AWM"
 # The EMA anchor's tensors in a checkpoint (beside the trained weights, see RecipeRun.save).
-ANCHOR_PREFIX = "ema_anchor/"
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,10 +359,7 @@ def ema_anchor(policy: Policy, tc: AWMConfig, checkpointed: dict[str, torch.Tens
     if tc.anchor_beta == 0:
         return None
     anchor = EMAAnchor(policy.named_params)
-    saved = {k[len(ANCHOR_PREFIX):]: v for k, v in checkpointed.items() if k.startswith(ANCHOR_PREFIX)}
-    if checkpointed and not saved:
-        raise ValueError("resume: the checkpoint holds no EMA anchor (its run had train.anchor_beta=0); resume "
-                         "with train.anchor_beta=0, or start a fresh run")
+    saved = checkpointed_anchor(checkpointed)
     if saved:
         anchor.load_state_dict(saved)
     return anchor
@@ -436,7 +433,7 @@ class AWM:
         return contextlib.nullcontext()  # the engine samples the trained weights
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self.anchor is None else {ANCHOR_PREFIX + n: v for n, v in self.anchor.state_dict().items()}
+        return anchor_checkpoint(None if self.anchor is None else self.anchor.average)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""

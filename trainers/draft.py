@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.sampling import ode_step
 from flywheel.cli import run_main
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
-from flywheel.recipe.ema import WeightEMA
+from flywheel.recipe.ema import WeightEMA, anchor_checkpoint, checkpointed_anchor
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
@@ -77,7 +77,6 @@ from flywheel.rollout_collector import RolloutBatch
 # Keeps this recipe's draws (ReFL's steps, DRaFT-LV's noise) apart from other users of the run's seed.
 DRAW_STREAM = 0x445246  # "DRF"
 # The EMA anchor's tensors in a checkpoint (beside the trained weights, see RecipeRun.save).
-ANCHOR_PREFIX = "ema_anchor/"
 MODES = ("draft", "refl")
 
 # velocity(x, t) of the trained policy for one minibatch's conditioning, with grad.
@@ -398,10 +397,7 @@ def ema_anchor(policy: Policy, tc: DraftConfig, checkpointed: dict[str, torch.Te
     if tc.anchor_beta == 0:
         return None
     anchor = EMAAnchor(policy)
-    saved = {k[len(ANCHOR_PREFIX):]: v for k, v in checkpointed.items() if k.startswith(ANCHOR_PREFIX)}
-    if checkpointed and not saved:
-        raise ValueError("resume: the checkpoint holds no EMA anchor (its run had train.anchor_beta=0); resume "
-                         "with train.anchor_beta=0, or start a fresh run")
+    saved = checkpointed_anchor(checkpointed)
     if saved:
         anchor.average.load_state_dict(saved)
     return anchor
@@ -495,7 +491,7 @@ class Draft:
         return contextlib.nullcontext()  # the engine samples the trained weights
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self.anchor is None else {ANCHOR_PREFIX + n: v for n, v in self.anchor.average.state_dict().items()}
+        return anchor_checkpoint(None if self.anchor is None else self.anchor.average)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""

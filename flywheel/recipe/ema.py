@@ -110,3 +110,22 @@ def first_ema_move(ec) -> int:
     a run of fewer steps exports an average that is still the weights it started from.
     """
     return 1 if ec.start_step >= 1 else ec.update_every
+
+
+# Where an EMA anchor's tensors sit among a recipe's checkpointed tensors (AWM and DRaFT).
+ANCHOR_PREFIX = "ema_anchor/"
+
+
+def anchor_checkpoint(average: WeightEMA | None) -> dict[str, torch.Tensor]:
+    """An EMA anchor's tensors under ANCHOR_PREFIX, for the recipe's state_dict ({} without an anchor)."""
+    return {} if average is None else {ANCHOR_PREFIX + n: v for n, v in average.state_dict().items()}
+
+
+def checkpointed_anchor(checkpointed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The anchor's tensors in `checkpointed` (`RecipeRun.recipe_tensors`), names without the prefix; {} for a
+    fresh run. ValueError when a resumed checkpoint holds none: its run trained without an anchor."""
+    saved = {k[len(ANCHOR_PREFIX):]: v for k, v in checkpointed.items() if k.startswith(ANCHOR_PREFIX)}
+    if checkpointed and not saved:
+        raise ValueError("resume: the checkpoint holds no EMA anchor (its run had train.anchor_beta=0); resume "
+                         "with train.anchor_beta=0, or start a fresh run")
+    return saved
