@@ -5,7 +5,8 @@ update. A separate no-grad pass computes them only for the minibatches trained a
 update's first optimizer step; before it, the loss's own forward gives them, and a batch
 at staleness 0 needs no proximal policy at all (the weights that sampled are the
 proximal ones). These tests count the forwards that remain and check that each skip
-gives the loss, the gradients and the trained weights bit for bit as computing it does.
+gives the loss, the gradients and the trained weights as computing it does: bit for bit where a skip and
+the pass see the same forwards, within rounding where the pass's forwards are smaller batches.
 """
 
 import copy
@@ -140,7 +141,7 @@ def test_the_fused_proximal_log_probs_give_the_separate_pass_loss_and_gradients_
         assert float(stats_fused["is_weight/mean"]) < 0.999 and float(stats_fused["logprob_gap/max"]) > 1e-2
 
 
-def test_an_on_policy_batch_trains_bit_for_bit_as_decoupled_ppo_would(model):
+def test_an_on_policy_batch_trains_as_decoupled_ppo_would(model):
     """Staleness 0 skips decoupled PPO: the same weights as computing the proximal pass and importance weights."""
     traj = rollout(model)
     trained = torch.ones(ROWS, STEPS, dtype=torch.bool)
@@ -150,12 +151,21 @@ def test_an_on_policy_batch_trains_bit_for_bit_as_decoupled_ppo_would(model):
     skipped, after_skip, _ = update(model, traj, config(optimizer_steps=2), staleness=0)
     model.transformer.load_state_dict(start)
     computed, after_computed, _ = update(model, traj, config(optimizer_steps=2), staleness=1)
-    assert all(torch.equal(after_skip[n], after_computed[n]) for n in after_skip)
-    assert skipped == computed
+    # Bit for bit where the pass's 2-row forwards round as the engine's 8-row one did (this machine); some CPUs'
+    # kernels round a matmul by its row count, so the bound is rounding's, 3000x under the control's gap below.
+    assert weight_gap(after_skip, after_computed) <= 1e-5
+    assert skipped.keys() == computed.keys()
+    assert all(abs(skipped[k] - computed[k]) <= 1e-5 * max(1.0, abs(computed[k])) for k in skipped), (skipped, computed)
     assert skipped["clipfrac"] > 0  # two optimizer steps: the second's ratios leave the clip range
-    # The control: the same comparison on a lagged batch tells the two losses apart.
+    assert weight_gap(after_skip, start) > 5e-3  # the update moved the weights: the equality is not of a no-op
+    # The control: the same comparison on a lagged batch tells the two losses apart (the gap is 0.03 here).
     model.transformer.load_state_dict(start)
     _, lag_skip, _ = update(model, lagged(rollout(model)), config(optimizer_steps=2), staleness=0)
     model.transformer.load_state_dict(start)
     _, lag_computed, _ = update(model, lagged(rollout(model)), config(optimizer_steps=2), staleness=1)
-    assert not all(torch.equal(lag_skip[n], lag_computed[n]) for n in lag_skip)
+    assert weight_gap(lag_skip, lag_computed) > 1e-2
+
+
+def weight_gap(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts' tensors."""
+    return max(float((a[n].float() - b[n].float()).abs().max()) for n in a)

@@ -1,5 +1,6 @@
 """Every shipped config that runs on a CPU logs the same metrics.jsonl, bit for bit, as when its golden file
-was recorded: 3 steps and an evaluation, every key but the wall-clock ones (time/*, *_s).
+was recorded: 3 steps and an evaluation, every key but the wall-clock ones (time/*, *_s). Bit for bit under
+FLYWHEEL_EXACT_GOLDENS=1 on the recording machine's kernel path; by default within a rounding bound (`exact`).
 
 The golden rows are the contract a refactor keeps: a change that moves a number, renames a key or drops one
 fails here, naming the config, the step and the key. A change meant to move numbers re-records them:
@@ -60,6 +61,14 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def exact(recorded: dict) -> bool:
+    """Whether to demand the goldens bit for bit: only when asked (FLYWHEEL_EXACT_GOLDENS=1) on a CPU of the
+    recorded kernel path. The same capability is not enough by default: CI machines that report the recorder's
+    AVX2 still rounded the toy's step-0 evaluation differently, by about 1e-6 relative (MKL and oneDNN pick
+    kernels by CPU model and vendor, not only by instruction set), so the default is the rounding bound."""
+    return os.environ.get("FLYWHEEL_EXACT_GOLDENS") == "1" and cpu_capability() == recorded["cpu_capability"]
+
+
 def run_config(config: Path, run_dir: Path, overrides: list[str] = OVERRIDES, recipe: Path | None = None,
                stderr: list | None = None) -> list[dict]:
     """The config's metrics rows as logged (wall-clock keys left out); `stderr` collects the run's stderr."""
@@ -113,7 +122,7 @@ def test_config_logs_its_golden_metrics(config, tmp_path):
         want = deterministic(want, renamed)
         assert sorted(have) == sorted(want), (f"{config.name} step {want['step']}: keys differ: missing "
                                              f"{sorted(set(want) - set(have))}, new {sorted(set(have) - set(want))}")
-        if cpu_capability() == recorded["cpu_capability"]:
+        if exact(recorded):
             differ = {k: (want[k], have[k]) for k in want if have[k] != want[k]}
         else:  # another CPU's kernels round differently: the same run within a rounding bound
             differ = {k: (want[k], have[k]) for k in want if not _close(want[k], have[k])}
@@ -147,7 +156,7 @@ def test_old_key_names_log_the_same_golden_metrics(tmp_path):
     stderr = []
     got = run_config(old_config, tmp_path / "run", recorded["overrides"], recipe_of(config), stderr)
     want = [deterministic(row, RENAMED["awm"]) for row in recorded["configs"][config.name]]
-    if cpu_capability() == recorded["cpu_capability"]:
+    if exact(recorded):
         assert got == want
     else:  # another CPU's kernels round differently
         assert [sorted(r) for r in got] == [sorted(r) for r in want]
@@ -164,6 +173,8 @@ def yaml_keys(path: Path) -> list[str]:
 
 
 def _close(a, b) -> bool:
+    """Equal up to kernel rounding (1e-4 of the value, or absolute below 1): the CI machines' differences are about
+    1e-6 after 3 steps, while a changed formula, key or seed moves a toy metric by far more."""
     if isinstance(a, float) and isinstance(b, (int, float)):
         return abs(a - b) <= 1e-4 * max(1.0, abs(a))
     return a == b
