@@ -167,6 +167,7 @@ def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule():
     # After step 0 one step is done, and one is flat: eta = 0 copies theta.
     metrics = sampling.follow(trained, step=0)
     assert weights["a"].tolist() == [[0.0]] and weights["b"].tolist() == [3.0, 6.0]
+    assert sampling.equals_trained  # eta 0: v_old may come from v_theta's forward
     assert metrics == {"nft/eta": 0.0}  # no sync, no version: the training loop serves theta_old after it
     with torch.no_grad():
         trained[0][1].copy_(torch.tensor([5.0, 2.0]))
@@ -174,6 +175,7 @@ def test_sampling_policy_soft_updates_by_name_on_the_eta_schedule():
     # After step 1 (2 done): eta = (2 - 1)·0.25 = 0.25; b = 0.25·[3, 6] + 0.75·[5, 2] = [4.5, 3], a = 0.75·8 = 6.
     metrics = sampling.follow(trained, step=1)
     assert weights["b"].tolist() == [4.5, 3.0] and weights["a"].tolist() == [[6.0]]
+    assert not sampling.equals_trained
     assert metrics == {"nft/eta": 0.25}
     # Step 10: (10 - 1)·0.25 is over the ceiling 0.6; b = 0.6·[4.5, 3] + 0.4·[5, 2] = [4.7, 2.6].
     metrics = sampling.follow(trained, step=10)
@@ -199,7 +201,11 @@ def test_nft_serves_theta_old_inside_serving_weights_and_checkpoints_it():
     nft = NFT(Policy(model=None, named_params=named, ref_velocity=None, card_defaults={}), None, None, RecipeKeys(),
               None)
     assert nft.state_dict()["w"].tolist() == [1.0, 2.0]  # a fresh run's theta_old is theta
+    assert nft.sampling.equals_trained
+    nft.load_state_dict({"w": torch.tensor([1.0, 2.0])})  # a checkpoint of eta 0: still theta, bit for bit
+    assert nft.sampling.equals_trained
     nft.load_state_dict({"w": torch.tensor([7.0, 8.0])})
+    assert not nft.sampling.equals_trained
     with nft.serving_weights():
         assert named[0][1].tolist() == [7.0, 8.0]
     assert named[0][1].tolist() == [1.0, 2.0]
@@ -376,6 +382,47 @@ def test_nft_update_on_flywheel_rollouts_is_finite_moves_the_weights_and_is_dete
     assert again == metrics and all(torch.equal(first[n], second[n]) for n in first)
     _, other = run(step=4)  # another step draws other times and noise
     assert any(not torch.equal(first[n], other[n]) for n in first)
+
+
+def test_a_sampling_policy_equal_to_the_trained_one_gives_v_old_from_v_thetas_forward_until_theta_moves(toy):
+    """theta_old == theta (a fresh run, or eta 0): v_old is v_theta's forward, detached, until the update's first
+    optimizer step; after it, the sampling policy's own forward. The weights are those of the update that runs
+    every v_old forward on a frozen copy of theta_old."""
+    model = toy
+    traj = toy_rollouts(model)
+    cfg = RecipeKeys(seed=3, train=TrainKeys(beta=0.7, timesteps_per_sample=2))  # 4 minibatches, steps after 2 and 4
+    named = [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad]
+    start = copy.deepcopy(model.transformer.state_dict())
+
+    def run(old_forward: bool):
+        model.transformer.load_state_dict(start)
+        nft = NFT(Policy(model, named, None, {}), torch.optim.SGD([p for _, p in named], lr=LR), model.transformer,
+                  cfg, Accelerator(cpu=True))
+        if old_forward:
+            nft.old_velocity = frozen_velocity(model, copy.deepcopy(model.transformer))
+        metrics = nft.update(hand_batch(traj), 5).metrics
+        return nft, metrics, copy.deepcopy(model.transformer.state_dict())
+
+    nft, reused, after = run(old_forward=False)
+    _, forwarded, reference = run(old_forward=True)
+    assert reused.pop("nft/old_forwards_skipped") == 4  # K = 2 times x the 2 minibatches before the first step
+    assert forwarded.pop("nft/old_forwards_skipped") == 0
+    assert reused == pytest.approx(forwarded, rel=1e-6, abs=1e-9)
+    moved = 0.0
+    for name, value in reference.items():
+        torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-7, msg=name)
+        moved = max(moved, float((value - start[name]).abs().max()))
+    assert moved > 1e-4
+    # The soft update after it (eta 0.006 at step 5) leaves theta_old behind theta: the next update forwards v_old.
+    assert not nft.sampling.equals_trained and not nft.v_old_is_v_theta()
+    assert nft.update(hand_batch(traj), 6).metrics["nft/old_forwards_skipped"] == 0
+    # Dropout in training mode: two forwards at the same weights differ, so v_old is forwarded.
+    nft.sampling.equals_trained = True
+    assert nft.v_old_is_v_theta()
+    model.transformer.add_module("noise", torch.nn.Dropout(0.1))
+    assert not nft.v_old_is_v_theta()
+    model.transformer.noise.eval()
+    assert nft.v_old_is_v_theta()
 
 
 def test_nft_update_refuses_guided_rollouts_missing_reference_and_too_many_times(toy):

@@ -266,8 +266,11 @@ class SamplingPolicy:
     no second copy of the model (flywheel/recipe/policy.py `swapped_in`).
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], policy: Policy, tc: NFTConfig):
+    def __init__(self, weights: dict[str, torch.Tensor], policy: Policy, tc: NFTConfig, equals_trained: bool = True):
         self.weights, self.policy, self.tc = weights, policy, tc
+        # theta_old == theta bit for bit (a fresh run's snapshot, or after a soft update with eta 0): until the
+        # next optimizer step v_old is v_theta, so the update reuses v_theta's forward for it.
+        self.equals_trained = equals_trained
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
         """v_old: the conditional velocity of the sampling weights (no grad); the trained ones are back after."""
@@ -284,6 +287,7 @@ class SamplingPolicy:
         tc = self.tc
         eta = eta_schedule(step + 1, tc.eta_flat_steps, tc.eta_rate, tc.eta_max)
         soft_update([self.weights[name] for name, _ in named_params], [p for _, p in named_params], eta)
+        self.equals_trained = eta == 0  # eta 0 copies theta exactly (soft_update)
         return {"nft/eta": eta}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -305,6 +309,13 @@ def initial_sampling_weights(policy: Policy, checkpointed: dict[str, torch.Tenso
 # ---------------------------------------------------------------------------------------
 # The update
 # ---------------------------------------------------------------------------------------
+
+
+def has_random_layers(module: torch.nn.Module) -> bool:
+    """Whether a forward of `module` draws random numbers (a dropout with p > 0 in training mode): two forwards at
+    the same weights then differ, so v_old cannot be taken from v_theta's forward."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+               for m in module.modules())
 
 
 def times_per_sample(traj: Trajectory, cfg: NFTConfig) -> int:
@@ -390,6 +401,10 @@ class NFT:
         included = trained_samples(batch, tc.keep_flat_groups).to(device)
 
         grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
+        # Until this update's first optimizer step, a sampling policy equal to the trained one gives v_old =
+        # v_theta exactly: one forward fewer per loss term (eta 0, e.g. train.eta_max=0; the same numbers).
+        reuse_v_theta = self.v_old_is_v_theta()
+        reused = 0
         for m, rows in enumerate(grads.minibatches(len(traj))):
             sub = traj.select(rows)
             cond, _ = trajectory_conditioning(sub, use_cfg=False)
@@ -399,19 +414,30 @@ class NFT:
                 t, eps = times[rows, j].to(device), noise[rows, j].to(device)
                 t_b = t.reshape(-1, *([1] * (x0.dim() - 1)))
                 x_t = (1 - t_b) * x0 + t_b * eps
-                v_old = self.old_velocity(x_t, t, cond)
+                # v_old before v_theta: its forward swaps theta_old into the parameters v_theta's graph will need.
+                v_old = None if reuse_v_theta else self.old_velocity(x_t, t, cond)
                 v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
                 v_theta = model.velocity(transformer, x_t, t, cond)
+                if reuse_v_theta:
+                    v_old, reused = v_theta.detach(), reused + 1
                 loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
                                        scale=cfg.advantage.clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
                 grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=j == k - 1)
                 grads.record(stats)
-            grads.maybe_step(m)
+            if grads.maybe_step(m):
+                reuse_v_theta = False  # theta moved, theta_old did not
         metrics = grads.metrics()
+        metrics["nft/old_forwards_skipped"] = float(reused)
         metrics["nft/r_mean"] = float((r_all * included).sum() / included.sum().clamp(min=1))
         metrics["nft/trained_samples"] = float(included.sum())
         metrics.update(self.sampling.follow(self.policy.named_params, step))
         return gradient_result(metrics)
+
+    def v_old_is_v_theta(self) -> bool:
+        """Whether v_old may be taken from v_theta's forward: the sampling policy's own velocity (not one a caller
+        set), theta_old equal to theta, and a forward without random layers."""
+        return (self.old_velocity == self.sampling.velocity and self.sampling.equals_trained
+                and not has_random_layers(self.transformer))
 
     def serving_weights(self):
         """theta_old in the trained module's place: what rollouts sample and what a weight sync serves."""
@@ -423,6 +449,8 @@ class NFT:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """A checkpoint's theta_old (strict names); {} (a fresh run) starts it at the trained weights."""
         self.sampling.weights = initial_sampling_weights(self.policy, state)
+        self.sampling.equals_trained = all(torch.equal(self.sampling.weights[name], p.detach())
+                                           for name, p in self.policy.named_params)
 
 
 # ---------------------------------------------------------------------------------------
