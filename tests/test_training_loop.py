@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flywheel.recipe import rollouts as layouts
+from flywheel.recipe import training_loop
 from flywheel.recipe.algorithm import Algorithm, UpdateResult, gradient_result
 from flywheel.recipe.training_loop import FLAT_STEP, train
 
@@ -78,6 +79,9 @@ class FakeRun:
         self.rows, self.saved, self.released = [], [], False
 
     def begin(self, rollouts):
+        pass
+
+    def base_evaluation(self):
         return {}
 
     def progress(self):
@@ -235,3 +239,27 @@ def test_the_old_module_names_warn_and_give_the_new_ones(old, new, name, new_nam
         module = importlib.import_module(old)
     assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
     assert getattr(module, name) is getattr(importlib.import_module(new), new_name)
+
+
+def test_wall_time_counts_from_the_base_evaluation_not_the_set_up(monkeypatch):
+    """time/wall_s (what time_to_target compares) leaves out set-up such as fitting the judges, as it leaves out
+    model loading, and counts the base evaluation; a resumed run's continues from its offset."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(training_loop.time, "perf_counter", lambda: clock.now)
+
+    class TimedRun(FakeRun):
+        def begin(self, rollouts):
+            clock.now += 100.0  # judges, trackers
+
+        def base_evaluation(self):
+            clock.now += 1.0
+            return {}
+
+    run, rollouts = TimedRun(steps=2), FakeRollouts(usable=[4, 4])
+    train(run, rollouts, FakeAlgorithm(rollouts, steps_on={0, 1}))
+    assert [r["time/wall_s"] for r in run.rows] == [1.0, 1.0]
+    run = TimedRun(steps=1)
+    run.wall_offset, rollouts = 7.0, FakeRollouts(usable=[4])
+    train(run, rollouts, FakeAlgorithm(rollouts, steps_on={0}))
+    assert [r["time/wall_s"] for r in run.rows] == [8.0]
+

@@ -218,9 +218,10 @@ class RecipeRun:
 
     # --- the blocks the training loop (flywheel/recipe/training_loop.py) uses ------------------------
 
-    def begin(self, rollouts: Rollouts) -> dict | None:
-        """Before the first step: the resume's data position checked, judges, the hacking watch (fed the
-        evaluations before a resume), best/, trackers; the step-0 evaluation of a fresh run (returned, logged)."""
+    def begin(self, rollouts: Rollouts) -> None:
+        """Before the first step and before the run's clock (set-up, like model loading): the resume's data
+        position checked, judges (an SVC fit takes ~0.4 s), the hacking watch (fed the evaluations before a
+        resume), best/, trackers. Then `base_evaluation`."""
         cfg, accelerator = self.cfg, self.accelerator
         if rollouts.flywheel.sampler.position(self.start_step) != self.trainer_state.get(
                 "data_position", rollouts.flywheel.sampler.position(self.start_step)):
@@ -242,11 +243,15 @@ class RecipeRun:
         if tracker_names(cfg.tracker):
             accelerator.init_trackers(cfg.project, config=_flatten(config_to_dict(cfg)),
                                       init_kwargs=self._tracker_kwargs)
+
+    def base_evaluation(self) -> dict | None:
+        """The step-0 evaluation of a fresh run (returned, logged; the first thing time/wall_s counts); None on
+        a resume."""
         if self.start_step != 0:
             return None
         with self.full_params():
             base_eval = self.evaluate(0)
-        self.log({"step": 0, "weight_version": rollouts.version, "time/wall_s": 0.0, **base_eval})
+        self.log({"step": 0, "weight_version": self.rollouts.version, "time/wall_s": 0.0, **base_eval})
         return base_eval
 
     def progress(self):

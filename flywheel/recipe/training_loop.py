@@ -38,8 +38,9 @@ def train(run, rollouts, algorithm: Algorithm) -> dict:
 
 def _train(run, rollouts, algorithm: Algorithm) -> dict:
     cfg = run.cfg
+    run.begin(rollouts)  # resume checks, judges, trackers: set-up, outside time/wall_s like model loading
     started = time.perf_counter() - run.wall_offset  # time/wall_s continues a resumed run's
-    base_eval = run.begin(rollouts)  # resume checks, judges, trackers, the step-0 evaluation
+    base_eval = run.base_evaluation()  # the step-0 evaluation (a fresh run's)
     version = rollouts.version
     steps = StepAccounting(run.trainer_state, cfg.reward.max_masked_steps, run.dir.metrics_path, run.is_main)
     row, stopping, progress = {}, False, run.progress()
