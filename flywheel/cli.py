@@ -52,6 +52,23 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` still runs. An exited launcher stays a zombie until its own parent reaps it, and that parent
+    (a shell's pipe, subprocess.run) often waits first for stderr's end, which the waiting process below holds
+    open: signal 0 reaches a zombie, so on Linux /proc's state tells them apart."""
+    if not os.path.exists("/proc/self/stat"):  # no /proc (macOS): signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # the state follows the (command name)
+    except FileNotFoundError:
+        return False
+
+
 def _repeat_after_launcher(message: str) -> None:
     """Fork a process that prints `message` to stderr once our parent (the launcher) has exited."""
     launcher = os.getppid()
@@ -61,11 +78,7 @@ def _repeat_after_launcher(message: str) -> None:
         return
     try:
         deadline = time.monotonic() + _LAUNCHER_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                os.kill(launcher, 0)
-            except ProcessLookupError:
-                break
+        while time.monotonic() < deadline and _process_alive(launcher):
             time.sleep(0.02)
         os.write(2, message.encode() + b"\n")
     finally:

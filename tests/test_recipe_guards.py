@@ -110,6 +110,22 @@ def test_under_accelerate_launch_the_config_error_is_the_last_thing_printed(tmp_
     assert lines[-2:] == ["error: invalid config:", "  save_every=0: must be an integer >= 1"]  # ...and we come after
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="zombies are told apart through /proc (Linux)")
+def test_the_repeated_message_stops_waiting_for_a_launcher_that_exited_but_is_not_reaped():
+    """The message is repeated once the launcher is gone. An exited launcher stays a zombie until its parent
+    reaps it, and a parent reading the pipe to its end (subprocess.run, a shell pipe) reaps only after the
+    waiting process lets go of stderr: counted as alive, it held every such launch for a minute."""
+    from flywheel.cli import _process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited; not reaped yet
+    os.kill(child.pid, 0)  # signal 0 still reaches it: it cannot tell
+    assert not _process_alive(child.pid)
+    assert _process_alive(os.getpid())
+    child.wait()
+    assert not _process_alive(child.pid)
+
+
 # ---- item 3: silent off-policy training refused ---------------------------------------------
 
 
