@@ -108,6 +108,14 @@ def sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _end_interrupted(how: str, code: int) -> None:
+    """Exit with `code` after the interrupted run's one line (rank 0), interpreter shutdown included (trackers
+    flush at exit)."""
+    if _is_rank_zero():
+        print(interrupted_message(how, _opened_run_dir, sys.argv[0]), file=sys.stderr, flush=True)
+    raise SystemExit(code) from None
+
+
 def _exit_with_message(message: str, code: int) -> None:
     """Print `message` as the last line (rank 0; again after the launcher's traceback) and exit with `code`."""
     if _is_rank_zero():
@@ -116,6 +124,30 @@ def _exit_with_message(message: str, code: int) -> None:
             _repeat_after_launcher(message)
     sys.stdout.flush()
     os._exit(code)
+
+
+# The run directory the recipe opened (the main process's), for the line an interrupted run ends on.
+_opened_run_dir: str | None = None
+
+
+def note_run_dir(path) -> None:
+    """Called once the recipe has created or taken over its run directory."""
+    global _opened_run_dir
+    _opened_run_dir = str(path)
+
+
+def interrupted_message(how: str, run_dir: str | None, script: str) -> str:
+    """The one line a run stopped by Ctrl-C or SIGTERM ends on: what is kept and how to go on."""
+    if run_dir is None:
+        return f"interrupted ({how}) before the run directory was created: nothing was written"
+    from flywheel.runs.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return (f"interrupted ({how}): no checkpoint was written yet in {run_dir}; start again with "
+                f"overwrite=true")
+    return (f"interrupted ({how}): the newest checkpoint is {latest}; continue with "
+            f"`python {script} resume={run_dir}`")
 
 
 def run_main(main: Callable[[], object]) -> None:
@@ -128,6 +160,14 @@ def run_main(main: Callable[[], object]) -> None:
         _exit_with_message(f"error: {e}", CONFIG_ERROR_EXIT)
     except NothingTrainedError as e:
         _exit_with_message(f"error: {e}", NOTHING_TRAINED_EXIT)
+    except KeyboardInterrupt:
+        # The recipe's context managers have run (engine process closed, shared memory unlinked): a traceback
+        # into whichever forward was running tells the user nothing; what is kept, and the resume line, do.
+        _end_interrupted("Ctrl-C", 130)
+    except SystemExit as e:
+        if e.code != 128 + signal.SIGTERM:
+            raise
+        _end_interrupted("SIGTERM", e.code)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # gloo ranks sometimes abort at interpreter exit; leave cleanly once all is flushed.
         sys.stdout.flush()

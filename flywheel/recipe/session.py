@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from flywheel.cli import NothingTrainedError
+from flywheel.cli import NothingTrainedError, note_run_dir
 from flywheel.distributed import all_reduce_mean
 from flywheel.grids import judged_sample_grid
 from flywheel.guards import check_finite
@@ -177,6 +177,7 @@ class RecipeRun:
         """Create (or take over) the run directory: only now, after every check and the model build (the
         model's own checks: LoRA targets, the card's size rules), so a refused run leaves nothing to overwrite."""
         self.dir = self._open_run_dir()  # locked for the whole run
+        note_run_dir(self.dir.path)  # named by the line an interrupted run ends on
         self.accelerator.wait_for_everyone()
 
     def _start_ema(self, policy: Policy, checkpointed: dict[str, torch.Tensor] | None) -> WeightEMA | None:

@@ -1,0 +1,94 @@
+"""A run stopped by Ctrl-C or SIGTERM ends on one line (what is kept, how to go on), not a traceback, with the
+shell's exit status (130, 143); the resume line it prints works."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flywheel import cli
+from flywheel.runs.checkpoint import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_line_names_the_newest_complete_checkpoint_and_the_resume_command(tmp_path):
+    assert cli.interrupted_message("Ctrl-C", None, "trainers/nft.py") == (
+        "interrupted (Ctrl-C) before the run directory was created: nothing was written")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert cli.interrupted_message("SIGTERM", str(run), "trainers/nft.py") == (
+        f"interrupted (SIGTERM): no checkpoint was written yet in {run}; start again with overwrite=true")
+    for name in ("step_000002", "step_000004"):
+        (run / "checkpoints" / name).mkdir()
+        (run / "checkpoints" / name / "manifest.json").write_text("{}")
+    (run / "checkpoints" / ".step_000006.tmp").mkdir()  # a save the interrupt cut short is not named
+    assert cli.interrupted_message("Ctrl-C", str(run), "trainers/grpo.py") == (
+        f"interrupted (Ctrl-C): the newest checkpoint is {run / 'checkpoints' / 'step_000004'}; continue with "
+        f"`python trainers/grpo.py resume={run}`")
+
+
+def _raise(exc):
+    def main():
+        raise exc
+    return main
+
+
+@pytest.mark.parametrize("exc, code, how", [(KeyboardInterrupt(), 130, "Ctrl-C"),
+                                            (SystemExit(128 + signal.SIGTERM), 143, "SIGTERM")])
+def test_run_main_turns_an_interrupt_into_its_line_and_status(exc, code, how, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_opened_run_dir", None)
+    with pytest.raises(SystemExit) as stop:
+        cli.run_main(_raise(exc))
+    assert stop.value.code == code
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"interrupted ({how}) before the run directory was created: nothing was written")
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, "a message"])
+def test_other_exits_pass_through_unchanged(code, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.run_main(_raise(SystemExit(code)))
+    assert stop.value.code == code
+    assert "interrupted" not in capsys.readouterr().err
+
+
+# The recipe as a shell starts it, with Python's SIGINT handler (a child inherits an ignored SIGINT, and the test
+# process may have come to ignore it).
+LAUNCH = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_ctrl_c_mid_run_prints_the_resume_line_and_that_line_resumes(tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = ["trainers/nft.py", "tracker=none", f"run_dir={run}", "steps=200", "save_every=1", "eval.every=100",
+            "data.prompts_per_step=2", "data.group_size=4"]
+    trainer = subprocess.Popen([sys.executable, "-c", LAUNCH, *args], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(run) is None and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trainer.poll() is None, trainer.communicate()[1][-2000:]
+        trainer.send_signal(signal.SIGINT)
+        _, err = trainer.communicate(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    latest = latest_checkpoint(run)
+    line = err.strip().splitlines()[-1]
+    assert line == (f"interrupted (Ctrl-C): the newest checkpoint is {latest}; continue with "
+                    f"`python trainers/nft.py resume={run}`")
+    # The printed command goes on from that checkpoint (one step further, to keep the test short).
+    command = line.split("`")[1].split()[1:] + [f"steps={int(latest.name.split('_')[1]) + 1}"]
+    resumed = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
