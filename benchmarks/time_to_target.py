@@ -451,7 +451,8 @@ def recipe_missing(recipe: str, config_path: Path) -> str | None:
     """Why `recipe` cannot run (no trainers/<trainer>.py with a main(), or no config file); None when it can."""
     trainer = ROOT / "trainers" / f"{trainer_of(recipe)}.py"
     if not trainer.is_file():
-        return f"{trainer.relative_to(ROOT)} does not exist"
+        return (f"{trainer.relative_to(ROOT)} does not exist (the recipes: {', '.join(DEFAULT_RECIPES)}; each of "
+                f"{', '.join(DECOUPLED_RECIPES)} also as <recipe>{CACHED_SUFFIX})")
     if not re.search(r"^def main\(", trainer.read_text(encoding="utf-8"), re.MULTILINE):
         return f"{trainer.relative_to(ROOT)} has no main() yet"
     if not config_path.is_file():

@@ -263,7 +263,8 @@ def test_cached_entries_run_their_recipes_config_with_the_cache(tmp_path, capsys
 
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
     args = ttt.parse_args(["--recipes", "grpo,nosuch", "--configs", "configs/toy_{recipe}.yaml"])
-    with pytest.raises(ttt.BenchmarkError, match="nosuch.*trainers/nosuch.py does not exist"):
+    with pytest.raises(ttt.BenchmarkError, match=r"nosuch.*trainers/nosuch.py does not exist \(the recipes: grpo, nft, .*draft; each of "
+                                                 r"nft, awm, dpo also as <recipe>\+cache\)"):
         ttt.choose_recipes(args)
     args = ttt.parse_args(["--recipes", "grpo", "--configs", "configs/missing_{recipe}.yaml"])
     with pytest.raises(ttt.BenchmarkError, match="missing_grpo.yaml does not exist"):
