@@ -113,6 +113,9 @@ def _end_interrupted(how: str, code: int) -> None:
     flush at exit)."""
     if _is_rank_zero():
         print(interrupted_message(how, _opened_run_dir, sys.argv[0]), file=sys.stderr, flush=True)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()  # gloo ranks sometimes abort at interpreter exit, as after a finished run
+        os._exit(code)
     raise SystemExit(code) from None
 
 
