@@ -424,7 +424,15 @@ def check_spec(spec: Any, reward_args: Any = None, modules: list[str] | tuple[st
         entries = parse_spec_targets(spec)
     except ValueError as exc:
         return [f"reward.scorers={spec!r}: {exc}"]
+    # A weight of 0 is a value the run would ignore: the scorer is built and called every step and never moves
+    # the reward (every weight 0: the reward is constant and nothing trains).
+    zero = [name for name, _, weight in entries if weight == 0]
     problems = []
+    if zero:
+        problems.append(f"reward.scorers={spec!r}: {', '.join(zero)} {'has' if len(zero) == 1 else 'have'} weight 0, "
+                        f"so {'it is scored and never rewards' if len(zero) == 1 else 'they are scored and never reward'}"
+                        f"{' (the reward would be constant: nothing trains)' if len(zero) == len(entries) else ''}; "
+                        f"give a non-zero weight (negative penalises), or to only evaluate, list it in eval.judges")
     for _, target, _ in entries:
         if not target.startswith(REMOTE):
             try:

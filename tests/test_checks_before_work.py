@@ -68,6 +68,11 @@ CASES = {
     "weight nan": (["reward.scorers=digit_alignment:nan"], "reward.scorers", "must be finite"),
     "weight -inf": (["reward.scorers=digit_alignment:-inf"], "reward.scorers", "must be finite"),
     "empty spec": (["reward.scorers="], "reward.scorers", "reward spec is empty"),
+    # A weight of 0 is ignored work: alone, the reward is constant and the run would train nothing.
+    "only weight 0": (["reward.scorers=digit_alignment:0.0"], "reward.scorers",
+                      "digit_alignment has weight 0, so it is scored and never rewards (the reward would be constant"),
+    "one weight 0": (["reward.scorers=digit_alignment:1,jpeg_compressibility:0"], "reward.scorers",
+                     "jpeg_compressibility has weight 0, so it is scored and never rewards; give a non-zero weight"),
     "remote not a url": (["reward.scorers=remote:notaurl"], "reward.scorers", "needs an address"),
     "pickscore folder unset": (["reward.scorers=pickscore"], "reward.scorers", "FLYWHEEL_PICKSCORE_PATH"),
     "clip folder missing": (["reward.scorers=clip_score:1"], "reward.scorers", "does not exist"),

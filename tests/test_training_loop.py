@@ -12,7 +12,9 @@ import torch
 from flywheel.recipe import rollouts as layouts
 from flywheel.recipe import training_loop
 from flywheel.recipe.algorithm import Algorithm, UpdateResult, gradient_result
+from flywheel.cli import NothingTrainedError
 from flywheel.recipe.training_loop import FLAT_STEP, train
+from flywheel.recipe.weight_motion import WeightMotion
 
 # ---- the loop: it owns the weight version and syncs once after an update that stepped ---------------------
 
@@ -43,15 +45,21 @@ class FakeRollouts:
         self.closed = True
 
 
-class FakeAlgorithm:
-    """Steps on the steps named in `steps_on`; records what the loop did around it."""
+# The fake runs' one trained weight (the loop measures how far each optimizer step moved it).
+WEIGHT = torch.nn.Parameter(torch.ones(4))
 
-    def __init__(self, rollouts, steps_on):
-        self.rollouts, self.steps_on, self.serving = rollouts, steps_on, False
+
+class FakeAlgorithm:
+    """Steps on the steps named in `steps_on`, moving WEIGHT by `move`; records what the loop did around it."""
+
+    def __init__(self, rollouts, steps_on, move=0.1):
+        self.rollouts, self.steps_on, self.serving, self.move = rollouts, steps_on, False, move
 
     def update(self, batch, step):
         self.rollouts.events.append(("update", step))
         n = 1.0 if step in self.steps_on else 0.0
+        with torch.no_grad():
+            WEIGHT.add_(self.move * n)
         return gradient_result({"loss": 0.5, "train/optimizer_steps": n}, skip_reason="no pair")
 
     @contextlib.contextmanager
@@ -73,7 +81,8 @@ class FakeAlgorithm:
 class FakeRun:
     def __init__(self, steps):
         self.cfg = SimpleNamespace(steps=steps, eval=SimpleNamespace(every=100), save_every=2,
-                                   reward=SimpleNamespace(max_masked_steps=5))
+                                   reward=SimpleNamespace(max_masked_steps=5), train=SimpleNamespace(learning_rate=1e-3))
+        self.policy = SimpleNamespace(named_params=[("w", WEIGHT)])
         self.trainer_state, self.start_step, self.wall_offset, self.is_main = {}, 0, 0.0, False
         self.dir = SimpleNamespace(metrics_path="metrics.jsonl", release=lambda: setattr(self, "released", True))
         self.rows, self.saved, self.released = [], [], False
@@ -153,6 +162,33 @@ def test_a_run_of_masked_steps_stops_the_loop_and_releases_the_run_dir():
         train(run, rollouts, FakeAlgorithm(rollouts, steps_on=set()))
     assert run.released and rollouts.closed
     assert [(r['step'], r['train/skipped_steps']) for r in run.rows] == [(1, 1)]  # step 1 logged, step 2 stopped
+
+
+def test_a_first_optimizer_step_that_moves_nothing_but_rounding_stops_the_run_after_logging_it():
+    """A learning rate far under the weights' size: the step counts as trained but changes nothing, so the run
+    stops at the session's first optimizer step (a flat step before it is not one) instead of exiting 0."""
+    rollouts = FakeRollouts(usable=[0, 4, 4, 4])
+    run = FakeRun(steps=4)
+    run.cfg.train.learning_rate = 1e-12
+    with pytest.raises(NothingTrainedError, match=r"^step 2: the optimizer step moved the trained weights by 0 of "
+                       r"their size .*train.learning_rate=1e-12 is too small"):
+        train(run, rollouts, FakeAlgorithm(rollouts, steps_on={1, 2, 3}, move=1e-12))  # under float32's ulp of 1
+    assert [(r["step"], r.get("train/update_rel")) for r in run.rows] == [(1, None), (2, 0.0)]
+    assert run.released and rollouts.closed
+
+
+def test_update_rel_is_the_rms_of_the_update_over_the_rms_of_the_weights():
+    weights = [torch.nn.Parameter(torch.tensor([3.0, 4.0])), torch.nn.Parameter(torch.zeros(1000))]
+    motion = WeightMotion([("a", weights[0]), ("b", weights[1])], per_tensor=256)
+    assert [i.tolist()[:3] + [len(i)] for i in motion.index] == [[0, 1, 2], [0, 4, 8, 256]]  # evenly spaced
+    before = motion.sample()
+    with torch.no_grad():
+        weights[0].add_(torch.tensor([0.3, 0.4]))  # 10% of the sampled weights' norm (5)
+        weights[1][1] = 7.0  # not a sampled element: unseen
+    assert motion.relative_move(before) == pytest.approx(0.1, rel=1e-6)  # float32 weights
+    assert motion.relative_move(motion.sample()) == 0.0
+    zero = WeightMotion([("b", torch.nn.Parameter(torch.zeros(3)))])
+    assert zero.relative_move(zero.sample()) == 0.0
 
 
 def test_an_update_result_says_the_same_as_its_optimizer_step_count():
