@@ -91,7 +91,35 @@ CASES = {
     "lora targets": (["model.finetune=lora", "model.lora_targets=[nope,qkv]"], "model.lora_targets",
                      "nope match(es) no module of the ToyDiT"),
     "height 7": (["sampling.height=7"], "sampling.height", "generates 8x8 images only"),
+    "learning rate under rounding": (["train.learning_rate=1e-12"], "train.learning_rate",
+                                     "so every step would change them by under 1e-07 of their size (rounding)"),
+    "the same for a lora": (["model.finetune=lora", "train.learning_rate=1e-12"], "train.learning_rate",
+                            "the run would train nothing"),
 }
+
+
+# Keys sampler=ode would ignore, when set (NFT's rollouts are ODE by default; GRPO refuses the ODE itself).
+ODE_IGNORES = {
+    "noise_level": (["sampling.noise_level=0.3"], "sampling.noise_level",
+                    "sampling.noise_level=0.3 with sampling.sampler=ode: the ODE draws no noise, so it would be ignored"),
+    "sde_window": (["sampling.sde_window=[0,1]"], "sampling.sde_window",
+                   "sampling.sde_window=[0, 1] with sampling.sampler=ode: the ODE has no stochastic steps"),
+}
+
+
+@pytest.mark.parametrize("case", list(ODE_IGNORES))
+def test_a_key_the_ode_would_ignore_is_refused_before_anything_is_written(case, tmp_path, capsys):
+    from trainers.nft import main as nft_main
+
+    overrides, key, reason = ODE_IGNORES[case]
+    run_dir = tmp_path / "run"
+    with pytest.raises(USAGE_ERRORS) as info:
+        nft_main([f"run_dir={run_dir}", *FAST, "sampling.sampler=ode", *overrides])
+    assert_nothing_written(run_dir)
+    assert_last_line_names(f"error: {info.value}", key)
+    assert reason in str(info.value).splitlines()[-1], info.value
+    nft_main([f"run_dir={tmp_path / 'default'}", *FAST, "steps=1", "sampling.sampler=ode",
+              "sampling.noise_level=0.7"])  # the default, which says nothing: runs
 
 
 @pytest.mark.parametrize("case", list(CASES))

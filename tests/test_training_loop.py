@@ -12,9 +12,9 @@ import torch
 from flywheel.recipe import rollouts as layouts
 from flywheel.recipe import training_loop
 from flywheel.recipe.algorithm import Algorithm, UpdateResult, gradient_result
-from flywheel.cli import NothingTrainedError
+from flywheel.config.parsing import ConfigError
 from flywheel.recipe.training_loop import FLAT_STEP, train
-from flywheel.recipe.weight_motion import WeightMotion
+from flywheel.recipe.weight_motion import WeightMotion, check_learning_rate
 
 # ---- the loop: it owns the weight version and syncs once after an update that stepped ---------------------
 
@@ -81,7 +81,7 @@ class FakeAlgorithm:
 class FakeRun:
     def __init__(self, steps):
         self.cfg = SimpleNamespace(steps=steps, eval=SimpleNamespace(every=100), save_every=2,
-                                   reward=SimpleNamespace(max_masked_steps=5), train=SimpleNamespace(learning_rate=1e-3))
+                                   reward=SimpleNamespace(max_masked_steps=5))
         self.policy = SimpleNamespace(named_params=[("w", WEIGHT)])
         self.trainer_state, self.start_step, self.wall_offset, self.is_main = {}, 0, 0.0, False
         self.dir = SimpleNamespace(metrics_path="metrics.jsonl", release=lambda: setattr(self, "released", True))
@@ -164,17 +164,34 @@ def test_a_run_of_masked_steps_stops_the_loop_and_releases_the_run_dir():
     assert [(r['step'], r['train/skipped_steps']) for r in run.rows] == [(1, 1)]  # step 1 logged, step 2 stopped
 
 
-def test_a_first_optimizer_step_that_moves_nothing_but_rounding_stops_the_run_after_logging_it():
-    """A learning rate far under the weights' size: the step counts as trained but changes nothing, so the run
-    stops at the session's first optimizer step (a flat step before it is not one) instead of exiting 0."""
+def test_the_loop_logs_each_optimizer_steps_size_relative_to_the_weights():
+    """train/update_rel on every step that took an optimizer step (none on a flat one), measured, not assumed: a
+    step that moved nothing but rounding logs 0 and the run goes on (a step can rightly move a tensor by
+    nothing: a Wan2.2 expert that no sample's timestep reached)."""
     rollouts = FakeRollouts(usable=[0, 4, 4, 4])
     run = FakeRun(steps=4)
-    run.cfg.train.learning_rate = 1e-12
-    with pytest.raises(NothingTrainedError, match=r"^step 2: the optimizer step moved the trained weights by 0 of "
-                       r"their size .*train.learning_rate=1e-12 is too small"):
-        train(run, rollouts, FakeAlgorithm(rollouts, steps_on={1, 2, 3}, move=1e-12))  # under float32's ulp of 1
-    assert [(r["step"], r.get("train/update_rel")) for r in run.rows] == [(1, None), (2, 0.0)]
-    assert run.released and rollouts.closed
+    with torch.no_grad():
+        WEIGHT.fill_(2.0)
+    train(run, rollouts, FakeAlgorithm(rollouts, steps_on={1, 3}, move=0.2))  # 10% of the weights' RMS
+    assert [r["step"] for r in run.rows] == [1, 2, 3, 4]
+    assert [r.get("train/update_rel") for r in run.rows[:2]] == [None, pytest.approx(0.1, rel=1e-6)]
+    assert "train/update_rel" not in run.rows[2] and run.rows[3]["train/update_rel"] == pytest.approx(0.2 / 2.2)
+    rollouts, run = FakeRollouts(usable=[4, 4]), FakeRun(steps=2)
+    train(run, rollouts, FakeAlgorithm(rollouts, steps_on={0, 1}, move=1e-12))  # under float32's ulp of 2.4
+    assert [r["train/update_rel"] for r in run.rows] == [0.0, 0.0]
+
+
+def test_a_learning_rate_under_rounding_of_the_weights_is_refused():
+    weights = [("a", torch.nn.Parameter(torch.full((4,), 0.02))), ("lora_B", torch.nn.Parameter(torch.zeros(4)))]
+    rms = 0.02 / 2 ** 0.5  # the zeros count
+    check_learning_rate(1e-4, weights)
+    check_learning_rate(1.01e-7 * rms, weights)  # just over the bound
+    with pytest.raises(ConfigError, match=r"^train.learning_rate=1e-12: .* the trained weights' RMS is 0.0141, so "
+                       r"every step would change them by under 1e-07 of their size .* at least 1e-09"):
+        check_learning_rate(1e-12, weights)
+    with pytest.raises(ConfigError):
+        check_learning_rate(0.99e-7 * rms, weights)
+    check_learning_rate(1e-12, [("b", torch.nn.Parameter(torch.zeros(3)))])  # all zero: nothing to compare with
 
 
 def test_update_rel_is_the_rms_of_the_update_over_the_rms_of_the_weights():

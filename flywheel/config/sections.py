@@ -200,11 +200,11 @@ class SamplingConfig:
     sampler: Literal["sde", "cps", "ode"] = "sde"
     """rollout sampler: Flow-SDE, coefficients-preserving sampling (noise_level is then eta), or the ODE"""
     noise_level: float = 0.7
-    """Flow-SDE noise level a (CPS: eta in [0, 1); unused by the ODE)"""
+    """Flow-SDE noise level a (CPS: eta in [0, 1); the ODE draws none, so another value is refused with it)"""
     guidance_scale: float = 1.0
     """classifier-free guidance of rollouts (1 = no unconditional branch)"""
     sde_window: tuple[int, int] | None = None
-    """[start, end) of the stochastic (trained) steps; None = all steps"""
+    """[start, end) of the stochastic (trained) steps; None = all steps (the ODE has none: refused with it)"""
     time_shift: float = 1.0
     """SD3-style time shift of the schedule"""
     same_noise_per_group: bool = False

@@ -146,6 +146,22 @@ def check_data(cfg, checks: ConfigChecks) -> None:
                 warn_prompts_per_step(cfg, len(items))
 
 
+def check_ode_ignores_noise(cfg, checks: ConfigChecks) -> None:
+    """The noise keys sampler=ode would ignore, when set (noise_level: when it is not the default, the one
+    value a config can hold without saying anything)."""
+    fix = "use sampler=sde or cps, or leave the key out"
+    default = {f.name: f.default for f in dataclasses.fields(cfg.sampling)}["noise_level"]  # the recipe's own
+    if cfg.sampling.noise_level != default:
+        checks.fail(f"sampling.noise_level={cfg.sampling.noise_level} with sampling.sampler=ode: the ODE draws no "
+                    f"noise, so it would be ignored; {fix}")
+    if cfg.sampling.sde_window is not None:
+        checks.fail(f"sampling.sde_window={list(cfg.sampling.sde_window)} with sampling.sampler=ode: the ODE has no "
+                    f"stochastic steps, so it would be ignored; {fix}")
+    if cfg.sampling.audio_noise_level is not None:
+        checks.fail(f"sampling.audio_noise_level={cfg.sampling.audio_noise_level} with sampling.sampler=ode: the "
+                    f"ODE draws no noise, so it would be ignored; {fix}")
+
+
 def check_sampling(cfg, checks: ConfigChecks) -> None:
     """`sampling`: the rollouts' sampler, its noise, guidance, schedule, window, size and audio."""
     checks.require("sampling.steps", lambda v: v >= 1, POSITIVE)
@@ -156,6 +172,8 @@ def check_sampling(cfg, checks: ConfigChecks) -> None:
         checks.require("sampling.noise_level", lambda v: 0 < v < 1, "is CPS's eta for sampler=cps: in (0, 1)")
     elif sampler == "sde":
         checks.require("sampling.noise_level", lambda v: 0 < v <= 10, "is Flow-SDE's a: in (0, 10] (0 is the ODE)")
+    if sampler == "ode":
+        check_ode_ignores_noise(cfg, checks)
     if cfg.sampling.same_noise_per_group and sampler == "ode":
         checks.fail("sampling.same_noise_per_group=true with sampling.sampler=ode: every sample of a group would "
                     "be the same image (no reward spread, nothing to train on); use sampler=sde or cps, or set "

@@ -11,10 +11,9 @@ batch carries no signal (every sample masked, or every group's rewards equal)
 calls no update: an optimizer step would still move the weights through
 AdamW's momentum and weight decay. Each step without an optimizer step is
 said on the progress bar and counted; a run in which none took one raises
-NothingTrainedError once everything is saved, and so does, at once, a session
-whose first optimizer step moved the weights by no more than rounding
-(flywheel/recipe/weight_motion.py). The run directory's lock is let
-go on the way out, however the run ends.
+NothingTrainedError once everything is saved. Each optimizer step's size
+relative to the weights is logged (train/update_rel, flywheel/recipe/weight_motion.py).
+The run directory's lock is let go on the way out, however the run ends.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from __future__ import annotations
 import sys
 import time
 
-from flywheel.cli import NothingTrainedError
 from flywheel.distributed import all_reduce_mean
 from flywheel.recipe.algorithm import Algorithm, UpdateResult
-from flywheel.recipe.weight_motion import MIN_RELATIVE_MOVE, WeightMotion, too_small_message
+from flywheel.recipe.weight_motion import WeightMotion
 
 # Why a step took no optimizer step, when no update was called (an update that takes none gives its own reason).
 FLAT_STEP = "every group's rewards were equal (flat groups: no advantage to learn from)"
@@ -47,7 +45,7 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
     base_eval = run.base_evaluation()  # the step-0 evaluation (a fresh run's)
     version = rollouts.version
     steps = StepAccounting(run.trainer_state, cfg.reward.max_masked_steps, run.dir.metrics_path, run.is_main)
-    motion, moved, checked_motion = WeightMotion(run.policy.named_params), None, False
+    motion = WeightMotion(run.policy.named_params)
     row, stopping, progress = {}, False, run.progress()
     try:
         for step in range(run.start_step, cfg.steps):
@@ -65,7 +63,7 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
                 result = algorithm.update(batch, step)
                 metrics = steps.count(result, step)
                 if result.stepped:
-                    metrics["train/update_rel"] = moved = motion.relative_move(before)
+                    metrics["train/update_rel"] = motion.relative_move(before)
             else:
                 result = steps.no_signal(signal)
                 metrics = steps.count(result, step)
@@ -93,12 +91,6 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
             # 7. Log: metrics.jsonl and the trackers.
             row["time/wall_s"] = time.perf_counter() - started
             run.log(row)
-            if moved is not None and not checked_motion:
-                # The session's first optimizer step: one that moved nothing but rounding says the rest would too
-                # (a constant learning rate), so the run stops now rather than after every step is spent.
-                checked_motion = True
-                if moved < MIN_RELATIVE_MOVE:
-                    raise NothingTrainedError(too_small_message(done, moved, cfg.train.learning_rate))
             # 8. Checkpoint: weights, optimizer, RNG, the loop's state and the algorithm's tensors.
             if done % cfg.save_every == 0 or done == cfg.steps:
                 run.save(done, {"weight_version": version, "data_position": rollouts.flywheel.sampler.position(done),

@@ -1,16 +1,18 @@
-"""How far an update moved the trained weights, relative to their size, on a fixed sample of their elements.
+"""How far the optimizer moves the trained weights, relative to their size: measured each step, and checked
+against the learning rate before a run starts.
 
-A constant-rate AdamW moves each weight by about the learning rate a step, whatever the gradient's scale. A
-learning rate far under the weights' size (1e-12 on float32 weights of magnitude 0.02) takes optimizer steps
-that change nothing but rounding: every step is counted as trained, the run ends with exit status 0, and the
-weights are the ones it started from. The loop logs `train/update_rel` (the RMS of the update over the RMS of
-the weights) each step that took an optimizer step, and stops at the session's first one when it is under
-MIN_RELATIVE_MOVE.
+A constant-rate AdamW moves each weight by about the learning rate a step, whatever the gradient's scale
+(while |gradient| is above its eps). A learning rate far under the weights' size (1e-12 on float32 weights of
+RMS 0.02) takes optimizer steps that change nothing but rounding: every step counts as trained, the run exits
+0, and the weights are the ones it started from. `check_learning_rate` refuses that before anything is
+written. The loop logs `train/update_rel` (the RMS of the update over the RMS of the weights) each step that
+took an optimizer step; a step can rightly move a tensor by less (a Wan2.2 expert whose timesteps no sample
+hit that step gets only weight decay), so the measurement is a metric, not a stop.
 
-A sample rather than a copy: a copy of a full fine-tune's weights would double their memory; a few hundred
-evenly spaced elements of every trained tensor cost nothing and see any update AdamW makes (it moves every
-element whose gradient or weight decay is non-zero). Under FSDP each rank samples its own shards and the
-sums are averaged over ranks.
+The metric reads a sample rather than a copy: a copy of a full fine-tune's weights would double their memory;
+a few hundred evenly spaced elements of every trained tensor cost nothing and see any update AdamW makes (it
+moves every element whose gradient or weight decay is non-zero). Under FSDP each rank samples its own shards
+and the sums are averaged over ranks.
 """
 
 from __future__ import annotations
@@ -19,13 +21,30 @@ import math
 
 import torch
 
+from flywheel.config.parsing import ConfigError
 from flywheel.distributed import all_reduce_mean
 
 SAMPLE_PER_TENSOR = 256
-# About float32's machine epsilon (1.19e-7): an update whose size relative to the weights is under it changes
-# only their last bit, if that. A working run's first step is 1e-5 and up (1e-6 of a learning rate on weights of
-# magnitude 0.02 is 5e-5).
-MIN_RELATIVE_MOVE = 1e-7
+# About float32's machine epsilon (1.19e-7): a step smaller than this relative to the weights changes at most
+# their last bit. Working runs sit far above it (1e-6 of a learning rate on weights of RMS 0.02 is 5e-5).
+MIN_RELATIVE_STEP = 1e-7
+
+
+def check_learning_rate(learning_rate: float, named_params) -> None:
+    """Refuse a learning rate whose AdamW steps (about the learning rate per weight) are under MIN_RELATIVE_STEP
+    of the trained weights' RMS: they would change the weights by rounding only. Zero tensors (a LoRA's B) count
+    in the RMS; one pass over the weights, before the run directory exists."""
+    squares = count = 0.0
+    for _, p in named_params:
+        squares += float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64) ** 2)
+        count += p.numel()
+    rms = math.sqrt(squares / count) if count else 0.0
+    if rms > 0 and learning_rate < MIN_RELATIVE_STEP * rms:
+        raise ConfigError(f"train.learning_rate={learning_rate:g}: AdamW moves each weight by about the learning "
+                          f"rate a step, and the trained weights' RMS is {rms:.3g}, so every step would change them "
+                          f"by under {MIN_RELATIVE_STEP:g} of their size (rounding) and the run would train nothing; "
+                          f"it must be at least {MIN_RELATIVE_STEP * rms:.1g} to move them past rounding (the shipped configs use "
+                          f"1e-4 to 3e-3)")
 
 
 class WeightMotion:
@@ -58,11 +77,3 @@ class WeightMotion:
         if totals["size"] == 0:
             return math.inf if totals["moved"] > 0 else 0.0
         return math.sqrt(totals["moved"] / totals["size"])
-
-
-def too_small_message(step: int, relative: float, learning_rate: float) -> str:
-    """Why a run stops after an update that did not move its weights."""
-    return (f"step {step}: the optimizer step moved the trained weights by {relative:.2g} of their size (RMS of "
-            f"the update over RMS of the weights, under {MIN_RELATIVE_MOVE:g}: rounding), so the run would train "
-            f"nothing; train.learning_rate={learning_rate:g} is too small for these weights (AdamW moves a weight "
-            f"by about the learning rate a step): raise it")
