@@ -61,12 +61,11 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
             if steps.has_signal(signal, step):
                 before = motion.sample()
                 result = algorithm.update(batch, step)
-                metrics = steps.count(result, step)
-                if result.stepped:
-                    metrics["train/update_rel"] = motion.relative_move(before)
             else:
-                result = steps.no_signal(signal)
-                metrics = steps.count(result, step)
+                result = steps.no_signal(signal)  # never stepped
+            metrics = steps.count(result, step)
+            if result.stepped:
+                metrics["train/update_rel"] = motion.relative_move(before)
             t1 = time.perf_counter()
             # 4. Sync: new weights into serving, version + 1, only when the update moved them.
             if result.stepped:

@@ -34,17 +34,17 @@ def check_learning_rate(learning_rate: float, named_params) -> None:
     """Refuse a learning rate whose AdamW steps (about the learning rate per weight) are under MIN_RELATIVE_STEP
     of the trained weights' RMS: they would change the weights by rounding only. Zero tensors (a LoRA's B) count
     in the RMS; one pass over the weights, before the run directory exists."""
-    squares = count = 0.0
-    for _, p in named_params:
-        squares += float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64) ** 2)
-        count += p.numel()
+    tensors = [p.detach() for _, p in named_params if p.numel()]
+    count = sum(t.numel() for t in tensors)
+    # One host read for the whole model, not one per tensor.
+    squares = float(sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)) if count else 0.0
     rms = math.sqrt(squares / count) if count else 0.0
     if rms > 0 and learning_rate < MIN_RELATIVE_STEP * rms:
         raise ConfigError(f"train.learning_rate={learning_rate:g}: AdamW moves each weight by about the learning "
                           f"rate a step, and the trained weights' RMS is {rms:.3g}, so every step would change them "
                           f"by under {MIN_RELATIVE_STEP:g} of their size (rounding) and the run would train nothing; "
-                          f"it must be at least {MIN_RELATIVE_STEP * rms:.1g} to move them past rounding (the shipped configs use "
-                          f"1e-4 to 3e-3)")
+                          f"it must be at least {MIN_RELATIVE_STEP * rms:.1g} to move them past rounding (the shipped "
+                          f"configs use 1e-4 to 3e-3)")
 
 
 class WeightMotion:
