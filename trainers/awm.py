@@ -47,7 +47,6 @@ docs/recipes/awm.md; the toy default's length: docs/tuning_awm.md.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from engine import Trajectory
 from flywheel.cli import run_main
 from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
-from flywheel.recipe.ema import (ANCHOR_PREFIX, WeightEMA, anchor_checkpoint,  # noqa: F401 (ANCHOR_PREFIX: its names)
+from flywheel.recipe.ema import (ANCHOR_PREFIX, EMAAnchored, WeightEMA,  # noqa: F401 (ANCHOR_PREFIX: its names)
                                  checkpointed_anchor)
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
@@ -377,7 +376,7 @@ def scaled_advantages(advantages: torch.Tensor, tc: AWMConfig, clip_max: float) 
     return advantages * (tc.advantage_max / clip_max)
 
 
-class AWM:
+class AWM(EMAAnchored):
     """AWM's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its optimizer, the
     config and the EMA anchor (None when train.anchor_beta = 0), whose tensors are the recipe's own.
 
@@ -386,6 +385,8 @@ class AWM:
     `cfg.train` are read. The anchor starts at the weights as they are; `load_state_dict` gives it a
     checkpoint's.
     """
+
+    build_anchor = staticmethod(ema_anchor)  # EMAAnchored: serving_weights, state_dict, load_state_dict
 
     def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator):
         self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
@@ -428,16 +429,6 @@ class AWM:
             anchor.update(policy.named_params, decay)
             metrics["anchor/decay"] = decay
         return gradient_result(metrics)
-
-    def serving_weights(self):
-        return contextlib.nullcontext()  # the engine samples the trained weights
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return anchor_checkpoint(None if self.anchor is None else self.anchor.average)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""
-        self.anchor = ema_anchor(self.policy, self.cfg.train, state)
 
 
 # ---------------------------------------------------------------------------------------

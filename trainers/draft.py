@@ -54,7 +54,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import contextlib
 
 import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
 import torch
@@ -63,7 +62,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.sampling import ode_step
 from flywheel.cli import run_main
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
-from flywheel.recipe.ema import WeightEMA, anchor_checkpoint, checkpointed_anchor
+from flywheel.recipe.ema import EMAAnchored, WeightEMA, checkpointed_anchor
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
@@ -473,10 +472,12 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
 # ---------------------------------------------------------------------------------------
 
 
-class Draft:
+class Draft(EMAAnchored):
     """DRaFT / ReFL behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its optimizer, the
     config, the differentiable reward and the EMA anchor (None when train.anchor_beta = 0), whose tensors are
     the recipe's own. The engine samples the trained weights."""
+
+    build_anchor = staticmethod(ema_anchor)  # EMAAnchored: serving_weights, state_dict, load_state_dict
 
     def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator, reward: DifferentiableReward):
         self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg
@@ -486,16 +487,6 @@ class Draft:
     def update(self, batch: RolloutBatch, step: int) -> UpdateResult:
         return gradient_result(draft_update(batch, self.policy, self.transformer, self.optimizer, self.accelerator,
                                             self.cfg, step, self.reward, self.anchor))
-
-    def serving_weights(self):
-        return contextlib.nullcontext()  # the engine samples the trained weights
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return anchor_checkpoint(None if self.anchor is None else self.anchor.average)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""
-        self.anchor = ema_anchor(self.policy, self.cfg.train, state)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -36,7 +36,8 @@ average. Where this module differs, on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -129,3 +130,22 @@ def checkpointed_anchor(checkpointed: dict[str, torch.Tensor]) -> dict[str, torc
         raise ValueError("resume: the checkpoint holds no EMA anchor (its run had train.anchor_beta=0); resume "
                          "with train.anchor_beta=0, or start a fresh run")
     return saved
+
+
+class EMAAnchored:
+    """The algorithm-protocol methods (flywheel/recipe/algorithm.py) of a recipe whose engine samples the trained
+    weights and whose own tensors are an EMA anchor (AWM, DRaFT). The recipe's class sets `build_anchor`, its
+    (policy, cfg.train, checkpointed) -> anchor or None, whose `.average` is a WeightEMA; it reads
+    `self.policy`, `self.cfg` and `self.anchor`."""
+
+    build_anchor: Callable
+
+    def serving_weights(self):
+        return contextlib.nullcontext()  # the engine samples the trained weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return anchor_checkpoint(None if self.anchor is None else self.anchor.average)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's anchor (strict names); a fresh run's state is {} and keeps the anchor at the weights."""
+        self.anchor = self.build_anchor(self.policy, self.cfg.train, state)
