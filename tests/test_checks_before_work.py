@@ -95,6 +95,10 @@ CASES = {
                                      "so every step would change them by under 1e-07 of their size (rounding)"),
     "the same for a lora": (["model.finetune=lora", "train.learning_rate=1e-12"], "train.learning_rate",
                             "the run would train nothing"),
+    "clip under adam's eps": (["train.max_grad_norm=1e-12"], "train.max_grad_norm",
+                              "under AdamW's eps (1e-08), so each step moves a weight by about"),
+    "bfloat16 full fine-tune, small rate": (["model.dtype=bfloat16", "train.learning_rate=1e-5"],
+                                            "train.learning_rate", "so most of each update would round away"),
 }
 
 

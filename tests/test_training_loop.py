@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib
+import math
 import sys
 import warnings
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from flywheel.recipe import training_loop
 from flywheel.recipe.algorithm import Algorithm, UpdateResult, gradient_result
 from flywheel.config.parsing import ConfigError
 from flywheel.recipe.training_loop import FLAT_STEP, train
-from flywheel.recipe.weight_motion import WeightMotion, check_learning_rate
+from flywheel.recipe.weight_motion import WeightMotion, check_step_size
 
 # ---- the loop: it owns the weight version and syncs once after an update that stepped ---------------------
 
@@ -184,14 +185,47 @@ def test_the_loop_logs_each_optimizer_steps_size_relative_to_the_weights():
 def test_a_learning_rate_under_rounding_of_the_weights_is_refused():
     weights = [("a", torch.nn.Parameter(torch.full((4,), 0.02))), ("lora_B", torch.nn.Parameter(torch.zeros(4)))]
     rms = 0.02 / 2 ** 0.5  # the zeros count
-    check_learning_rate(1e-4, weights)
-    check_learning_rate(1.01e-7 * rms, weights)  # just over the bound
+    no_clip = math.inf
+    check_step_size(1e-4, no_clip, weights)
+    check_step_size(1.01e-7 * rms, no_clip, weights)  # just over the bound
     with pytest.raises(ConfigError, match=r"^train.learning_rate=1e-12: .* the trained weights' RMS is 0.0141, so "
                        r"every step would change them by under 1e-07 of their size .* at least 1e-09"):
-        check_learning_rate(1e-12, weights)
+        check_step_size(1e-12, no_clip, weights)
     with pytest.raises(ConfigError):
-        check_learning_rate(0.99e-7 * rms, weights)
-    check_learning_rate(1e-12, [("b", torch.nn.Parameter(torch.zeros(3)))])  # all zero: nothing to compare with
+        check_step_size(0.99e-7 * rms, no_clip, weights)
+    check_step_size(1e-12, no_clip, [("b", torch.nn.Parameter(torch.zeros(3)))])  # all zero: nothing to compare with
+
+
+def test_a_max_grad_norm_that_holds_the_gradient_under_adams_eps_is_refused():
+    # 10^6 weights of 0.02 at lr 1e-4: a clipped gradient of norm c has an RMS of c/1000 per weight, and AdamW's
+    # step is about lr·min(1, (c/1000)/1e-8); it must reach 1e-7·0.02, so c >= 2e-5·1e-5 = 2e-10 (rounded: 2e-10).
+    weights = [("w", torch.nn.Parameter(torch.full((10**6,), 0.02)))]
+    check_step_size(1e-4, 1.0, weights)  # the shipped clip: its factor is 1
+    check_step_size(1e-4, 2.02e-10, weights)  # just over
+    with pytest.raises(ConfigError, match=r"^train.max_grad_norm=1e-12: clipping holds the gradient of the 1000000 "
+                       r"trained weights to an RMS of 1e-15 per weight, under AdamW's eps \(1e-08\), so each step "
+                       r"moves a weight by about 1e-11, .* at least 2e-10 \(the shipped configs use 1.0\)$"):
+        check_step_size(1e-4, 1e-12, weights)
+    with pytest.raises(ConfigError, match=r"^train.max_grad_norm="):
+        check_step_size(1e-4, 1.98e-10, weights)
+    with pytest.raises(ConfigError, match=r"^train.learning_rate=1e-12: "):  # the rate alone is too small: it is named
+        check_step_size(1e-12, 1e-12, weights)
+
+
+def test_a_learning_rate_that_rounds_away_on_most_bfloat16_weights_is_refused():
+    # bfloat16 has 8 bits of precision: 1.0 + s changes only for s over half its last bit, 2^-8 (0.0039).
+    ones = [("w", torch.nn.Parameter(torch.ones(100, dtype=torch.bfloat16)))]
+    check_step_size(2 ** -8 * 1.01, 1.0, ones)
+    with pytest.raises(ConfigError, match=r"^train.learning_rate=0.00386719 on bfloat16 trained weights: .* a step of "
+                       r"about 0.0039 changes 0% of them, so most of each update would round away; train float32"):
+        check_step_size(2 ** -8 * 0.99, 1.0, ones)
+    check_step_size(2 ** -8 * 0.99, 1.0, [("w", torch.nn.Parameter(torch.ones(100)))])  # float32: far over its bit
+    # Half the weights small enough to move, half not: the bound is "at least half change"; zeros are left out.
+    mixed = torch.cat([torch.full((50,), 2.0 ** -6), torch.ones(50), torch.zeros(100)]).to(torch.bfloat16)
+    check_step_size(2 ** -13, 1.0, [("w", torch.nn.Parameter(mixed))])  # 2^-13 moves 2^-6 (half bit 2^-14)
+    with pytest.raises(ConfigError, match=r"changes 49% of them"):
+        small = torch.cat([torch.full((49,), 2.0 ** -6), torch.ones(51)]).to(torch.bfloat16)
+        check_step_size(2 ** -13, 1.0, [("w", torch.nn.Parameter(small))])
 
 
 def test_update_rel_is_the_rms_of_the_update_over_the_rms_of_the_weights():

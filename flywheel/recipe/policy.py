@@ -28,7 +28,7 @@ from engine import get_card, load_model
 from engine.denoise import guided_velocity
 from flywheel.lora import adapters_disabled, add_lora
 from flywheel.recipe.preflight import check_built_model, check_lora_targets
-from flywheel.recipe.weight_motion import check_learning_rate
+from flywheel.recipe.weight_motion import check_step_size
 from flywheel.config.parsing import ConfigError
 
 # velocity(x, t, cond, uncond_cond, guidance) of a frozen policy (the reference, or a recipe's sampling policy).
@@ -173,7 +173,8 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
                 return guided_velocity(model, frozen, x, t, cond, uncond_cond, g)
     train_chosen_experts(transformer, mc.experts or card_defaults.get("experts"))
     named_params = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
-    check_learning_rate(cfg.train.learning_rate, named_params)  # still before the run directory exists
+    # Still before the run directory exists.
+    check_step_size(cfg.train.learning_rate, cfg.train.max_grad_norm, named_params)
     return Policy(model, named_params, ref_velocity, card_defaults)
 
 

@@ -4,8 +4,9 @@ against the learning rate before a run starts.
 A constant-rate AdamW moves each weight by about the learning rate a step, whatever the gradient's scale
 (while |gradient| is above its eps). A learning rate far under the weights' size (1e-12 on float32 weights of
 RMS 0.02) takes optimizer steps that change nothing but rounding: every step counts as trained, the run exits
-0, and the weights are the ones it started from. `check_learning_rate` refuses that before anything is
-written. The loop logs `train/update_rel` (the RMS of the update over the RMS of the weights) each step that
+0, and the weights are the ones it started from. `check_step_size` refuses that before anything is
+written, and with it a train.max_grad_norm that clips the gradient under AdamW's eps and a learning rate that
+rounds away on most bfloat16 weights. The loop logs `train/update_rel` (the RMS of the update over the RMS of the weights) each step that
 took an optimizer step; a step can rightly move a tensor by less (a Wan2.2 expert whose timesteps no sample
 hit that step gets only weight decay), so the measurement is a metric, not a stop.
 
@@ -28,23 +29,75 @@ SAMPLE_PER_TENSOR = 256
 # About float32's machine epsilon (1.19e-7): a step smaller than this relative to the weights changes at most
 # their last bit. Working runs sit far above it (1e-6 of a learning rate on weights of RMS 0.02 is 5e-5).
 MIN_RELATIVE_STEP = 1e-7
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which make_optimizer keeps
+# 16-bit trained weights (a full fine-tune at model.dtype=bfloat16): a step changes a weight only when it is over
+# half the weight's last bit, so small weights move and large ones do not. Under this fraction of the (non-zero)
+# weights changing, most of each update rounds away.
+MIN_FRACTION_CHANGED = 0.5
 
 
-def check_learning_rate(learning_rate: float, named_params) -> None:
-    """Refuse a learning rate whose AdamW steps (about the learning rate per weight) are under MIN_RELATIVE_STEP
-    of the trained weights' RMS: they would change the weights by rounding only. Zero tensors (a LoRA's B) count
-    in the RMS; one pass over the weights, before the run directory exists."""
+def check_step_size(learning_rate: float, max_grad_norm: float, named_params) -> None:
+    """Refuse optimizer steps that could only round, before the run directory exists (one pass over the weights).
+
+    AdamW moves each weight by about the learning rate a step while |gradient| is over its eps, and by
+    lr·|gradient|/eps under it; clipping holds the gradient's norm to train.max_grad_norm, so its RMS per weight
+    to max_grad_norm/sqrt(n). The step, lr·min(1, max_grad_norm/(sqrt(n)·eps)), must be at least
+    MIN_RELATIVE_STEP of the trained weights' RMS (zero tensors, a LoRA's B, count in it), and for 16-bit weights
+    it must change at least MIN_FRACTION_CHANGED of their non-zero elements (an evenly spaced sample of each
+    tensor, added in the weights' own dtype)."""
     tensors = [p.detach() for _, p in named_params if p.numel()]
     count = sum(t.numel() for t in tensors)
+    if not count:
+        return
     # One host read for the whole model, not one per tensor.
-    squares = float(sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)) if count else 0.0
-    rms = math.sqrt(squares / count) if count else 0.0
-    if rms > 0 and learning_rate < MIN_RELATIVE_STEP * rms:
+    squares = float(sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors))
+    rms = math.sqrt(squares / count)
+    if rms == 0:
+        return  # all zero: nothing to compare the step with
+    clip_factor = min(1.0, max_grad_norm / (math.sqrt(count) * ADAM_EPS))
+    step = learning_rate * clip_factor
+    if step < MIN_RELATIVE_STEP * rms:
+        if learning_rate >= MIN_RELATIVE_STEP * rms:  # the rate alone would do: clipping is what holds it
+            smallest_norm = MIN_RELATIVE_STEP * rms / learning_rate * math.sqrt(count) * ADAM_EPS
+            raise ConfigError(
+                f"train.max_grad_norm={max_grad_norm:g}: clipping holds the gradient of the {count} trained weights "
+                f"to an RMS of {max_grad_norm / math.sqrt(count):.2g} per weight, under AdamW's eps ({ADAM_EPS:g}), "
+                f"so each step moves a weight by about {step:.2g}, under {MIN_RELATIVE_STEP:g} of their RMS "
+                f"({rms:.3g}), and the run would train nothing; it must be at least {smallest_norm:.1g} "
+                f"(the shipped configs use 1.0)")
         raise ConfigError(f"train.learning_rate={learning_rate:g}: AdamW moves each weight by about the learning "
                           f"rate a step, and the trained weights' RMS is {rms:.3g}, so every step would change them "
                           f"by under {MIN_RELATIVE_STEP:g} of their size (rounding) and the run would train nothing; "
                           f"it must be at least {MIN_RELATIVE_STEP * rms:.1g} to move them past rounding (the shipped "
                           f"configs use 1e-4 to 3e-3)")
+    check_low_precision_step(step, learning_rate, tensors)
+
+
+def check_low_precision_step(step: float, learning_rate: float, tensors: list[torch.Tensor]) -> None:
+    """Refuse a step that changes under MIN_FRACTION_CHANGED of the non-zero 16-bit trained weights."""
+    narrow = [t for t in tensors if t.is_floating_point() and torch.finfo(t.dtype).bits <= 16]
+    if not narrow:
+        return
+    with torch.no_grad():
+        sample = torch.cat([t.reshape(-1)[_spaced(t.numel(), t.device)].float() for t in narrow])
+        dtypes = {t.dtype for t in narrow}
+        dtype = max(dtypes, key=lambda d: sum(t.numel() for t in narrow if t.dtype == d))
+        weights = sample[sample != 0].to(dtype)
+        if not weights.numel():
+            return
+        changed = float(((weights + step) != weights).float().mean())
+    if changed < MIN_FRACTION_CHANGED:
+        name = str(dtype).removeprefix("torch.")
+        raise ConfigError(f"train.learning_rate={learning_rate:g} on {name} trained weights: a {name} weight changes "
+                          f"only by a step over half its last bit, and a step of about {step:.2g} changes "
+                          f"{changed:.0%} of them, so most of each update would round away; train float32 "
+                          f"weights (model.dtype=float32, or a LoRA, whose adapter is float32) or raise the "
+                          f"learning rate")
+
+
+def _spaced(n: int, device, per_tensor: int = SAMPLE_PER_TENSOR) -> torch.Tensor:
+    """per_tensor evenly spaced indices into n elements (all of them when fewer)."""
+    return torch.linspace(0, n - 1, min(n, per_tensor), device=device).round().long()
 
 
 class WeightMotion:
@@ -57,7 +110,7 @@ class WeightMotion:
             if n == 0:  # an FSDP rank's empty shard
                 continue
             self.params.append(p)
-            self.index.append(torch.linspace(0, n - 1, min(n, per_tensor), device=p.device).round().long())
+            self.index.append(_spaced(n, p.device, per_tensor))
 
     def sample(self) -> list[torch.Tensor]:
         """The sampled elements now (copies, in float64)."""
