@@ -78,6 +78,18 @@ def test_steps_before_the_checkpoint_are_refused(run):
         grpo([f"resume={run}", "steps=0"])
 
 
+def test_resuming_a_finished_run_says_it_trained_nothing_and_reports_the_runs_final_evaluation(tmp_path, capsys):
+    run_dir = tmp_path / "done"
+    first = grpo([f"run_dir={run_dir}", *TINY, "steps=2", "eval.every=2", "save_every=1"])
+    capsys.readouterr()
+    again = grpo([f"resume={run_dir}", "steps=2"])
+    out = capsys.readouterr().out
+    assert "resume at step 2: the run already has its 2 steps, so this session trained nothing; give steps > 2" in out
+    assert again["final"]["eval/reward/mean"] == first["final"]["eval/reward/mean"]  # not NaN
+    assert f"final {first['final']['eval/reward/mean']:.3f}" in out
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]  # nothing appended
+
+
 def test_config_changes_name_each_dotted_key_with_both_values():
     before = {"steps": 3, "run_dir": "a", "train": {"learning_rate": 3e-4, "betas": [0.9, 0.99]}, "x": {}}
     after = {"steps": 5, "run_dir": "b", "train": {"learning_rate": 3e-4, "betas": [0.9, 0.9]}, "x": {}}

@@ -428,6 +428,13 @@ class RecipeRun:
                         exported.append((self.dir.path / "lora_ema", "the EMA average of the trained adapter"
                                          " (the one evaluation used)"))
             self.accelerator.wait_for_everyone()
+        if not row and self.start_step >= cfg.steps > 0:
+            # A resume of a run that has all its steps: this session trained nothing, and the run's final
+            # evaluation is the one it logged at its last step (not a NaN from a session without one).
+            row = self._logged_row(self.start_step)
+            if self.is_main:
+                print(f"resume at step {self.start_step}: the run already has its {cfg.steps} steps, so this "
+                      f"session trained nothing; give steps > {cfg.steps} to train on", flush=True)
         final_eval = {k: v for k, v in row.items() if k.startswith("eval/")}
         done = row.get("step", self.start_step)  # a run stopped by eval.stop_on_hacking ends early
         trained = done - skipped
@@ -488,6 +495,11 @@ class RecipeRun:
     def _first_eval(self) -> dict:
         rows = [r for r in self.dir.metrics.read() if r.get("step") == 0]
         return rows[0] if rows else {}
+
+    def _logged_row(self, step: int) -> dict:
+        """The last row metrics.jsonl holds for `step` ({} when none: a worker, or a run that logged none)."""
+        rows = [r for r in self.dir.metrics.read() if r.get("step") == step] if self.is_main else []
+        return rows[-1] if rows else {}
 
 
 def _all_lora_b_zero(named: dict[str, torch.Tensor]) -> bool:
