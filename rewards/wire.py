@@ -71,31 +71,84 @@ def encode_request(images: torch.Tensor, prompts: list[str], metadata: list[dict
     raise ValueError(f"image encoding {encoding!r} is not known; valid encodings: {', '.join(ENCODINGS)}")
 
 
+def _list_of(value, kind: type, key: str) -> list:
+    """`value` if it is a list of `kind`; ValueError naming `key` otherwise."""
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+        raise ValueError(f"{key!r} must be a list of {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _decode_json(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """images, prompts and metadata of a JSON/PNG request; ValueError naming the first key that is wrong."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"bad JSON/PNG scoring request: {what}; a request is {JSON_SHAPE}")
+
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad(f"the body is a JSON {type(data).__name__}, not an object")
+    missing = [k for k in ("images", "channels", "prompts", "metadata") if k not in data]
+    if missing:
+        raise bad(f"no {', '.join(map(repr, missing))}")
+    try:
+        pngs = _list_of(data["images"], str, "images")
+        prompts, metadata = _list_of(data["prompts"], str, "prompts"), _list_of(data["metadata"], dict, "metadata")
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    channels = data["channels"]
+    if channels not in (1, 3) or isinstance(channels, bool):
+        raise bad(f"'channels' is {channels!r}, not 1 or 3")
+    if not pngs:
+        raise bad("'images' is empty")
+    decoded = []
+    for i, text in enumerate(pngs):
+        try:
+            decoded.append(from_png(base64.b64decode(text, validate=True), channels))
+        except Exception as exc:
+            raise bad(f"images[{i}] is not a base64 PNG ({exc})") from None
+    if len({tuple(img.shape) for img in decoded}) > 1:
+        raise bad(f"the images differ in size ({sorted({tuple(img.shape) for img in decoded})})")
+    return torch.stack(decoded), prompts, metadata
+
+
 def _float32(x: torch.Tensor) -> torch.Tensor:
     return x.detach().float().cpu().contiguous()
 
 
+JSON_SHAPE = ('{"images": [base64 PNG, ...], "channels": 1 or 3, "prompts": [str, ...], '
+              '"metadata": [{...}, ...]}')
+SAFETENSORS_SHAPE = ('a tensor "images" [B, C, H, W] (and "audio", "videos" when the reward asks for them), '
+                     'with "prompts" and "metadata" as JSON text in the header')
+
+
 def decode_request(body: bytes, content_type: str) -> ScoringRequest:
-    """The `ScoringRequest` in a request body; ValueError on anything malformed."""
+    """The `ScoringRequest` in a request body; ValueError on anything malformed, naming what was wrong and the
+    shape a request has."""
     audio = videos = sample_rate = None
     if content_type == SAFETENSORS:
         try:
             tensors = st_load(body)
-            images = tensors["images"]
             header = _safetensors_header(body)
-            prompts, metadata = json.loads(header["prompts"]), json.loads(header["metadata"])
+        except Exception as exc:
+            raise ValueError(f"bad safetensors scoring request: {exc}; a request is {SAFETENSORS_SHAPE}") from None
+        missing = [k for k in ("images",) if k not in tensors] + [k for k in ("prompts", "metadata")
+                                                                  if k not in header]
+        if missing:
+            raise ValueError(f"bad safetensors scoring request: no {', '.join(map(repr, missing))}; a request is "
+                             f"{SAFETENSORS_SHAPE}")
+        images = tensors["images"]
+        try:
+            prompts, metadata = _list_of(json.loads(header["prompts"]), str, "prompts"), \
+                _list_of(json.loads(header["metadata"]), dict, "metadata")
             audio, videos = tensors.get("audio"), tensors.get("videos")
             if audio is not None:
                 sample_rate = int(header.get("sample_rate", "0"))
-        except Exception as exc:
-            raise ValueError(f"bad safetensors scoring request: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"bad safetensors scoring request: {exc}; a request is {SAFETENSORS_SHAPE}") from None
     elif content_type == JSON:
-        try:
-            data = json.loads(body)
-            images = torch.stack([from_png(base64.b64decode(p), data["channels"]) for p in data["images"]])
-            prompts, metadata = data["prompts"], data["metadata"]
-        except Exception as exc:
-            raise ValueError(f"bad JSON/PNG scoring request: {exc}") from None
+        images, prompts, metadata = _decode_json(body)
     else:
         raise ValueError(f"content type {content_type!r} is not accepted; send {SAFETENSORS} or {JSON}")
     if images.ndim != 4 or len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:

@@ -16,7 +16,7 @@ import rewards
 from rewards import RewardSet, parse_spec
 from rewards.remote import RemoteRewardError, RemoteScorer
 from rewards.serve import ServerThread
-from rewards.wire import encode_request, quantise
+from rewards.wire import JSON, SAFETENSORS, decode_request, encode_request, quantise
 
 PROMPTS = ["three", "seven", "a 0", "digit 5", "one", "nine"]
 
@@ -216,3 +216,56 @@ def test_binding_another_address_without_a_token_warns(caplog):
             ServerThread(rewards.get("jpeg_compressibility"), "jpeg_compressibility", host="192.0.2.1")
     (record,) = caplog.records
     assert "192.0.2.1 without a token" in record.getMessage() and "FLYWHEEL_REWARD_TOKEN" in record.getMessage()
+
+
+def _png_body(**change) -> bytes:
+    import json
+
+    body, _ = encode_request(torch.rand(2, 1, 8, 8), ["a", "b"], [{}, {}], encoding="png")
+    data = json.loads(body)
+    data.update(change)
+    return json.dumps({k: v for k, v in data.items() if v is not ...}).encode()
+
+
+# A malformed body: the one-line error names what was wrong, and every one shows the shape a request has.
+BAD_JSON = {
+    "not json": (b"garbage", "not JSON"),
+    "a list": (b"[1, 2]", "the body is a JSON list, not an object"),
+    "no images": (_png_body(images=...), "no 'images'"),
+    "no prompts, metadata": (_png_body(prompts=..., metadata=...), "no 'prompts', 'metadata'"),
+    "images a string": (_png_body(images="x"), "'images' must be a list of str, got str"),
+    "prompts null": (_png_body(prompts=None), "'prompts' must be a list of str, got NoneType"),
+    "metadata of strings": (_png_body(metadata=["a", "b"]), "'metadata' must be a list of dict"),
+    "channels 2": (_png_body(channels=2), "'channels' is 2, not 1 or 3"),
+    "an image not base64": (_png_body(images=["%%%", "%%%"]), "images[0] is not a base64 PNG"),
+    "an image not a PNG": (_png_body(images=["aGVsbG8=", "aGVsbG8="]), "images[0] is not a base64 PNG"),
+    "no images at all": (_png_body(images=[], prompts=[], metadata=[]), "'images' is empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_JSON))
+def test_a_malformed_json_request_names_what_was_wrong_and_the_shape_of_a_request(case):
+    body, what = BAD_JSON[case]
+    with pytest.raises(ValueError) as info:
+        decode_request(body, JSON)
+    message = str(info.value)
+    assert message.startswith(f"bad JSON/PNG scoring request: {what}"), message
+    assert message.endswith('a request is {"images": [base64 PNG, ...], "channels": 1 or 3, "prompts": [str, ...], '
+                            '"metadata": [{...}, ...]}'), message
+    assert "\n" not in message
+
+
+def test_a_malformed_safetensors_request_names_what_was_wrong():
+    from safetensors.torch import save
+
+    good, _ = encode_request(torch.rand(2, 1, 8, 8), ["a", "b"], [{}, {}])
+    assert decode_request(good, SAFETENSORS).prompts == ["a", "b"]
+    for body, what in [(b"garbage", "bad safetensors scoring request: "),
+                       (save({"pixels": torch.zeros(2, 1, 8, 8)}, metadata={"prompts": "[]", "metadata": "[]"}),
+                        "no 'images'"),
+                       (save({"images": torch.zeros(2, 1, 8, 8)}), "no 'prompts', 'metadata'"),
+                       (save({"images": torch.zeros(2, 1, 8, 8)}, metadata={"prompts": '"ab"', "metadata": "[]"}),
+                        "'prompts' must be a list of str, got str")]:
+        with pytest.raises(ValueError, match="a request is a tensor \"images\" \\[B, C, H, W\\]") as info:
+            decode_request(body, SAFETENSORS)
+        assert what in str(info.value), info.value
