@@ -205,6 +205,13 @@ def parse_generate(body: object, default_card: str, max_images: int,
     if window is not None:
         if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window):
             raise BadRequest(f"field 'sde_window' must be a [start, end] pair of integers, got {window}")
+    if body.get("sampler") == "ode":
+        # The ODE draws no noise: a noise field sent with it would be ignored, so the caller hears of it here.
+        ignored = [name for name in ("noise_level", "audio_noise_level", "sde_window") if body.get(name) is not None]
+        if ignored:
+            raise BadRequest(f"field(s) {', '.join(ignored)} with sampler 'ode': the ODE draws no noise, so "
+                             f"{'it' if len(ignored) == 1 else 'they'} would be ignored; drop "
+                             f"{'it' if len(ignored) == 1 else 'them'} or use sampler 'sde' or 'cps'")
     kwargs = {k: v for k, v in body.items()
               if k not in ("n", "seed", "return_latents", "return_log_probs", "return_intermediates", "image")}
     if window is not None:
