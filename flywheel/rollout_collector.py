@@ -281,7 +281,8 @@ def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], se
                                  f"class; it must score every sample of a class (NaN only where there is none)")
             judged = class_means(scores, classes)
             metrics.update({f"eval/judge/{name}/{c}": v for c, v in judged.items()})
-            metrics[f"eval/judge/{name}/min_class"] = min(judged.values())
+            if judged:  # no sample in any class: no worst class either
+                metrics[f"eval/judge/{name}/min_class"] = min(judged.values())
     return metrics, trajectory
 
 

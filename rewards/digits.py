@@ -121,6 +121,12 @@ class DigitAlignment:
 
     name = "digit_alignment"
     differentiable = True  # softmax of a CNN over an area resize: d score / d pixels exists everywhere
+    prompt_needs = 'a digit, as metadata "digit" or in the text ("a handwritten 7", "a seven")'
+
+    @staticmethod
+    def scored_rows(prompts: list[str], metadata: list[dict]) -> list[bool]:
+        """Which rows name a digit (the others score NaN: masked), checked before a run starts."""
+        return [digit is not None for digit in prompted_digits(prompts, metadata)]
 
     def __init__(self, weights_path: str | Path = WEIGHTS_PATH, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
@@ -204,6 +210,12 @@ class NumberAlignment:
 
     name = "number_alignment"
     differentiable = True  # the product of two DigitAlignment probabilities
+    prompt_needs = 'a two-digit number, as metadata "number" or "digits", or in the text ("the number 42")'
+
+    @staticmethod
+    def scored_rows(prompts: list[str], metadata: list[dict]) -> list[bool]:
+        """Which rows name a two-digit number (the others score NaN: masked), checked before a run starts."""
+        return [pair is not None for pair in prompted_number_digits(prompts, metadata)]
 
     def __init__(self, weights_path: str | Path = WEIGHTS_PATH, device: str | torch.device = "cpu"):
         self.digits = DigitAlignment(weights_path, device)

@@ -68,6 +68,12 @@ class OcrReward:
     """Scorer: does the image spell its prompt's quoted text? Rows without quoted text are NaN (masked)."""
 
     name = "ocr"
+    prompt_needs = 'text to spell, quoted in the prompt (a sign that says "HELLO") or as metadata "text"'
+
+    @staticmethod
+    def scored_rows(prompts: list[str], metadata: list[dict]) -> list[bool]:
+        """Which rows give a text to read (the others score NaN: masked), checked before a run starts."""
+        return [bool(target_text(p, m)) for p, m in zip(prompts, metadata)]
 
     def __init__(self, detect: bool = True, det_side_len: int = 960, min_text_score: float = 0.5,
                  threads: int = -1):

@@ -505,6 +505,21 @@ register("edit_instruction_clip", _lazy("rewards.edit", "EditInstructionClip"))
 _ARG_CHECKS: dict[str, Callable[..., None]] = {}
 
 
+def prompt_coverage(name: str, prompts: list[str], metadata: list[dict]) -> tuple[list[bool], str] | None:
+    """Which of these rows scorer `name` can score, and what a row needs for it, for a scorer whose class says
+    (a static `scored_rows(prompts, metadata)` and a `prompt_needs` text); None for the others (remote ones
+    included), which are found out only when they score. KeyError for an unknown name; ValueError from the
+    scorer for a row it refuses (a metadata digit out of range)."""
+    if name.startswith(REMOTE):
+        return None
+    factory = factory_of(name)
+    target = factory.target() if callable(getattr(factory, "target", None)) else factory
+    scored_rows = getattr(target, "scored_rows", None)
+    if scored_rows is None:
+        return None
+    return [bool(ok) for ok in scored_rows(prompts, metadata)], getattr(target, "prompt_needs", "a target it reads")
+
+
 def register_check(name: str, check: Callable[..., None]) -> None:
     """Register `check(**kwargs)` for scorer `name`: it raises (ValueError, OSError) when the scorer could not be
     built with those kwargs, without building it. Scorers without a check are only checked when built."""

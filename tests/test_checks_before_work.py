@@ -370,3 +370,40 @@ def test_a_video_card_that_decodes_other_frames_says_why_naming_sampling_frames(
     cfg.sampling.frames = 10
     with pytest.raises(ConfigError, match=r"sampling.frames=10: ltx2: frames must be 2k\+1"):
         check_built_model(cfg, Model())
+
+
+def test_prompts_the_reward_cannot_score_are_refused_before_anything_is_written(tmp_path, capsys):
+    """digit_alignment scores NaN (masked) for a prompt naming no digit: a dataset of only such prompts used to
+    run until reward.max_masked_steps stopped it (and the evaluation's judges crashed on no class at all)."""
+    cats = tmp_path / "cats.txt"
+    cats.write_text("a cat\na dog\n")
+    run_dir = tmp_path / "run"
+    message, _ = refused([f"run_dir={run_dir}", *FAST, f"data.prompts={cats}"], capsys)
+    assert_nothing_written(run_dir)
+    assert_last_line_names(message, "data.prompts")
+    assert (f"data.prompts='{cats}': reward digit_alignment can score none of its 2 prompt(s), so every sample "
+            "would be masked; each prompt needs a digit") in message
+    assert "(prompt 1 is 'a cat')" in message
+    # The same dataset with a reward that reads no digit trains, and its evaluation has no per-class judge keys.
+    from trainers.grpo import main as grpo_main
+
+    grpo_main([f"run_dir={tmp_path / 'jpeg'}", *FAST, "steps=1", f"data.prompts={cats}", f"data.eval_prompts={cats}",
+               "reward.scorers=jpeg_compressibility:1.0"])
+    rows = [json.loads(line) for line in (tmp_path / "jpeg" / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/judge/digit_svc/mean" in rows[-1] and "eval/judge/digit_svc/min_class" not in rows[-1]
+
+
+def test_prompts_the_reward_cannot_score_among_others_are_named_in_a_warning(tmp_path, capsys):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "a handwritten 7"}\n{"prompt": "a cat"}\n{"prompt": "anything", "digit": 3}\n')
+    from trainers.grpo import main as grpo_main
+
+    grpo_main([f"run_dir={tmp_path / 'run'}", *FAST, "steps=1", f"data.prompts={mixed}"])
+    assert (f"warning: data.prompts='{mixed}': reward digit_alignment cannot score prompt(s) 2 of 3, whose samples "
+            "it masks") in capsys.readouterr().err
+    with pytest.raises(USAGE_ERRORS, match=r"data.prompts=.*reward digit_alignment: metadata\[0\]\['digit'\] = 12 "
+                                           r"is out of range"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "x", "digit": 12}\n')
+        grpo_main([f"run_dir={tmp_path / 'bad'}", *FAST, f"data.prompts={bad}"])
+    assert_nothing_written(tmp_path / "bad")

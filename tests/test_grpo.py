@@ -141,7 +141,9 @@ def test_shipped_configs_parse(path, tmp_path, monkeypatch):
     # too, so the checks of the machine's files and servers are left out).
     from engine import get_card
 
-    prompts = image_prompts(tmp_path) if get_card(cfg.model.card).defaults.get("image_conditioned") else "toy-digits"
+    # (toy-numbers configs keep their own built-in set: number_alignment scores no toy-digits prompt.)
+    builtin = "toy-numbers" if cfg.model.card == "toy-numbers" else "toy-digits"
+    prompts = image_prompts(tmp_path) if get_card(cfg.model.card).defaults.get("image_conditioned") else builtin
     cfg = apply_overrides(cfg, [f"data.prompts={prompts}", f"data.eval_prompts={prompts}"])
     if get_card(cfg.model.card).defaults.get("diffusers_pipeline"):
         with pytest.raises(ConfigError, match="model.path=None is not set"):  # ... which are checked

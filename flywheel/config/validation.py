@@ -18,7 +18,7 @@ from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_reward_keys,
-                                       check_rewards, check_run_dir, warn_prompts_per_step)
+                                       check_reward_prompts, check_rewards, check_run_dir, warn_prompts_per_step)
 
 POSITIVE = "must be an integer >= 1"
 
@@ -142,6 +142,7 @@ def check_data(cfg, checks: ConfigChecks) -> None:
             checks.fail(f"{key}={config_value(cfg, key)!r}: {e}")
         else:
             check_dataset_images(cfg, key, items, checks)
+            check_reward_prompts(cfg, key, items, checks)
             if key == "data.prompts":
                 warn_prompts_per_step(cfg, len(items))
 
