@@ -64,3 +64,16 @@ def test_ocr_without_detection_and_blank_images():
     blank = torch.ones(2, 3, 64, 256)
     scores = rewards.get("ocr")(blank, ['"HELLO"', '"CAT"'], [{}, {}])
     assert scores.tolist() == [0.0, 0.0]  # nothing read: the worst score, still valid
+
+
+def test_prompt_coverage_says_which_prompts_each_masking_scorer_can_score():
+    from rewards.registry import prompt_coverage
+
+    prompts = ['a sign that says "HELLO"', "a handwritten 7", "the number 42", "a cat"]
+    metadata = [{}, {}, {}, {"text": "CAT"}]
+    assert prompt_coverage("ocr", prompts, metadata)[0] == [True, False, False, True]
+    assert prompt_coverage("digit_alignment", prompts, metadata)[0] == [False, True, False, False]
+    assert prompt_coverage("number_alignment", prompts, metadata)[0] == [False, False, True, False]
+    assert "quoted" in prompt_coverage("ocr", prompts, metadata)[1]
+    assert prompt_coverage("jpeg_compressibility", prompts, metadata) is None  # scores every image
+    assert prompt_coverage("remote:http://127.0.0.1:1", prompts, metadata) is None
