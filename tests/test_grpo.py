@@ -141,8 +141,12 @@ def test_shipped_configs_parse(path, tmp_path, monkeypatch):
     # too, so the checks of the machine's files and servers are left out).
     from engine import get_card
 
-    # (toy-numbers configs keep their own built-in set: number_alignment scores no toy-digits prompt.)
+    # (toy-numbers configs keep their own built-in set: number_alignment scores no toy-digits prompt; the OCR
+    # configs get quoted text to spell, which ocr needs.)
     builtin = "toy-numbers" if cfg.model.card == "toy-numbers" else "toy-digits"
+    if "ocr" in str(cfg.reward.scorers):
+        builtin = tmp_path / "signs.txt"
+        builtin.write_text('a sign that says "HELLO"\na poster reading "FLOW"\n')
     prompts = image_prompts(tmp_path) if get_card(cfg.model.card).defaults.get("image_conditioned") else builtin
     cfg = apply_overrides(cfg, [f"data.prompts={prompts}", f"data.eval_prompts={prompts}"])
     if get_card(cfg.model.card).defaults.get("diffusers_pipeline"):

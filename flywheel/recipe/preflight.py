@@ -98,8 +98,8 @@ def warn_prompts_per_step(cfg, prompts: int) -> None:
 
 
 def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
-    """Each scorer that says which prompts it can score (`rewards.registry.prompt_coverage`: the digit and
-    number rewards) scores some of the dataset at `key`. One that scores none would mask every sample: training
+    """Each scorer that says which prompts it can score (`rewards.registry.prompt_coverage`: the digit, number
+    and OCR rewards) scores some of the dataset at `key`. One that scores none would mask every sample: training
     stops after reward.max_masked_steps, an evaluation is NaN at the end of the run. Prompts it cannot score
     (their samples are masked) are named in a warning."""
     try:
@@ -107,13 +107,14 @@ def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
     except ValueError:
         return  # check_reward_keys reports the spec
     prompts, metadata = [item.prompt for item in items], [item.metadata for item in items]
+    value = getattr(cfg.data, key.split(".")[-1])
     for name, target, _ in entries:
         try:
             coverage = prompt_coverage(target, prompts, metadata)
         except KeyError:
             continue  # an unknown scorer: check_reward_keys names it
         except ValueError as e:
-            checks.fail(f"{key}={getattr(cfg.data, key.split('.')[-1])!r}: reward {name}: {e}")
+            checks.fail(f"{key}={value!r}: reward {name}: {e}")
             continue
         if coverage is None:
             continue
@@ -121,7 +122,6 @@ def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
         missing = [row + 1 for row, ok in enumerate(scored) if not ok]
         if not missing:
             continue
-        value = getattr(cfg.data, key.split(".")[-1])
         if len(missing) == len(items):
             checks.fail(f"{key}={value!r}: reward {name} can score none of its {len(items)} prompt(s), so every "
                         f"sample would be masked; each prompt needs {needs} (prompt 1 is {prompts[0]!r})")

@@ -6,9 +6,9 @@ A constant-rate AdamW moves each weight by about the learning rate a step, whate
 RMS 0.02) takes optimizer steps that change nothing but rounding: every step counts as trained, the run exits
 0, and the weights are the ones it started from. `check_step_size` refuses that before anything is
 written, and with it a train.max_grad_norm that clips the gradient under AdamW's eps and a learning rate that
-rounds away on most bfloat16 weights. The loop logs `train/update_rel` (the RMS of the update over the RMS of the weights) each step that
-took an optimizer step; a step can rightly move a tensor by less (a Wan2.2 expert whose timesteps no sample
-hit that step gets only weight decay), so the measurement is a metric, not a stop.
+rounds away on most bfloat16 weights. The loop logs `train/update_rel` (the RMS of the update over the RMS of
+the weights) each step that took an optimizer step; a step can rightly move a tensor by less (a Wan2.2 expert
+whose timesteps no sample hit that step gets only weight decay), so the measurement is a metric, not a stop.
 
 The metric reads a sample rather than a copy: a copy of a full fine-tune's weights would double their memory;
 a few hundred evenly spaced elements of every trained tensor cost nothing and see any update AdamW makes (it
@@ -74,25 +74,26 @@ def check_step_size(learning_rate: float, max_grad_norm: float, named_params) ->
 
 
 def check_low_precision_step(step: float, learning_rate: float, tensors: list[torch.Tensor]) -> None:
-    """Refuse a step that changes under MIN_FRACTION_CHANGED of the non-zero 16-bit trained weights."""
+    """Refuse a step that changes under MIN_FRACTION_CHANGED of the non-zero 16-bit trained weights (a sample of
+    each tensor, the step added in the tensor's own dtype, which rounds as the optimizer's update would)."""
     narrow = [t for t in tensors if t.is_floating_point() and torch.finfo(t.dtype).bits <= 16]
     if not narrow:
         return
     with torch.no_grad():
-        sample = torch.cat([t.reshape(-1)[_spaced(t.numel(), t.device)].float() for t in narrow])
-        dtypes = {t.dtype for t in narrow}
-        dtype = max(dtypes, key=lambda d: sum(t.numel() for t in narrow if t.dtype == d))
-        weights = sample[sample != 0].to(dtype)
-        if not weights.numel():
-            return
-        changed = float(((weights + step) != weights).float().mean())
-    if changed < MIN_FRACTION_CHANGED:
-        name = str(dtype).removeprefix("torch.")
-        raise ConfigError(f"train.learning_rate={learning_rate:g} on {name} trained weights: a {name} weight changes "
-                          f"only by a step over half its last bit, and a step of about {step:.2g} changes "
-                          f"{changed:.0%} of them, so most of each update would round away; train float32 "
-                          f"weights (model.dtype=float32, or a LoRA, whose adapter is float32) or raise the "
-                          f"learning rate")
+        samples = [t.reshape(-1)[_spaced(t.numel(), t.device)] for t in narrow]
+        samples = [w[w != 0] for w in samples]
+        # One host read: the counts of every tensor stacked.
+        counts = torch.stack([torch.stack([((w + step) != w).sum(), torch.tensor(w.numel(), device=w.device)])
+                              .to("cpu") for w in samples]).sum(0).tolist()
+    changed, total = counts
+    if total == 0 or changed >= MIN_FRACTION_CHANGED * total:
+        return
+    names = " and ".join(sorted({str(t.dtype).removeprefix("torch.") for t in narrow}))
+    raise ConfigError(f"train.learning_rate={learning_rate:g} on {names} trained weights: a {names} weight changes "
+                      f"only by a step over half its last bit, and a step of about {step:.2g} changes "
+                      f"{changed / total:.0%} of them, so most of each update would round away; train float32 "
+                      f"weights (model.dtype=float32, or a LoRA, whose adapter is float32) or raise the "
+                      f"learning rate")
 
 
 def _spaced(n: int, device, per_tensor: int = SAMPLE_PER_TENSOR) -> torch.Tensor:
