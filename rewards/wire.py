@@ -133,15 +133,15 @@ def decode_request(body: bytes, content_type: str) -> ScoringRequest:
             header = _safetensors_header(body)
         except Exception as exc:
             raise ValueError(f"bad safetensors scoring request: {exc}; a request is {SAFETENSORS_SHAPE}") from None
-        missing = [k for k in ("images",) if k not in tensors] + [k for k in ("prompts", "metadata")
-                                                                  if k not in header]
+        missing = (["images"] if "images" not in tensors else []) + [k for k in ("prompts", "metadata")
+                                                                     if k not in header]
         if missing:
             raise ValueError(f"bad safetensors scoring request: no {', '.join(map(repr, missing))}; a request is "
                              f"{SAFETENSORS_SHAPE}")
         images = tensors["images"]
         try:
-            prompts, metadata = _list_of(json.loads(header["prompts"]), str, "prompts"), \
-                _list_of(json.loads(header["metadata"]), dict, "metadata")
+            prompts = _list_of(json.loads(header["prompts"]), str, "prompts")
+            metadata = _list_of(json.loads(header["metadata"]), dict, "metadata")
             audio, videos = tensors.get("audio"), tensors.get("videos")
             if audio is not None:
                 sample_rate = int(header.get("sample_rate", "0"))
