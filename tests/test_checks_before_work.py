@@ -407,3 +407,19 @@ def test_prompts_the_reward_cannot_score_among_others_are_named_in_a_warning(tmp
         bad.write_text('{"prompt": "x", "digit": 12}\n')
         grpo_main([f"run_dir={tmp_path / 'bad'}", *FAST, f"data.prompts={bad}"])
     assert_nothing_written(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("recipe,why", [("dpo", "it pairs samples by their total reward"),
+                                        ("draft", "the loss is the reward itself, differentiated")])
+def test_advantage_keys_a_recipe_without_advantages_would_ignore_are_refused(recipe, why, tmp_path):
+    import importlib
+
+    main = importlib.import_module(f"trainers.{recipe}").main
+    run_dir = tmp_path / "run"
+    with pytest.raises(USAGE_ERRORS) as info:
+        main([f"run_dir={run_dir}", *FAST, "advantage.clip_max=2"])
+    assert_nothing_written(run_dir)
+    assert_last_line_names(f"error: {info.value}", "advantage.clip_max")
+    assert f"advantage.clip_max=2.0: {recipe.upper() if recipe == 'dpo' else 'DRaFT'} trains on no advantages ({why})" \
+        in str(info.value)
+    main([f"run_dir={tmp_path / 'default'}", *FAST, "steps=1", "advantage.clip_max=5.0"])  # the default: runs

@@ -74,7 +74,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, EMAConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import check_shared_sections
+from flywheel.config.validation import check_advantage_unused, check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -396,6 +396,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.reward.aggregation != "weighted_sum":
         checks.fail(f"reward.aggregation={cfg.reward.aggregation}: DPO ranks samples by their total reward; use "
                     "reward.aggregation=weighted_sum")
+    check_advantage_unused(cfg, checks, "DPO", "it pairs samples by their total reward")
     if cfg.rollout.asynchronous:
         checks.fail("rollout.asynchronous=true: this recipe trains on the current policy's samples; set rollout.asynchronous=false")
     checks.raise_if_any()

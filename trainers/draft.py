@@ -67,7 +67,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import check_shared_sections
+from flywheel.config.validation import check_advantage_unused, check_shared_sections
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -195,6 +195,7 @@ def validate_config(cfg: Config) -> None:
                    "must be ode: the gradient path re-runs the rollout's deterministic sampler from its stored states")
     checks.require("reward.aggregation", lambda v: v == "weighted_sum",
                    "must be weighted_sum: the loss is the weighted sum of the scorers' scores (no advantages)")
+    check_advantage_unused(cfg, checks, "DRaFT", "the loss is the reward itself, differentiated")
     if cfg.rollout.asynchronous:
         checks.fail("rollout.asynchronous=true: not supported by DRaFT (its gradient path starts from the rollout's states, "
                     "made by the weights it trains); set rollout.asynchronous=false")

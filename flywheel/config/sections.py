@@ -95,7 +95,8 @@ class RewardConfig:
 
 @dataclass
 class AdvantageConfig:
-    """How a step's rewards become the advantages the update trains on (flywheel/advantages.py)."""
+    """How a step's rewards become the advantages the update trains on (flywheel/advantages.py); GRPO, NFT and
+    AWM read it, and DPO and DRaFT, which train on no advantages, refuse a key set here."""
 
     global_std: bool = False
     """normalise advantages by the std of all the step's rewards (Flow-GRPO's sample.global_std), not each group's"""

@@ -163,6 +163,19 @@ def check_ode_ignores_noise(cfg, checks: ConfigChecks) -> None:
                     f"ODE draws no noise, so it would be ignored; {fix}")
 
 
+def check_advantage_unused(cfg, checks: ConfigChecks, recipe: str, why: str) -> None:
+    """`advantage.*` in a recipe that trains on no advantages (DPO ranks by the reward, DRaFT takes its
+    gradient): a key set away from the shared section's default would be ignored, so it is refused."""
+    from flywheel.config.sections import AdvantageConfig
+
+    default = AdvantageConfig()
+    for field in dataclasses.fields(default):
+        value = getattr(cfg.advantage, field.name)
+        if value != getattr(default, field.name):
+            checks.fail(f"advantage.{field.name}={value}: {recipe} trains on no advantages ({why}), so it would be "
+                        f"ignored; leave it out")
+
+
 def check_sampling(cfg, checks: ConfigChecks) -> None:
     """`sampling`: the rollouts' sampler, its noise, guidance, schedule, window, size and audio."""
     checks.require("sampling.steps", lambda v: v >= 1, POSITIVE)
