@@ -97,6 +97,15 @@ CASES = {
                             "the run would train nothing"),
     "clip under adam's eps": (["train.max_grad_norm=1e-12"], "train.max_grad_norm",
                               "under AdamW's eps (1e-08), so each step moves a weight by about"),
+    "lora rank, full fine-tune": (["model.lora_rank=64"], "model.lora_rank",
+                                  "model.lora_rank=64 with model.finetune=full: it acts only with "
+                                  "model.finetune=lora, so it would be ignored"),
+    "lora targets, full fine-tune": (["model.lora_targets=[qkv]"], "model.lora_targets",
+                                     "model.lora_targets=[qkv] with model.finetune=full"),
+    "ema decay without the ema": (["ema.decay=0.5"], "ema.decay",
+                                  "ema.decay=0.5 with ema.enabled=false: it acts only with ema.enabled=true"),
+    "staleness without async": (["rollout.max_staleness=3"], "rollout.max_staleness",
+                                "rollout.max_staleness=3 with rollout.asynchronous=false"),
     "bfloat16 full fine-tune, small rate": (["model.dtype=bfloat16", "train.learning_rate=1e-5"],
                                             "train.learning_rate", "so most of each update would round away"),
 }
@@ -423,3 +432,12 @@ def test_advantage_keys_a_recipe_without_advantages_would_ignore_are_refused(rec
     assert f"advantage.clip_max=2.0: {recipe.upper() if recipe == 'dpo' else 'DRaFT'} trains on no advantages ({why})" \
         in str(info.value)
     main([f"run_dir={tmp_path / 'default'}", *FAST, "steps=1", "advantage.clip_max=5.0"])  # the default: runs
+
+
+def test_a_switched_key_at_the_recipes_own_default_is_not_refused(tmp_path):
+    """DPO keeps an EMA at decay 0.85 by default: turning the EMA off leaves that decay, which says nothing."""
+    from trainers.dpo import main as dpo_main
+
+    dpo_main([f"run_dir={tmp_path / 'run'}", *FAST, "steps=1", "ema.enabled=false"])
+    with pytest.raises(USAGE_ERRORS, match=r"ema.decay=0.5 with ema.enabled=false"):
+        dpo_main([f"run_dir={tmp_path / 'other'}", *FAST, "ema.enabled=false", "ema.decay=0.5"])

@@ -93,11 +93,49 @@ def check_shared_sections(cfg) -> ConfigChecks:
     """
     checks = ConfigChecks(cfg)
     for check in (check_run, check_model, check_data, check_sampling, check_optimizer, check_reward,
-                  check_advantage, check_ema, check_eval, check_rollout, check_workflow):
+                  check_advantage, check_ema, check_eval, check_rollout, check_workflow, check_switched_keys):
         check(cfg, checks)
     check_bounds(cfg, checks)
     check_environment(cfg, checks)
     return checks
+
+
+# Keys that act only when a switch is on: (the switch, the value that turns it on, its keys).
+SWITCHED_KEYS = (
+    ("model.finetune", "lora", ("model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.lora_init")),
+    ("ema.enabled", True, ("ema.decay", "ema.start_step", "ema.update_every")),
+    ("rollout.asynchronous", True, ("rollout.max_staleness",)),
+)
+
+
+def check_switched_keys(cfg, checks: ConfigChecks) -> None:
+    """A key set away from the recipe's default while its switch is off would be ignored (a LoRA rank for a
+    full fine-tune, an EMA decay without the EMA): refused, naming the switch."""
+    if cfg.resume:
+        # The run's saved keys passed this check when it started; a resume may turn ema.enabled off (a resumable
+        # key) and cannot take the saved EMA keys out, so they are left alone.
+        return
+    defaults = type(cfg)()  # the recipe's own defaults (DPO's EMA is on, at decay 0.85)
+    for switch, on, keys in SWITCHED_KEYS:
+        if config_value(cfg, switch) == on:
+            continue
+        for key in keys:
+            value = config_value(cfg, key)
+            if value != config_value(defaults, key):
+                now, wanted = _yaml_word(config_value(cfg, switch)), _yaml_word(on)
+                checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {switch}={wanted}, "
+                            f"so it would be ignored; set {switch}={wanted} or leave it out")
+
+
+def _yaml_word(value) -> str:
+    """A value as a command line writes it (true/false, null, a list in brackets)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 def check_run(cfg, checks: ConfigChecks) -> None:
