@@ -111,8 +111,8 @@ def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
     for name, target, _ in entries:
         try:
             coverage = prompt_coverage(target, prompts, metadata)
-        except KeyError:
-            continue  # an unknown scorer: check_reward_keys names it
+        except (KeyError, ImportError):
+            continue  # an unknown scorer, or one whose module fails to import: the reward checks name it
         except ValueError as e:
             checks.fail(f"{key}={value!r}: reward {name}: {e}")
             continue
