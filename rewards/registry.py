@@ -512,8 +512,7 @@ def prompt_coverage(name: str, prompts: list[str], metadata: list[dict]) -> tupl
     scorer for a row it refuses (a metadata digit out of range)."""
     if name.startswith(REMOTE):
         return None
-    factory = factory_of(name)
-    target = factory.target() if callable(getattr(factory, "target", None)) else factory
+    target = _factory_target(factory_of(name))
     scored_rows = getattr(target, "scored_rows", None)
     if scored_rows is None:
         return None

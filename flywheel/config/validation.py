@@ -18,7 +18,9 @@ from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_reward_keys,
-                                       check_reward_prompts, check_rewards, check_run_dir, warn_prompts_per_step)
+                                       check_rewards, check_run_dir, warn, warn_prompts_per_step)
+from flywheel.runs.compare import format_config_value
+from rewards.registry import parse_spec_targets, prompt_coverage
 
 POSITIVE = "must be an integer >= 1"
 
@@ -128,14 +130,10 @@ def check_switched_keys(cfg, checks: ConfigChecks) -> None:
 
 
 def _yaml_word(value) -> str:
-    """A value as a command line writes it (true/false, null, a list in brackets)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
+    """A value as an override writes it: a list unquoted in brackets ([qkv]), the rest as format_config_value."""
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(map(str, value)) + "]"
-    return str(value)
+    return format_config_value(value)
 
 
 def check_run(cfg, checks: ConfigChecks) -> None:
@@ -204,9 +202,7 @@ def check_ode_ignores_noise(cfg, checks: ConfigChecks) -> None:
 def check_advantage_unused(cfg, checks: ConfigChecks, recipe: str, why: str) -> None:
     """`advantage.*` in a recipe that trains on no advantages (DPO ranks by the reward, DRaFT takes its
     gradient): a key set away from the shared section's default would be ignored, so it is refused."""
-    from flywheel.config.sections import AdvantageConfig
-
-    default = AdvantageConfig()
+    default = type(cfg)().advantage  # the recipe's own defaults, as check_switched_keys compares with
     for field in dataclasses.fields(default):
         value = getattr(cfg.advantage, field.name)
         if value != getattr(default, field.name):
@@ -374,6 +370,40 @@ def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
     else:
         checks.fail(f"{key}={config_value(cfg, key)!r}: prompt(s) {shown} name an \"image\" but card "
                     f"{cfg.model.card!r} takes none; only image-conditioned cards (image-to-video, editing) do")
+
+
+def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
+    """Each scorer that says which prompts it can score (`rewards.registry.prompt_coverage`: the digit, number
+    and OCR rewards) scores some of the dataset at `key`. One that scores none would mask every sample: training
+    stops after reward.max_masked_steps, an evaluation is NaN at the end of the run. Prompts it cannot score
+    (their samples are masked) are named in a warning."""
+    try:
+        entries = parse_spec_targets(cfg.reward.scorers)
+    except ValueError:
+        return  # check_reward_keys reports the spec
+    prompts, metadata = [item.prompt for item in items], [item.metadata for item in items]
+    value = config_value(cfg, key)
+    for name, target, _ in entries:
+        try:
+            coverage = prompt_coverage(target, prompts, metadata)
+        except (KeyError, ImportError):
+            continue  # an unknown scorer, or one whose module fails to import: the reward checks name it
+        except ValueError as e:
+            checks.fail(f"{key}={value!r}: reward {name}: {e}")
+            continue
+        if coverage is None:
+            continue
+        scored, needs = coverage
+        missing = [row + 1 for row, ok in enumerate(scored) if not ok]
+        if not missing:
+            continue
+        if len(missing) == len(items):
+            checks.fail(f"{key}={value!r}: reward {name} can score none of its {len(items)} prompt(s), so every "
+                        f"sample would be masked; each prompt needs {needs} (prompt 1 is {prompts[0]!r})")
+        else:
+            shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            warn(f"{key}={value!r}: reward {name} cannot score prompt(s) {shown} of {len(items)}, whose samples it "
+                 f"masks; each needs {needs}")
 
 
 def check_images_readable(key: str, items, checks: ConfigChecks) -> None:

@@ -25,8 +25,7 @@ from engine.card_folders import check_card_path
 from engine.types import MAX_STEPS
 from flywheel.config.parsing import ConfigError
 from flywheel.runs.rundir import RunDir, RunDirInUseError
-from rewards.registry import (REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, prompt_coverage,
-                              resolve_args)
+from rewards.registry import REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, resolve_args
 
 if TYPE_CHECKING:
     from flywheel.config.validation import ConfigChecks
@@ -95,40 +94,6 @@ def warn_prompts_per_step(cfg, prompts: int) -> None:
         warn(f"data.prompts_per_step={per_step} is more than the {prompts} prompt(s) of "
              f"data.prompts={cfg.data.prompts!r}: each step repeats prompts (groups of the same prompt are "
              f"normalised apart); lower data.prompts_per_step to at most {prompts} for distinct prompts")
-
-
-def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
-    """Each scorer that says which prompts it can score (`rewards.registry.prompt_coverage`: the digit, number
-    and OCR rewards) scores some of the dataset at `key`. One that scores none would mask every sample: training
-    stops after reward.max_masked_steps, an evaluation is NaN at the end of the run. Prompts it cannot score
-    (their samples are masked) are named in a warning."""
-    try:
-        entries = parse_spec_targets(cfg.reward.scorers)
-    except ValueError:
-        return  # check_reward_keys reports the spec
-    prompts, metadata = [item.prompt for item in items], [item.metadata for item in items]
-    value = getattr(cfg.data, key.split(".")[-1])
-    for name, target, _ in entries:
-        try:
-            coverage = prompt_coverage(target, prompts, metadata)
-        except (KeyError, ImportError):
-            continue  # an unknown scorer, or one whose module fails to import: the reward checks name it
-        except ValueError as e:
-            checks.fail(f"{key}={value!r}: reward {name}: {e}")
-            continue
-        if coverage is None:
-            continue
-        scored, needs = coverage
-        missing = [row + 1 for row, ok in enumerate(scored) if not ok]
-        if not missing:
-            continue
-        if len(missing) == len(items):
-            checks.fail(f"{key}={value!r}: reward {name} can score none of its {len(items)} prompt(s), so every "
-                        f"sample would be masked; each prompt needs {needs} (prompt 1 is {prompts[0]!r})")
-        else:
-            shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-            warn(f"{key}={value!r}: reward {name} cannot score prompt(s) {shown} of {len(items)}, whose samples it "
-                 f"masks; each needs {needs}")
 
 
 def check_run_dir(cfg, checks: ConfigChecks) -> None:

@@ -80,12 +80,13 @@ def check_low_precision_step(step: float, learning_rate: float, tensors: list[to
     if not narrow:
         return
     with torch.no_grad():
-        samples = [t.reshape(-1)[_spaced(t.numel(), t.device)] for t in narrow]
-        samples = [w[w != 0] for w in samples]
-        # One host read: the counts of every tensor stacked.
-        counts = torch.stack([torch.stack([((w + step) != w).sum(), torch.tensor(w.numel(), device=w.device)])
-                              .to("cpu") for w in samples]).sum(0).tolist()
-    changed, total = counts
+        device = narrow[0].device
+        counts = []
+        for t in narrow:
+            w = t.reshape(-1)[_spaced(t.numel(), t.device)]
+            nonzero = w != 0  # a mask, not an index: no host sync per tensor
+            counts.append(torch.stack([((w + step != w) & nonzero).sum(), nonzero.sum()]).to(device))
+        changed, total = torch.stack(counts).sum(0).tolist()  # one host read for every tensor
     if total == 0 or changed >= MIN_FRACTION_CHANGED * total:
         return
     names = " and ".join(sorted({str(t.dtype).removeprefix("torch.") for t in narrow}))
