@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -108,14 +109,37 @@ def sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
+# What holds a multi-process run's gloo process group (the DDP-wrapped transformer, whose reducer holds it), kept
+# until the process ends. Freeing it is unsafe: the reducer's destructor joins gloo's worker threads while holding
+# the GIL, and a worker still freeing the last barrier's tensors waits for that GIL, so the rank hangs after a
+# finished run (3 of 24 two-process FSDP-config runs on a loaded 2-core machine; none of 40 once kept). A rank
+# therefore leaves with os._exit once everything is flushed, without ever freeing it.
+_kept_until_exit: list = []
+
+
+def keep_until_exit(obj) -> None:
+    """Keep `obj` (what holds a multi-process run's process group) alive until this process exits."""
+    _kept_until_exit.append(obj)
+
+
+def _distributed_rank() -> bool:
+    return bool(_kept_until_exit) or (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _leave_rank(code: int) -> None:
+    """End a rank of a multi-process run: flush, then os._exit (the process group is never freed, see above)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _end_interrupted(how: str, code: int) -> None:
     """Exit with `code` after the interrupted run's one line (rank 0), interpreter shutdown included (trackers
     flush at exit)."""
     if _is_rank_zero():
         print(interrupted_message(how, _opened_run_dir, sys.argv[0]), file=sys.stderr, flush=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        sys.stdout.flush()  # gloo ranks sometimes abort at interpreter exit, as after a finished run
-        os._exit(code)
+    if _distributed_rank():
+        _leave_rank(code)
     raise SystemExit(code) from None
 
 
@@ -171,8 +195,10 @@ def run_main(main: Callable[[], object]) -> None:
         if e.code != 128 + signal.SIGTERM:
             raise
         _end_interrupted("SIGTERM", e.code)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # gloo ranks sometimes abort at interpreter exit; leave cleanly once all is flushed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    except Exception:
+        if not _distributed_rank():
+            raise
+        traceback.print_exc()  # as the interpreter would, then leave without freeing the process group
+        _leave_rank(1)
+    if _distributed_rank():
+        _leave_rank(0)

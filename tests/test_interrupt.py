@@ -58,6 +58,48 @@ def test_other_exits_pass_through_unchanged(code, capsys):
     assert "interrupted" not in capsys.readouterr().err
 
 
+class _ExitCalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("main, code, printed", [(lambda: None, 0, ""),
+                                                 (_raise(ValueError("bad step")), 1, "ValueError: bad step"),
+                                                 (_raise(KeyboardInterrupt()), 130, "interrupted (Ctrl-C)")])
+def test_a_rank_holding_its_process_group_leaves_by_os_exit_without_freeing_it(main, code, printed, capsys,
+                                                                              monkeypatch):
+    # A multi-process rank must never free the DDP wrapper (its reducer's destructor can deadlock on the GIL):
+    # every way out of run_main is os._exit with the status the run earned, the holder still alive.
+    import weakref
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    alive = weakref.ref(holder)
+    exits = []
+
+    def fake_exit(status):
+        exits.append(status)
+        raise _ExitCalled
+
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    monkeypatch.setattr(cli, "_opened_run_dir", None)
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    cli.keep_until_exit(holder)
+    del holder
+    with pytest.raises(_ExitCalled):
+        cli.run_main(main)
+    assert exits == [code]
+    assert alive() is not None
+    assert printed in capsys.readouterr().err
+
+
+def test_a_single_process_error_still_raises_as_python_would(monkeypatch):
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    with pytest.raises(ValueError, match="bad step"):
+        cli.run_main(_raise(ValueError("bad step")))
+
+
 # The recipe as a shell starts it, with Python's SIGINT handler (a child inherits an ignored SIGINT, and the test
 # process may have come to ignore it).
 LAUNCH = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
@@ -92,3 +134,21 @@ def test_ctrl_c_mid_run_prints_the_resume_line_and_that_line_resumes(tmp_path):
     resumed = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+@pytest.mark.parametrize("processes, kept", [(2, True), (1, False)])
+def test_a_multi_process_session_keeps_its_wrapped_transformer_until_exit(processes, kept, monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flywheel.recipe.session import RecipeRun
+
+    wrapped = object()
+    accelerator = SimpleNamespace(num_processes=processes, distributed_type=DistributedType.MULTI_CPU,
+                                  prepare=lambda model, optimizer: (wrapped, optimizer))
+    run = RecipeRun.__new__(RecipeRun)
+    run.accelerator = accelerator
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    run.prepare(SimpleNamespace(transformer=object()), "optimizer")
+    assert (cli._kept_until_exit == [wrapped]) is kept

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from flywheel.cli import NothingTrainedError, note_run_dir
+from flywheel.cli import NothingTrainedError, keep_until_exit, note_run_dir
 from flywheel.distributed import all_reduce_mean
 from flywheel.grids import judged_sample_grid
 from flywheel.guards import check_finite
@@ -211,6 +211,9 @@ class RecipeRun:
     def prepare(self, policy: Policy, optimizer):
         """Wrap the transformer and optimizer for the launch (DDP, FSDP); returns (train_transformer, optimizer)."""
         train_transformer, optimizer = self.accelerator.prepare(policy.transformer, optimizer)
+        if self.accelerator.num_processes > 1:
+            # The DDP wrapper holds the process group: freeing it can hang the rank (see flywheel.cli).
+            keep_until_exit(train_transformer)
         # FSDP shards model.transformer's parameters in place; the engine's rollouts (and checkpoints)
         # need them whole: gather them for the duration, on every rank (the gather is a collective).
         self.full_params = fsdp_full_params(self.accelerator, train_transformer)
