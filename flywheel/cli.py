@@ -12,6 +12,7 @@ the child, and repeating the message after it is what keeps it last.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -127,7 +128,9 @@ def _distributed_rank() -> bool:
 
 
 def _leave_rank(code: int) -> None:
-    """End a rank of a multi-process run: flush, then os._exit (the process group is never freed, see above)."""
+    """End a rank of a multi-process run: the exit handlers (logging, trackers) as at a normal exit, a flush,
+    then os._exit (the process group is never freed, see above)."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

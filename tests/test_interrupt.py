@@ -85,11 +85,14 @@ def test_a_rank_holding_its_process_group_leaves_by_os_exit_without_freeing_it(m
     monkeypatch.setattr(cli, "_kept_until_exit", [])
     monkeypatch.setattr(cli, "_opened_run_dir", None)
     monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    handlers = []
+    monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: handlers.append("ran"))
     cli.keep_until_exit(holder)
     del holder
     with pytest.raises(_ExitCalled):
         cli.run_main(main)
     assert exits == [code]
+    assert handlers == ["ran"]  # logging and trackers flush as at a normal exit
     assert alive() is not None
     assert printed in capsys.readouterr().err
 
