@@ -133,6 +133,7 @@ class ClipScore(_ClipBase):
 
     env = "FLYWHEEL_CLIP_PATH"
     name = "clip_score"
+    output_range = (-1.0, 1.0)  # a cosine
     differentiable = True
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:

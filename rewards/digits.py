@@ -120,6 +120,7 @@ class DigitAlignment:
     """Scorer: softmax probability of the prompted digit under the shipped CNN (NaN if no digit is named)."""
 
     name = "digit_alignment"
+    output_range = (0.0, 1.0)  # a probability
     differentiable = True  # softmax of a CNN over an area resize: d score / d pixels exists everywhere
     prompt_needs = 'a digit, as metadata "digit" or in the text ("a handwritten 7", "a seven")'
 
@@ -209,6 +210,7 @@ class NumberAlignment:
     """
 
     name = "number_alignment"
+    output_range = (0.0, 1.0)  # a product of two probabilities
     differentiable = True  # the product of two DigitAlignment probabilities
     prompt_needs = 'a two-digit number, as metadata "number" or "digits", or in the text ("the number 42")'
 

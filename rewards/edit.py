@@ -60,6 +60,7 @@ class EditConsistency(_ClipBase):
 
     env = "FLYWHEEL_CLIP_PATH"
     name = "edit_consistency"
+    output_range = (-1.0, 1.0)  # a cosine
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,6 +87,7 @@ class EditInstructionClip(_ClipBase):
 
     env = "FLYWHEEL_CLIP_PATH"
     name = "edit_instruction_clip"
+    output_range = (-1.0, 1.0)  # a cosine
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """Raw scores [B] float32 on the host."""

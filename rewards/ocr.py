@@ -68,6 +68,7 @@ class OcrReward:
     """Scorer: does the image spell its prompt's quoted text? Rows without quoted text are NaN (masked)."""
 
     name = "ocr"
+    output_range = (0.0, 1.0)  # 1 - normalised edit distance
     prompt_needs = 'text to spell, quoted in the prompt (a sign that says "HELLO") or as metadata "text"'
 
     @staticmethod

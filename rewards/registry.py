@@ -519,6 +519,29 @@ def prompt_coverage(name: str, prompts: list[str], metadata: list[dict]) -> tupl
     return [bool(ok) for ok in scored_rows(prompts, metadata)], getattr(target, "prompt_needs", "a target it reads")
 
 
+def output_range(name: str) -> tuple[float, float] | None:
+    """The (low, high) every score of scorer `name` lies in, for a scorer whose class declares it (a static
+    `output_range`: the digit, number, OCR, CLIP-cosine and VLM-judge rewards); None for the others (remote ones
+    included). KeyError for an unknown name."""
+    if name.startswith(REMOTE):
+        return None
+    declared = getattr(_factory_target(factory_of(name)), "output_range", None)
+    return None if declared is None else (float(declared[0]), float(declared[1]))
+
+
+def total_reward_span(spec) -> float | None:
+    """The widest gap two samples' weighted-sum rewards under `spec` can have: the sum over its scorers of
+    |weight| x (high - low) of their `output_range`; None when a scorer declares no range (then there is no
+    bound). KeyError or ValueError as `parse_spec_targets` and `output_range`."""
+    span = 0.0
+    for _, target, weight in parse_spec_targets(spec):
+        bounds = output_range(target)
+        if bounds is None:
+            return None
+        span += abs(weight) * (bounds[1] - bounds[0])
+    return span
+
+
 def register_check(name: str, check: Callable[..., None]) -> None:
     """Register `check(**kwargs)` for scorer `name`: it raises (ValueError, OSError) when the scorer could not be
     built with those kwargs, without building it. Scorers without a check are only checked when built."""

@@ -164,6 +164,7 @@ class VlmJudge:
     """Scorer: a VLM's verdict on each image (or video), in [0, 1], over an OpenAI-compatible API."""
 
     name = "vlm_judge"
+    output_range = (0.0, 1.0)  # every mode maps its reply onto [0, 1]
 
     def __init__(self, base_url: str | None = None, model: str | None = None, mode: str = "yes_no",
                  prompt: str | None = None, system: str | None = None,

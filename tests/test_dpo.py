@@ -126,6 +126,23 @@ def test_each_bad_field_is_named_with_what_is_valid(override, named):
     assert named in config_problems(override)
 
 
+@pytest.mark.parametrize("scorers, margin, refused", [
+    ("digit_alignment:1.0", 1.0, True), ("digit_alignment:1.0", 0.99, False),
+    ("digit_alignment:2.0", 1.5, False), ("digit_alignment:2.0", 2.0, True),
+    # |weight| x (high - low) summed: 0.5 x 2 (a cosine) + 2 x 1 = 3
+    ("clip_score:0.5,ocr:-2.0", 2.9, False), ("clip_score:0.5,ocr:-2.0", 3.0, True),
+    ("jpeg_compressibility:1.0", 100.0, False),  # no declared range: no bound to check against
+    ("digit_alignment:1.0,jpeg_compressibility:1.0", 100.0, False),
+])
+def test_a_pair_margin_at_or_over_the_rewards_span_is_refused(scorers, margin, refused):
+    try:
+        validate_config(parse_config(Config, [f"reward.scorers={scorers}", f"train.pair_margin={margin}"]))
+        problems = ""
+    except ConfigError as err:  # other keys may be named too (clip_score's weights folder): only this one counts
+        problems = str(err)
+    assert ("no pair can have a reward gap over it" in problems) is refused
+
+
 def test_kl_beta_zero_alone_is_the_papers_loss():
     """The default pull is on every row (kl_rows=all); kl_beta=0 turns it off without touching kl_rows."""
     cfg = parse_config(Config, ["train.kl_beta=0"])

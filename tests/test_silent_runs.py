@@ -90,15 +90,32 @@ def test_a_run_with_some_skipped_steps_ends_with_n_of_m_and_returns(tmp_path, ti
 
 
 def test_dpo_reports_a_step_without_a_pair_as_skipped(tmp_path, tiny):
-    """DPO's update can take no optimizer step with usable groups (no pair over the margin): it says so too."""
+    """DPO's update can take no optimizer step with usable groups (no pair over the margin): it says so too.
+    (A JPEG-size reward declares no range, so the margin of 5 kB is not refused up front; the tiny images' sizes
+    differ by far less.)"""
     from trainers.dpo import main
 
     with pytest.raises(NothingTrainedError, match=r"^0 of 1 steps took an optimizer step \(1 skipped: no preference "
                                                   r"pair \(no group had a reward gap over train.pair_margin=5.0\)\)"):
-        main([f"run_dir={tmp_path / 'dpo'}", *tiny, "steps=1", "train.pair_margin=5.0"])
+        main([f"run_dir={tmp_path / 'dpo'}", *tiny, "steps=1", "train.pair_margin=5.0",
+              "reward.scorers=jpeg_compressibility:1.0"])
     rows = read_metrics(tmp_path / "dpo" / "metrics.jsonl")
     assert rows[-1]["dpo/no_pair"] == 1.0 and rows[-1]["train/optimizer_steps"] == 0
     assert (tmp_path / "dpo" / "checkpoints" / "step_000001").is_dir()
+
+
+def test_dpo_refuses_a_pair_margin_no_reward_gap_can_reach_before_writing(tmp_path, tiny):
+    """digit_alignment lies in [0, 1], so at weight 1 no two samples differ by 1 or more: every step would have
+    no pair. Refused before the run directory exists; just under the span is accepted."""
+    from flywheel.config.parsing import ConfigError
+    from trainers.dpo import main
+
+    with pytest.raises(ConfigError, match=r"train.pair_margin=1: no pair can have a reward gap over it, since "
+                                          r"reward.scorers=digit_alignment:1.0 spans at most 1 .*"
+                                          r"use 0 <= train.pair_margin < 1$"):
+        main([f"run_dir={tmp_path / 'dpo'}", *tiny, "steps=1", "train.pair_margin=1",
+              "reward.scorers=digit_alignment:1.0"])
+    assert not (tmp_path / "dpo").exists()
 
 
 def test_gradient_steps_count_the_optimizer_steps_they_take():

@@ -78,6 +78,7 @@ from flywheel.config.validation import check_advantage_unused, check_shared_sect
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
+from rewards.registry import total_reward_span
 
 # The stream of update_generator for DPO's flow times and noise (never equal to another recipe's draws).
 DRAW_STREAM = 0x44504F  # "DPO"
@@ -379,6 +380,19 @@ class DPO(ServesTrainedWeights):
 # ---------------------------------------------------------------------------------------
 
 
+def check_pair_margin_reachable(cfg: Config, checks) -> None:
+    """A pair margin at or over the widest reward gap the scorers can give (their declared ranges) makes no pair
+    on any step: the run would go through every step, train nothing and exit 3."""
+    try:
+        span = total_reward_span(cfg.reward.scorers)
+    except (KeyError, ValueError, ImportError):
+        return  # the reward checks name a bad spec or scorer
+    if span is not None and cfg.train.pair_margin >= span:
+        checks.fail(f"train.pair_margin={cfg.train.pair_margin:g}: no pair can have a reward gap over it, since "
+                    f"reward.scorers={cfg.reward.scorers} spans at most {span:g} (the scorers' ranges times their "
+                    f"weights); use 0 <= train.pair_margin < {span:g}")
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
@@ -386,6 +400,7 @@ def validate_config(cfg: Config) -> None:
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
     checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = the paper's loss alone)")
     checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
+    check_pair_margin_reachable(cfg, checks)
     checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")
     if cfg.train.gradient_accumulation_steps != 1 or cfg.train.updates_per_rollout not in (None, 1):
         checks.fail(f"train.gradient_accumulation_steps={cfg.train.gradient_accumulation_steps}, "
