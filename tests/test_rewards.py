@@ -289,3 +289,22 @@ def test_judge_agrees_with_classifier_on_real_digits(heldout, scorer):
     assert (judge_pred == scorer.probs(x).argmax(-1)).float().mean().item() > 0.9
     scores = judge(x, [""] * len(y), [{"digit": int(d)} for d in y])
     assert scores.shape == (len(y),) and scores.dtype == torch.float32 and scores.mean().item() > 0.8
+
+
+def test_the_digit_scorers_stay_in_their_declared_output_range():
+    """What the DPO pair-margin check bounds by (rewards.registry.total_reward_span): saturated, blank and noise
+    images, every digit, score inside (low, high)."""
+    from rewards.digits import NumberAlignment
+    from rewards.registry import output_range, total_reward_span
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.cat([torch.zeros(2, 1, 8, 16), torch.ones(2, 1, 8, 16), torch.rand(6, 1, 8, 16, generator=g)])
+    for name, scorer, prompts in [
+        ("digit_alignment", DigitAlignment(), [f"a handwritten {d}" for d in range(10)]),
+        ("number_alignment", NumberAlignment(), [f"the number {10 + 9 * d}" for d in range(10)]),
+    ]:
+        low, high = output_range(name)
+        scores = scorer(images, prompts, [{} for _ in prompts])
+        assert torch.isfinite(scores).all() and low <= scores.min() and scores.max() <= high
+    assert output_range("jpeg_compressibility") is None and output_range("remote:http://127.0.0.1:1") is None
+    assert total_reward_span("digit_alignment:0.5,number_alignment:-1.5") == 2.0
