@@ -198,6 +198,22 @@ def make_optimizer(policy: Policy, oc) -> torch.optim.Optimizer:
     return torch.optim.AdamW(policy.params, lr=oc.learning_rate, betas=oc.adam_betas, weight_decay=oc.weight_decay)
 
 
+def fsdp_not_applied(accelerator) -> str | None:
+    """The warning for a launch whose accelerate config asks for FSDP (ACCELERATE_USE_FSDP, set by `accelerate
+    launch` from `distributed_type: FSDP`) where accelerate does not apply it: on CPUs it silently falls back to
+    plain data parallelism, every rank holding the whole model. None when FSDP runs or was not asked for."""
+    import os
+
+    from accelerate.utils import DistributedType
+
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not asked or accelerator.distributed_type == DistributedType.FSDP:
+        return None
+    return (f"the accelerate config asks for FSDP, but accelerate applies it on GPUs only: this run is "
+            f"{accelerator.distributed_type.value} data parallelism, every rank holding the whole model and its "
+            f"optimizer state (nothing is sharded)")
+
+
 def fsdp_full_params(accelerator, module):
     """A context factory that gathers FSDP-sharded parameters whole (a no-op without FSDP).
 

@@ -43,7 +43,8 @@ from flywheel.prompts import load_prompts
 from flywheel.recipe.best import LORA_DIRNAME, WEIGHTS_FILENAME, BestCheckpoint
 from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
 from flywheel.recipe.hacking_stop import HackingStop
-from flywheel.recipe.policy import Policy, build_policy, fsdp_full_params, make_optimizer
+from flywheel.recipe.preflight import warn
+from flywheel.recipe.policy import Policy, build_policy, fsdp_full_params, fsdp_not_applied, make_optimizer
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.sections import eval_request_kwargs
 from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trainable, save_checkpoint
@@ -76,6 +77,9 @@ class RecipeRun:
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                                        log_with=tracker_names(cfg.tracker) or None,
                                        project_dir=cfg.run_dir)
+        fallback = fsdp_not_applied(self.accelerator)
+        if fallback is not None:
+            warn(fallback)
         self.dir: RunDir | None = None  # created by `resume`, once the model is built and checked
         if self.accelerator.device.type == "cpu":
             # threads=, else the user's OMP_NUM_THREADS or lowered count, else the cores shared among the ranks.
