@@ -106,6 +106,25 @@ CASES = {
                                   "ema.decay=0.5 with ema.enabled=false: it acts only with ema.enabled=true"),
     "staleness without async": (["rollout.max_staleness=3"], "rollout.max_staleness",
                                 "rollout.max_staleness=3 with rollout.asynchronous=false"),
+    # GRPO's own switches (trainers/grpo.py GRPO_SWITCHED_KEYS)
+    "window size, flow_grpo": (["train.window_size=3"], "train.window_size",
+                               "train.window_size=3 with train.variant=flow_grpo: it acts only with "
+                               "train.variant=mixgrpo or fast, so it would be ignored"),
+    "mixgrpo's shift, fast": (["train.variant=fast", "train.window_size=1", "train.window_shift_every=5"],
+                              "train.window_shift_every",
+                              "train.window_shift_every=5 with train.variant=fast: it acts only with "
+                              "train.variant=mixgrpo"),
+    "fast's window_per, mixgrpo": (["train.variant=mixgrpo", "train.window_per=step"], "train.window_per",
+                                   "train.window_per=step with train.variant=mixgrpo: it acts only with "
+                                   "train.variant=fast"),
+    "selection without a fraction": (["train.timestep_selection=first"], "train.timestep_selection",
+                                     "train.timestep_selection=first with train.timestep_fraction=null: it acts "
+                                     "only with train.timestep_fraction set (not null), so it would be ignored; "
+                                     "set train.timestep_fraction or leave it out"),
+    "importance cap without async": (["train.importance_cap=5"], "train.importance_cap",
+                                     "train.importance_cap=5.0 with rollout.asynchronous=false"),
+    "kl form without a kl": (["train.kl_beta=0", "train.log_kl=false", "train.kl_form=flow_grpo"], "train.kl_form",
+                             "train.kl_form=flow_grpo with train.kl_beta=0 and train.log_kl=false: no KL is computed"),
     "bfloat16 full fine-tune, small rate": (["model.dtype=bfloat16", "train.learning_rate=1e-5"],
                                             "train.learning_rate", "so most of each update would round away"),
 }
@@ -432,6 +451,17 @@ def test_advantage_keys_a_recipe_without_advantages_would_ignore_are_refused(rec
     assert f"advantage.clip_max=2.0: {recipe.upper() if recipe == 'dpo' else 'DRaFT'} trains on no advantages ({why})" \
         in str(info.value)
     main([f"run_dir={tmp_path / 'default'}", *FAST, "steps=1", "advantage.clip_max=5.0"])  # the default: runs
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.variant=mixgrpo", "train.window_size=1", "train.window_shift_every=1"],
+    ["train.variant=fast", "train.window_size=1", "train.window_per=step"],
+    ["train.timestep_fraction=0.5", "train.timestep_selection=first"],
+    ["train.kl_beta=0", "train.log_kl=true", "train.kl_form=flow_grpo"],
+])
+def test_grpo_switched_keys_with_their_switch_on_run(overrides, tmp_path):
+    grpo_main([f"run_dir={tmp_path / 'run'}", *FAST, "steps=1", *overrides])
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
 def test_a_switched_key_at_the_recipes_own_default_is_not_refused(tmp_path):

@@ -69,7 +69,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import card_flag, check_shared_sections
+from flywheel.config.validation import ANY_VALUE, card_flag, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -542,9 +542,26 @@ class GRPO(ServesTrainedWeights):
 # ---------------------------------------------------------------------------------------
 
 
+# GRPO's keys that act only when their switch is on (check_switched_keys): set away from the default with the
+# switch off, they would be ignored.
+GRPO_SWITCHED_KEYS = (
+    ("train.variant", ("mixgrpo", "fast"), ("train.window_size",)),
+    ("train.variant", "mixgrpo", ("train.window_shift_every", "train.window_stride", "train.window_end")),
+    ("train.variant", "fast", ("train.window_range", "train.window_per")),
+    # null: the released code's choice of steps (trained_fraction), whatever the selection says
+    ("train.timestep_fraction", ANY_VALUE, ("train.timestep_selection",)),
+    ("rollout.asynchronous", True, ("train.importance_cap",)),  # it truncates the lagged rollouts' weight
+)
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_switched_keys(cfg, checks, GRPO_SWITCHED_KEYS)
+    if cfg.train.kl_beta == 0 and not cfg.train.log_kl and cfg.train.kl_form != type(cfg)().train.kl_form \
+            and not cfg.resume:
+        checks.fail(f"train.kl_form={cfg.train.kl_form} with train.kl_beta=0 and train.log_kl=false: no KL is "
+                    "computed, so it would be ignored; set train.kl_beta > 0 or train.log_kl=true, or leave it out")
     sampler = cfg.sampling.sampler
     if sampler == "ode":
         checks.fail("sampling.sampler=ode: GRPO trains the per-step log-probabilities of a stochastic sampler; "

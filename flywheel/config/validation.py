@@ -102,7 +102,10 @@ def check_shared_sections(cfg) -> ConfigChecks:
     return checks
 
 
-# Keys that act only when a switch is on: (the switch, the value that turns it on, its keys).
+ANY_VALUE = object()  # a switch that is on at any value but null (train.timestep_fraction)
+
+# Keys that act only when a switch is on: (the switch, the value that turns it on (a tuple: any of them;
+# ANY_VALUE: anything but null), its keys). A recipe passes its own to check_switched_keys.
 SWITCHED_KEYS = (
     ("model.finetune", "lora", ("model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.lora_init")),
     ("ema.enabled", True, ("ema.decay", "ema.start_step", "ema.update_every")),
@@ -110,7 +113,17 @@ SWITCHED_KEYS = (
 )
 
 
-def check_switched_keys(cfg, checks: ConfigChecks) -> None:
+def _switch_on(value, on) -> bool:
+    if on is ANY_VALUE:
+        return value is not None
+    return value in on if isinstance(on, tuple) else value == on
+
+
+def _switch_word(on) -> str:
+    return " or ".join(map(_yaml_word, on)) if isinstance(on, tuple) else _yaml_word(on)
+
+
+def check_switched_keys(cfg, checks: ConfigChecks, switched=SWITCHED_KEYS) -> None:
     """A key set away from the recipe's default while its switch is off would be ignored (a LoRA rank for a
     full fine-tune, an EMA decay without the EMA): refused, naming the switch."""
     if cfg.resume:
@@ -118,15 +131,16 @@ def check_switched_keys(cfg, checks: ConfigChecks) -> None:
         # key) and cannot take the saved EMA keys out, so they are left alone.
         return
     defaults = type(cfg)()  # the recipe's own defaults (DPO's EMA is on, at decay 0.85)
-    for switch, on, keys in SWITCHED_KEYS:
-        if config_value(cfg, switch) == on:
+    for switch, on, keys in switched:
+        if _switch_on(config_value(cfg, switch), on):
             continue
         for key in keys:
             value = config_value(cfg, key)
             if value != config_value(defaults, key):
-                now, wanted = _yaml_word(config_value(cfg, switch)), _yaml_word(on)
-                checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {switch}={wanted}, "
-                            f"so it would be ignored; set {switch}={wanted} or leave it out")
+                now = _yaml_word(config_value(cfg, switch))
+                wanted = f"{switch} set (not null)" if on is ANY_VALUE else f"{switch}={_switch_word(on)}"
+                checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {wanted}, so it "
+                            f"would be ignored; set {wanted.replace(' set (not null)', '')} or leave it out")
 
 
 def _yaml_word(value) -> str:
