@@ -464,6 +464,53 @@ def test_grpo_switched_keys_with_their_switch_on_run(overrides, tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
+SWITCHED = [
+    # (recipe, overrides, the refused key's phrase)
+    ("nft", ["train.eta_max=0", "train.eta_rate=0.01"],
+     "train.eta_rate=0.01 with train.eta_max=0.0: it acts only with train.eta_max > 0, so it would be ignored; "
+     "set train.eta_max > 0 or leave it out"),
+    ("nft", ["train.eta_max=0", "train.eta_flat_steps=3"], "train.eta_flat_steps=3 with train.eta_max=0.0"),
+    ("awm", ["train.time_shift=2"], "train.time_shift=2.0 with train.time_sampling=schedule: it acts only with "
+                                    "train.time_sampling=uniform"),
+    ("awm", ["train.time_sampling=uniform", "train.skip_first_step=false"],
+     "train.skip_first_step=false with train.time_sampling=uniform: it acts only with train.time_sampling=schedule"),
+    ("awm", ["train.weighting=t", "train.ghuber_power=0.5"], "train.ghuber_power=0.5 with train.weighting=t"),
+    ("awm", ["train.anchor_beta=0", "train.anchor_decay=0.5"],
+     "train.anchor_decay=0.5 with train.anchor_beta=0.0: it acts only with train.anchor_beta > 0"),
+    ("draft", ["train.refl_window=[0.5,1.0]"], "train.refl_window=[0.5,1.0] with train.mode=draft: it acts only "
+                                               "with train.mode=refl"),
+    ("draft", ["train.mode=refl", "train.truncation_steps=2"], "train.truncation_steps=2 with train.mode=refl"),
+    ("draft", ["train.anchor_decay_ramp=0.01"], "train.anchor_decay_ramp=0.01 with train.anchor_beta=0.0"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, phrase", SWITCHED, ids=[" ".join(c[1]) for c in SWITCHED])
+def test_a_recipes_key_its_switch_leaves_unused_is_refused_before_anything_is_written(recipe, overrides, phrase,
+                                                                                      tmp_path):
+    import importlib
+
+    main = importlib.import_module(f"trainers.{recipe}").main
+    run_dir = tmp_path / "run"
+    with pytest.raises(USAGE_ERRORS) as info:
+        main([f"run_dir={run_dir}", *FAST, *overrides])
+    assert_nothing_written(run_dir)
+    assert phrase in str(info.value), info.value
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("nft", ["train.eta_max=0.2", "train.eta_rate=0.01", "train.eta_flat_steps=1"]),
+    ("awm", ["train.time_sampling=uniform", "train.time_shift=2", "train.uniform_t_min=0.1"]),
+    ("awm", ["train.time_sampling=uniform", "train.anchor_beta=0.5", "train.anchor_decay=0.5"]),
+    ("draft", ["train.mode=refl", "train.refl_window=[0.5,1.0]"]),
+    ("draft", ["train.anchor_beta=0.1", "train.anchor_decay_ramp=0.01"]),
+])
+def test_the_same_keys_with_their_switch_on_run(recipe, overrides, tmp_path):
+    import importlib
+
+    importlib.import_module(f"trainers.{recipe}").main([f"run_dir={tmp_path / 'run'}", *FAST, "steps=1", *overrides])
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
 def test_a_switched_key_at_the_recipes_own_default_is_not_refused(tmp_path):
     """DPO keeps an EMA at decay 0.85 by default: turning the EMA off leaves that decay, which says nothing."""
     from trainers.dpo import main as dpo_main

@@ -67,7 +67,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import check_shared_sections
+from flywheel.config.validation import ABOVE_ZERO, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -148,9 +148,20 @@ class Config(RunConfig):
 # ---------------------------------------------------------------------------------------
 
 
+# AWM's keys that act only when their switch is on (check_switched_keys): set away from the default
+# with the switch off, they would be ignored.
+AWM_SWITCHED_KEYS = (
+    ("train.time_sampling", "schedule", ("train.timestep_fraction", "train.skip_first_step")),
+    ("train.time_sampling", "uniform", ("train.uniform_t_min", "train.time_shift")),
+    ("train.weighting", "ghuber", ("train.ghuber_power",)),
+    ("train.anchor_beta", ABOVE_ZERO, ("train.anchor_decay", "train.anchor_decay_ramp")),  # 0: no EMA anchor
+)
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_switched_keys(cfg, checks, AWM_SWITCHED_KEYS)
     check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     tc = cfg.train
     checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")

@@ -67,7 +67,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import check_advantage_unused, check_shared_sections
+from flywheel.config.validation import ABOVE_ZERO, check_advantage_unused, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -168,9 +168,19 @@ def check_differentiable_rewards(cfg, checks) -> None:
                     f"{', '.join(differentiable_scorers())}")
 
 
+# DRaFT's keys that act only when their switch is on (check_switched_keys): set away from the default
+# with the switch off, they would be ignored.
+DRAFT_SWITCHED_KEYS = (
+    ("train.mode", "draft", ("train.truncation_steps",)),
+    ("train.mode", "refl", ("train.refl_window",)),
+    ("train.anchor_beta", ABOVE_ZERO, ("train.anchor_decay", "train.anchor_decay_ramp")),  # 0: no EMA anchor
+)
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_switched_keys(cfg, checks, DRAFT_SWITCHED_KEYS)
     tc = cfg.train
     checks.require("train.mode", lambda v: v in MODES, f"must be one of {', '.join(MODES)}")
     checks.require("train.truncation_steps", lambda v: 1 <= v <= cfg.sampling.steps,

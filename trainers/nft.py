@@ -65,7 +65,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import check_shared_sections
+from flywheel.config.validation import ABOVE_ZERO, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -458,9 +458,17 @@ class NFT:
 # ---------------------------------------------------------------------------------------
 
 
+# NFT's keys that act only when their switch is on (check_switched_keys): set away from the default
+# with the switch off, they would be ignored.
+NFT_SWITCHED_KEYS = (
+    ("train.eta_max", ABOVE_ZERO, ("train.eta_rate", "train.eta_flat_steps")),  # eta_max 0: theta_old = theta
+)
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_switched_keys(cfg, checks, NFT_SWITCHED_KEYS)
     check_layout_options(cfg, checks, serve="swapped")  # the engine serves theta_old: async, Ray, workflow refused
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "

@@ -102,10 +102,18 @@ def check_shared_sections(cfg) -> ConfigChecks:
     return checks
 
 
-ANY_VALUE = object()  # a switch that is on at any value but null (train.timestep_fraction)
+class When:
+    """A switch that is on when `test(value)` holds, written `condition` after the key (" > 0")."""
 
-# Keys that act only when a switch is on: (the switch, the value that turns it on (a tuple: any of them;
-# ANY_VALUE: anything but null), its keys). A recipe passes its own to check_switched_keys.
+    def __init__(self, test, condition: str):
+        self.test, self.condition = test, condition
+
+
+ANY_VALUE = When(lambda v: v is not None, " set (not null)")  # train.timestep_fraction
+ABOVE_ZERO = When(lambda v: v > 0, " > 0")  # a loss weight (anchor_beta) or a schedule's cap (eta_max)
+
+# Keys that act only when a switch is on: (the switch, the value that turns it on (a tuple: any of them; a When:
+# a test of the value), its keys). A recipe passes its own to check_switched_keys.
 SWITCHED_KEYS = (
     ("model.finetune", "lora", ("model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.lora_init")),
     ("ema.enabled", True, ("ema.decay", "ema.start_step", "ema.update_every")),
@@ -114,8 +122,8 @@ SWITCHED_KEYS = (
 
 
 def _switch_on(value, on) -> bool:
-    if on is ANY_VALUE:
-        return value is not None
+    if isinstance(on, When):
+        return on.test(value)
     return value in on if isinstance(on, tuple) else value == on
 
 
@@ -138,9 +146,10 @@ def check_switched_keys(cfg, checks: ConfigChecks, switched=SWITCHED_KEYS) -> No
             value = config_value(cfg, key)
             if value != config_value(defaults, key):
                 now = _yaml_word(config_value(cfg, switch))
-                wanted = f"{switch} set (not null)" if on is ANY_VALUE else f"{switch}={_switch_word(on)}"
+                wanted = f"{switch}{on.condition}" if isinstance(on, When) else f"{switch}={_switch_word(on)}"
+                fix = switch if on is ANY_VALUE else wanted
                 checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {wanted}, so it "
-                            f"would be ignored; set {wanted.replace(' set (not null)', '')} or leave it out")
+                            f"would be ignored; set {fix} or leave it out")
 
 
 def _yaml_word(value) -> str:
