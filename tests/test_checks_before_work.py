@@ -481,6 +481,8 @@ SWITCHED = [
                                                "with train.mode=refl"),
     ("draft", ["train.mode=refl", "train.truncation_steps=2"], "train.truncation_steps=2 with train.mode=refl"),
     ("draft", ["train.anchor_decay_ramp=0.01"], "train.anchor_decay_ramp=0.01 with train.anchor_beta=0.0"),
+    ("dpo", ["train.kl_beta=0", "train.kl_rows=pairs"],
+     "train.kl_rows=pairs with train.kl_beta=0.0: it acts only with train.kl_beta > 0"),
 ]
 
 
@@ -503,6 +505,7 @@ def test_a_recipes_key_its_switch_leaves_unused_is_refused_before_anything_is_wr
     ("awm", ["train.time_sampling=uniform", "train.anchor_beta=0.5", "train.anchor_decay=0.5"]),
     ("draft", ["train.mode=refl", "train.refl_window=[0.5,1.0]"]),
     ("draft", ["train.anchor_beta=0.1", "train.anchor_decay_ramp=0.01"]),
+    ("dpo", ["train.kl_beta=0.5", "train.kl_rows=pairs"]),
 ])
 def test_the_same_keys_with_their_switch_on_run(recipe, overrides, tmp_path):
     import importlib

@@ -74,7 +74,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, EMAConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import check_advantage_unused, check_shared_sections
+from flywheel.config.validation import ABOVE_ZERO, check_advantage_unused, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -393,9 +393,17 @@ def check_pair_margin_reachable(cfg: Config, checks) -> None:
                     f"weights); use 0 <= train.pair_margin < {span:g}")
 
 
+# DPO's keys that act only when their switch is on (check_switched_keys): set away from the default with the
+# switch off, they would be ignored.
+DPO_SWITCHED_KEYS = (
+    ("train.kl_beta", ABOVE_ZERO, ("train.kl_rows",)),  # kl_beta 0: no pull on any rows
+)
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
+    check_switched_keys(cfg, checks, DPO_SWITCHED_KEYS)
     check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     checks.require("train.beta", lambda v: v > 0, "must be > 0 (the strength of the pull toward the reference)")
     checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = the paper's loss alone)")

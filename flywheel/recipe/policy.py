@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -202,8 +203,6 @@ def fsdp_not_applied(accelerator) -> str | None:
     """The warning for a launch whose accelerate config asks for FSDP (ACCELERATE_USE_FSDP, set by `accelerate
     launch` from `distributed_type: FSDP`) where accelerate does not apply it: on CPUs it silently falls back to
     plain data parallelism, every rank holding the whole model. None when FSDP runs or was not asked for."""
-    import os
-
     from accelerate.utils import DistributedType
 
     asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
