@@ -106,6 +106,20 @@ CASES = {
                                   "ema.decay=0.5 with ema.enabled=false: it acts only with ema.enabled=true"),
     "staleness without async": (["rollout.max_staleness=3"], "rollout.max_staleness",
                                 "rollout.max_staleness=3 with rollout.asynchronous=false"),
+    "ray replicas, local backend": (["rollout.replicas=2"], "rollout.replicas",
+                                    "rollout.replicas=2 with rollout.backend=local: it acts only with "
+                                    "rollout.backend=ray, so it would be ignored"),
+    "sync port, object store": (["rollout.backend=ray", "rollout.sync_port=30000"], "rollout.sync_port",
+                                "rollout.sync_port=30000 with rollout.sync_backend=object_store: it acts only "
+                                "with rollout.sync_backend=nccl or gloo"),
+    "reward actor cpus, no actors": (["rollout.cpus_per_reward_actor=2"], "rollout.cpus_per_reward_actor",
+                                     "rollout.cpus_per_reward_actor=2.0 with rollout.reward_actors=0: it acts "
+                                     "only with rollout.reward_actors > 0"),
+    "ray address, no ray": (["rollout.address=auto"], "rollout.address",
+                            "rollout.address=auto with rollout.backend=local and rollout.reward_actors=0: no Ray "
+                            "is started, so it would be ignored"),
+    "ray retries, no ray": (["rollout.max_failures=5"], "rollout.max_failures",
+                            "rollout.max_failures=5 with rollout.backend=local and rollout.reward_actors=0"),
     # GRPO's own switches (trainers/grpo.py GRPO_SWITCHED_KEYS)
     "window size, flow_grpo": (["train.window_size=3"], "train.window_size",
                                "train.window_size=3 with train.variant=flow_grpo: it acts only with "

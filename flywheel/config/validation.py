@@ -95,7 +95,8 @@ def check_shared_sections(cfg) -> ConfigChecks:
     """
     checks = ConfigChecks(cfg)
     for check in (check_run, check_model, check_data, check_sampling, check_optimizer, check_reward,
-                  check_advantage, check_ema, check_eval, check_rollout, check_workflow, check_switched_keys):
+                  check_advantage, check_ema, check_eval, check_rollout, check_workflow, check_switched_keys,
+                  check_ray_keys):
         check(cfg, checks)
     check_bounds(cfg, checks)
     check_environment(cfg, checks)
@@ -118,7 +119,13 @@ SWITCHED_KEYS = (
     ("model.finetune", "lora", ("model.lora_rank", "model.lora_alpha", "model.lora_targets", "model.lora_init")),
     ("ema.enabled", True, ("ema.decay", "ema.start_step", "ema.update_every")),
     ("rollout.asynchronous", True, ("rollout.max_staleness",)),
+    ("rollout.backend", "ray", ("rollout.replicas", "rollout.cpus_per_replica", "rollout.gpus_per_replica",
+                                "rollout.sync_backend")),
+    ("rollout.sync_backend", ("nccl", "gloo"), ("rollout.sync_port",)),
+    ("rollout.reward_actors", ABOVE_ZERO, ("rollout.cpus_per_reward_actor", "rollout.gpus_per_reward_actor")),
 )
+# Ray's own keys, read by the replica pool and by the reward actors alike.
+RAY_KEYS = ("rollout.address", "rollout.max_failures")
 
 
 def _switch_on(value, on) -> bool:
@@ -150,6 +157,20 @@ def check_switched_keys(cfg, checks: ConfigChecks, switched=SWITCHED_KEYS) -> No
                 fix = switch if on is ANY_VALUE else wanted
                 checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {wanted}, so it "
                             f"would be ignored; set {fix} or leave it out")
+
+
+def check_ray_keys(cfg, checks: ConfigChecks) -> None:
+    """Ray's address and retry bound, set away from the default when neither the replica pool nor reward actors
+    start Ray, would be ignored: refused (a resume is left alone, as in check_switched_keys)."""
+    if cfg.resume or cfg.rollout.backend == "ray" or cfg.rollout.reward_actors > 0:
+        return
+    defaults = type(cfg)()
+    for key in RAY_KEYS:
+        value = config_value(cfg, key)
+        if value != config_value(defaults, key):
+            checks.fail(f"{key}={_yaml_word(value)} with rollout.backend={cfg.rollout.backend} and "
+                        "rollout.reward_actors=0: no Ray is started, so it would be ignored; set "
+                        "rollout.backend=ray or rollout.reward_actors > 0, or leave it out")
 
 
 def _yaml_word(value) -> str:
