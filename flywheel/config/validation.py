@@ -316,6 +316,16 @@ def check_ema(cfg, checks: ConfigChecks) -> None:
                    "must be in [0, 1) (EMA <- decay·EMA + (1 - decay)·weights; 0 = the trained weights)")
     checks.require("ema.start_step", lambda v: v >= 0, "must be an integer >= 0")
     checks.require("ema.update_every", lambda v: v >= 1, POSITIVE)
+    ec = cfg.ema
+    if ec.enabled and not cfg.resume and ec.start_step >= 0 and ec.update_every >= 1 and cfg.steps >= 1:
+        from flywheel.recipe.ema import first_ema_move
+
+        if first_ema_move(ec) > cfg.steps:
+            # A warning, not a refusal: a short smoke run of a shipped config (sd3_pickscore's EMA moves every 8
+            # steps) is legitimate; the run says so again at its end.
+            warn(f"ema.update_every={ec.update_every} with ema.start_step={ec.start_step} and steps={cfg.steps}: "
+                 f"the EMA average will never move, so every evaluation (and lora_ema/) will be the weights the run "
+                 f"starts from; set ema.update_every <= {cfg.steps} or ema.start_step >= 1 to evaluate training")
 
 
 def check_eval(cfg, checks: ConfigChecks) -> None:
