@@ -113,7 +113,7 @@ def sigterm_as_exit():
 # What holds a multi-process run's gloo process group (the DDP-wrapped transformer, whose reducer holds it), kept
 # until the process ends. Freeing it is unsafe: the reducer's destructor joins gloo's worker threads while holding
 # the GIL, and a worker still freeing the last barrier's tensors waits for that GIL, so the rank hangs after a
-# finished run (3 of 24 two-process FSDP-config runs on a loaded 2-core machine; none of 40 once kept). A rank
+# finished run (3 of 24 two-process FSDP-config runs on a loaded 2-core machine; none of 65 once kept). A rank
 # therefore leaves with os._exit once everything is flushed, without ever freeing it.
 _kept_until_exit: list = []
 
@@ -130,7 +130,7 @@ def _distributed_rank() -> bool:
 def _leave_rank(code: int) -> None:
     """End a rank of a multi-process run: the exit handlers (logging, trackers) as at a normal exit, a flush,
     then os._exit (the process group is never freed, see above)."""
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # CPython's own exit-handler run (os._exit skips it); each handler's error is printed
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
