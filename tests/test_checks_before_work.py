@@ -106,6 +106,9 @@ CASES = {
                                   "ema.decay=0.5 with ema.enabled=false: it acts only with ema.enabled=true"),
     "staleness without async": (["rollout.max_staleness=3"], "rollout.max_staleness",
                                 "rollout.max_staleness=3 with rollout.asynchronous=false"),
+    "project without a tracker": (["project=mine"], "project",
+                                  "project=mine with tracker=none: it acts only with tracker naming a tracker, so "
+                                  "it would be ignored; set tracker=wandb (or tensorboard, trackio, mlflow)"),
     "ray replicas, local backend": (["rollout.replicas=2"], "rollout.replicas",
                                     "rollout.replicas=2 with rollout.backend=local: it acts only with "
                                     "rollout.backend=ray, so it would be ignored"),

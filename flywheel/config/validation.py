@@ -104,13 +104,14 @@ def check_shared_sections(cfg) -> ConfigChecks:
 
 
 class When:
-    """A switch that is on when `test(value)` holds, written `condition` after the key (" > 0")."""
+    """A switch that is on when `test(value)` holds, written `condition` after the key (" > 0"); `fix` after the
+    key says how to turn it on (default: the condition)."""
 
-    def __init__(self, test, condition: str):
-        self.test, self.condition = test, condition
+    def __init__(self, test, condition: str, fix: str | None = None):
+        self.test, self.condition, self.fix = test, condition, condition if fix is None else fix
 
 
-ANY_VALUE = When(lambda v: v is not None, " set (not null)")  # train.timestep_fraction
+ANY_VALUE = When(lambda v: v is not None, " set (not null)", "")  # train.timestep_fraction
 ABOVE_ZERO = When(lambda v: v > 0, " > 0")  # a loss weight (anchor_beta) or a schedule's cap (eta_max)
 
 # Keys that act only when a switch is on: (the switch, the value that turns it on (a tuple: any of them; a When:
@@ -123,6 +124,8 @@ SWITCHED_KEYS = (
                                 "rollout.sync_backend")),
     ("rollout.sync_backend", ("nccl", "gloo"), ("rollout.sync_port",)),
     ("rollout.reward_actors", ABOVE_ZERO, ("rollout.cpus_per_reward_actor", "rollout.gpus_per_reward_actor")),
+    ("tracker", When(lambda v: str(v).strip() != "none", " naming a tracker",
+                     "=wandb (or tensorboard, trackio, mlflow)"), ("project",)),
 )
 # Ray's own keys, read by the replica pool and by the reward actors alike.
 RAY_KEYS = ("rollout.address", "rollout.max_failures")
@@ -154,7 +157,7 @@ def check_switched_keys(cfg, checks: ConfigChecks, switched=SWITCHED_KEYS) -> No
             if value != config_value(defaults, key):
                 now = _yaml_word(config_value(cfg, switch))
                 wanted = f"{switch}{on.condition}" if isinstance(on, When) else f"{switch}={_switch_word(on)}"
-                fix = switch if on is ANY_VALUE else wanted
+                fix = f"{switch}{on.fix}" if isinstance(on, When) else wanted
                 checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {wanted}, so it "
                             f"would be ignored; set {fix} or leave it out")
 
