@@ -505,27 +505,30 @@ register("edit_instruction_clip", _lazy("rewards.edit", "EditInstructionClip"))
 _ARG_CHECKS: dict[str, Callable[..., None]] = {}
 
 
+def _declared(name: str, attribute: str):
+    """What scorer `name`'s class declares as `attribute` (None when it declares nothing, or for a remote scorer,
+    whose class is on the other side of the wire). KeyError for an unknown name."""
+    if name.startswith(REMOTE):
+        return None
+    return getattr(_factory_target(factory_of(name)), attribute, None)
+
+
 def prompt_coverage(name: str, prompts: list[str], metadata: list[dict]) -> tuple[list[bool], str] | None:
     """Which of these rows scorer `name` can score, and what a row needs for it, for a scorer whose class says
     (a static `scored_rows(prompts, metadata)` and a `prompt_needs` text); None for the others (remote ones
     included), which are found out only when they score. KeyError for an unknown name; ValueError from the
     scorer for a row it refuses (a metadata digit out of range)."""
-    if name.startswith(REMOTE):
-        return None
-    target = _factory_target(factory_of(name))
-    scored_rows = getattr(target, "scored_rows", None)
+    scored_rows = _declared(name, "scored_rows")
     if scored_rows is None:
         return None
-    return [bool(ok) for ok in scored_rows(prompts, metadata)], getattr(target, "prompt_needs", "a target it reads")
+    return [bool(ok) for ok in scored_rows(prompts, metadata)], _declared(name, "prompt_needs") or "a target it reads"
 
 
 def output_range(name: str) -> tuple[float, float] | None:
     """The (low, high) every score of scorer `name` lies in, for a scorer whose class declares it (a static
     `output_range`: the digit, number, OCR, CLIP-cosine and VLM-judge rewards); None for the others (remote ones
     included). KeyError for an unknown name."""
-    if name.startswith(REMOTE):
-        return None
-    declared = getattr(_factory_target(factory_of(name)), "output_range", None)
+    declared = _declared(name, "output_range")
     return None if declared is None else (float(declared[0]), float(declared[1]))
 
 

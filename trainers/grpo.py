@@ -69,7 +69,8 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import ANY_VALUE, card_flag, check_shared_sections, check_switched_keys
+from flywheel.config.validation import (ANY_VALUE, card_flag, check_shared_sections, check_switched_keys,
+                                        set_away_from_default)
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -558,8 +559,8 @@ def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
     check_switched_keys(cfg, checks, GRPO_SWITCHED_KEYS)
-    if cfg.train.kl_beta == 0 and not cfg.train.log_kl and cfg.train.kl_form != type(cfg)().train.kl_form \
-            and not cfg.resume:
+    if cfg.train.kl_beta == 0 and not cfg.train.log_kl and not cfg.resume \
+            and set_away_from_default(cfg, ["train.kl_form"]):
         checks.fail(f"train.kl_form={cfg.train.kl_form} with train.kl_beta=0 and train.log_kl=false: no KL is "
                     "computed, so it would be ignored; set train.kl_beta > 0 or train.log_kl=true, or leave it out")
     sampler = cfg.sampling.sampler

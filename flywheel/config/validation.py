@@ -131,6 +131,14 @@ SWITCHED_KEYS = (
 RAY_KEYS = ("rollout.address", "rollout.max_failures")
 
 
+def set_away_from_default(cfg, keys, defaults=None) -> list[tuple[str, object]]:
+    """(key, value) of each of `keys` whose value differs from the recipe's own default (`defaults`, else
+    `type(cfg)()`: DPO's EMA is on, at decay 0.85), in order: the values a switch that is off, or a recipe that
+    never reads them, would ignore."""
+    defaults = type(cfg)() if defaults is None else defaults
+    return [(key, config_value(cfg, key)) for key in keys if config_value(cfg, key) != config_value(defaults, key)]
+
+
 def _switch_on(value, on) -> bool:
     if isinstance(on, When):
         return on.test(value)
@@ -148,18 +156,16 @@ def check_switched_keys(cfg, checks: ConfigChecks, switched=SWITCHED_KEYS) -> No
         # The run's saved keys passed this check when it started; a resume may turn ema.enabled off (a resumable
         # key) and cannot take the saved EMA keys out, so they are left alone.
         return
-    defaults = type(cfg)()  # the recipe's own defaults (DPO's EMA is on, at decay 0.85)
+    defaults = type(cfg)()
     for switch, on, keys in switched:
         if _switch_on(config_value(cfg, switch), on):
             continue
-        for key in keys:
-            value = config_value(cfg, key)
-            if value != config_value(defaults, key):
-                now = _yaml_word(config_value(cfg, switch))
-                wanted = f"{switch}{on.condition}" if isinstance(on, When) else f"{switch}={_switch_word(on)}"
-                fix = f"{switch}{on.fix}" if isinstance(on, When) else wanted
-                checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {wanted}, so it "
-                            f"would be ignored; set {fix} or leave it out")
+        now = _yaml_word(config_value(cfg, switch))
+        wanted = f"{switch}{on.condition}" if isinstance(on, When) else f"{switch}={_switch_word(on)}"
+        fix = f"{switch}{on.fix}" if isinstance(on, When) else wanted
+        for key, value in set_away_from_default(cfg, keys, defaults):
+            checks.fail(f"{key}={_yaml_word(value)} with {switch}={now}: it acts only with {wanted}, so it "
+                        f"would be ignored; set {fix} or leave it out")
 
 
 def check_ray_keys(cfg, checks: ConfigChecks) -> None:
@@ -167,13 +173,10 @@ def check_ray_keys(cfg, checks: ConfigChecks) -> None:
     start Ray, would be ignored: refused (a resume is left alone, as in check_switched_keys)."""
     if cfg.resume or cfg.rollout.backend == "ray" or cfg.rollout.reward_actors > 0:
         return
-    defaults = type(cfg)()
-    for key in RAY_KEYS:
-        value = config_value(cfg, key)
-        if value != config_value(defaults, key):
-            checks.fail(f"{key}={_yaml_word(value)} with rollout.backend={cfg.rollout.backend} and "
-                        "rollout.reward_actors=0: no Ray is started, so it would be ignored; set "
-                        "rollout.backend=ray or rollout.reward_actors > 0, or leave it out")
+    for key, value in set_away_from_default(cfg, RAY_KEYS):
+        checks.fail(f"{key}={_yaml_word(value)} with rollout.backend={cfg.rollout.backend} and "
+                    "rollout.reward_actors=0: no Ray is started, so it would be ignored; set "
+                    "rollout.backend=ray or rollout.reward_actors > 0, or leave it out")
 
 
 def _yaml_word(value) -> str:
@@ -249,12 +252,9 @@ def check_ode_ignores_noise(cfg, checks: ConfigChecks) -> None:
 def check_advantage_unused(cfg, checks: ConfigChecks, recipe: str, why: str) -> None:
     """`advantage.*` in a recipe that trains on no advantages (DPO ranks by the reward, DRaFT takes its
     gradient): a key set away from the shared section's default would be ignored, so it is refused."""
-    default = type(cfg)().advantage  # the recipe's own defaults, as check_switched_keys compares with
-    for field in dataclasses.fields(default):
-        value = getattr(cfg.advantage, field.name)
-        if value != getattr(default, field.name):
-            checks.fail(f"advantage.{field.name}={value}: {recipe} trains on no advantages ({why}), so it would be "
-                        f"ignored; leave it out")
+    keys = [f"advantage.{field.name}" for field in dataclasses.fields(cfg.advantage)]
+    for key, value in set_away_from_default(cfg, keys):
+        checks.fail(f"{key}={value}: {recipe} trains on no advantages ({why}), so it would be ignored; leave it out")
 
 
 def check_sampling(cfg, checks: ConfigChecks) -> None:
