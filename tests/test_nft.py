@@ -87,6 +87,27 @@ def test_all_problems_come_at_once_and_before_the_run_dir_is_touched(tmp_path):
     validate_config(parse_config(Config, ["train.time_sampling=uniform", "train.timesteps_per_sample=12"]))
 
 
+def test_beta_where_theta_old_is_theta_at_every_loss_term_is_refused(monkeypatch):
+    # eta_max 0 with one optimizer step an update: v_old = v_theta at every term, where the gradient does not
+    # depend on beta (tests/test_nft_loss.py), so a beta set there would be ignored.
+    message = config_problems("train.eta_max=0", "train.beta=2")
+    assert "train.beta=2 with train.eta_max=0 and one optimizer step per update" in message
+    assert "set train.eta_max > 0 or train.updates_per_rollout > 1" in message
+    numbers = ["--config", str(ROOT / "configs" / "toy_numbers_nft.yaml")]  # ships eta_max 0
+    assert "train.beta=0.5 with train.eta_max=0" in config_problems(*numbers, "train.beta=0.5")
+    # Where beta acts, it is taken: eta_max > 0, or several optimizer steps an update (theta moves away from
+    # theta_old after the first), from updates_per_rollout or from minibatches of each process's rows.
+    for acting in (["train.eta_max=0.5"], ["train.updates_per_rollout=2", "train.minibatch_size=64"],
+                   ["train.minibatch_size=32"]):
+        validate_config(parse_config(Config, [*numbers, "train.beta=2", *acting]))
+    validate_config(parse_config(Config, [*numbers, "train.beta=1"]))  # the default, written out
+    # Two processes of 64 rows each at minibatch 64: one optimizer step each, so beta is ignored again.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "train.beta=2 with train.eta_max=0" in config_problems(*numbers, "train.beta=2", "train.minibatch_size=64")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    validate_config(parse_config(Config, [*numbers, "train.beta=2", "train.minibatch_size=64"]))
+
+
 def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_nft():
     defaults = parse_config(Config, [])
     assert parse_config(Config, ["--config", str(ROOT / "configs" / "toy_nft.yaml")]) == defaults

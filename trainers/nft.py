@@ -62,6 +62,7 @@ from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
+from flywheel.recipe.preflight import optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -465,10 +466,24 @@ NFT_SWITCHED_KEYS = (
 )
 
 
+def check_beta_acts(cfg: Config, checks) -> None:
+    """train.beta set away from its default where it cannot act: with train.eta_max 0 and one optimizer step per
+    update, every loss term has v_old = v_theta, where the loss's gradient is A times the flow-matching gradient
+    whatever beta is (deviation 1; tests/test_nft_loss.py). beta only rescales the logged loss there."""
+    tc = cfg.train
+    if cfg.resume or tc.eta_max != 0 or not tc.beta > 0 or tc.beta == NFTConfig().beta:
+        return
+    if optimizer_steps_per_update(cfg) == 1:
+        checks.fail(f"train.beta={tc.beta:g} with train.eta_max=0 and one optimizer step per update: theta_old is "
+                    "theta at every loss term, where the gradient does not depend on beta, so it would be ignored; "
+                    "set train.eta_max > 0 or train.updates_per_rollout > 1, or leave it out")
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
     check_switched_keys(cfg, checks, NFT_SWITCHED_KEYS)
+    check_beta_acts(cfg, checks)
     check_layout_options(cfg, checks, serve="swapped")  # the engine serves theta_old: async, Ray, workflow refused
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "

@@ -61,13 +61,32 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def launch_world_size() -> int:
+    """The launcher's process count (accelerate and torchrun set WORLD_SIZE; 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def optimizer_steps_per_update(cfg) -> int | None:
+    """Optimizer steps one update takes on each process: train.updates_per_rollout, else that process's
+    minibatches over train.gradient_accumulation_steps; None when a size is not a positive integer (the range
+    checks report it; a split that does not divide is check_minibatches')."""
+    tc, data = cfg.train, cfg.data
+    if tc.updates_per_rollout is not None:
+        return tc.updates_per_rollout
+    sizes = (data.prompts_per_step, data.group_size, tc.minibatch_size, tc.gradient_accumulation_steps)
+    if not all(_positive_int(v) for v in sizes):
+        return None
+    minibatches = math.ceil(data.prompts_per_step * data.group_size // launch_world_size() / tc.minibatch_size)
+    return max(1, minibatches // tc.gradient_accumulation_steps)
+
+
 def check_minibatches(cfg, checks: ConfigChecks) -> None:
     """The rows of a step split into whole minibatches and optimizer steps on every process: what
     `flywheel.recipe.update.accumulation_steps` would refuse at the first update."""
     tc, data = cfg.train, cfg.data
     if not all(_positive_int(v) for v in (data.prompts_per_step, data.group_size, tc.minibatch_size)):
         return  # reported by the range checks
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = launch_world_size()
     rows = data.prompts_per_step * data.group_size
     if rows % world:
         checks.fail(f"data.prompts_per_step x data.group_size = {rows} rows must be divisible by the number of "
