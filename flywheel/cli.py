@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from flywheel.config.parsing import ConfigError
+from flywheel.guards import RunStoppedError
 from flywheel.runs.rundir import RunDirInUseError
 
 
@@ -43,6 +44,7 @@ USAGE_ERRORS = (ConfigError, RunDirInUseError)
 
 CONFIG_ERROR_EXIT = 2  # as argparse: the command line was wrong
 NOTHING_TRAINED_EXIT = 3  # the run went through, saved, and trained nothing
+RUN_STOPPED_EXIT = 1  # the run stopped itself at a step (RunStoppedError): an error, as an uncaught exception's
 _LAUNCHER_WAIT_S = 60.0
 
 
@@ -146,6 +148,18 @@ def _end_interrupted(how: str, code: int) -> None:
     raise SystemExit(code) from None
 
 
+def _end_stopped(message: str) -> None:
+    """Exit RUN_STOPPED_EXIT after the stopped run's message and what it kept (rank 0; every rank stops alike)."""
+    if _is_rank_zero():
+        message = f"{message}\n{kept_message(_opened_run_dir, sys.argv[0])}"
+        print(message, file=sys.stderr, flush=True)
+        if _under_accelerate_launch():
+            _repeat_after_launcher(message)
+    if _distributed_rank():
+        _leave_rank(RUN_STOPPED_EXIT)
+    raise SystemExit(RUN_STOPPED_EXIT) from None
+
+
 def _exit_with_message(message: str, code: int) -> None:
     """Print `message` as the last line (rank 0; again after the launcher's traceback) and exit with `code`."""
     if _is_rank_zero():
@@ -164,6 +178,19 @@ def note_run_dir(path) -> None:
     """Called once the recipe has created or taken over its run directory."""
     global _opened_run_dir
     _opened_run_dir = str(path)
+
+
+def kept_message(run_dir: str | None, script: str) -> str:
+    """After a run stopped itself: the newest checkpoint (written before the step that stopped it) and how to go
+    on from it."""
+    if run_dir is None:
+        return "the run directory was not created: nothing was written"
+    from flywheel.runs.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return f"no checkpoint was written yet in {run_dir}; start again with overwrite=true after the change"
+    return f"the newest checkpoint is {latest}; continue from it after the change with `python {script} resume={run_dir}`"
 
 
 def interrupted_message(how: str, run_dir: str | None, script: str) -> str:
@@ -190,6 +217,10 @@ def run_main(main: Callable[[], object]) -> None:
         _exit_with_message(f"error: {e}", CONFIG_ERROR_EXIT)
     except NothingTrainedError as e:
         _exit_with_message(f"error: {e}", NOTHING_TRAINED_EXIT)
+    except RunStoppedError as e:
+        # The guard's message names the step and why; a traceback into the guard would add nothing. What is kept
+        # follows, as for an interrupted run. Trackers and logging flush at exit, as after any error.
+        _end_stopped(f"error: {e}")
     except KeyboardInterrupt:
         # The recipe's context managers have run (engine process closed, shared memory unlinked): a traceback
         # into whichever forward was running tells the user nothing; what is kept, and the resume line, do.

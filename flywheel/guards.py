@@ -14,8 +14,18 @@ from collections.abc import Iterable
 import torch
 
 
-class NonFiniteError(FloatingPointError):
+class RunStoppedError(RuntimeError):
+    """The run stopped itself at the step its message names, its checkpoints on disk the last good state: a
+    non-finite number, or rewards that gave nothing to learn from for too long. The command line prints the
+    message and the newest checkpoint in place of a traceback into the guard (flywheel/cli.py)."""
+
+
+class NonFiniteError(RunStoppedError, FloatingPointError):
     """A loss, gradient norm, metric or weight is NaN or inf; the run stops at the step named."""
+
+
+class NoSignalError(RunStoppedError):
+    """Consecutive steps whose rewards carried no signal (every sample masked, or every group flat)."""
 
 
 def check_finite(value: float | torch.Tensor, what: str, step: int, hint: str = "") -> None:

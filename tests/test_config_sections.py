@@ -169,6 +169,7 @@ SECTION_ERRORS = {
     # overrides -> the start of the line that names the key
     "reward.timeout_s": (["reward.timeout_s=0"], "reward.timeout_s=0.0: must be a number of seconds > 0"),
     "reward.max_masked_steps": (["reward.max_masked_steps=0"], "reward.max_masked_steps=0: must be an integer >= 1"),
+    "reward.max_flat_steps": (["reward.max_flat_steps=0"], "reward.max_flat_steps=0: must be an integer >= 1"),
     "reward.scorers": (["reward.scorers=nope:1"], "reward.scorers='nope:1': unknown scorer 'nope'"),
     "advantage.clip_max": (["advantage.clip_max=0"], "advantage.clip_max=0.0: must be > 0"),
     "advantage with gdpo": (["reward.aggregation=gdpo", "advantage.global_std=true"],
@@ -248,11 +249,11 @@ def test_runs_compare_diffs_a_run_from_before_the_rename_key_by_key(old_config):
                 config=c) for n, c in (("old", old), ("new", new))]
     diff = config_diff(runs)
     assert ("eval.every", ["500", "7"]) in diff
-    # The rest are the keys added after the golden's commit (none for main's), never a renamed key.
+    # The rest are the keys added after the golden's commit, never a renamed key.
     added = [key for key, (was, _) in diff if was == "(absent)"]
     assert sorted(diff) == sorted([("eval.every", ["500", "7"]), *[(k, v) for k, v in diff if k in added]])
     if old_config == MAIN_RUN_CONFIG:
-        assert diff == [("eval.every", ["500", "7"])]
+        assert diff == [("eval.every", ["500", "7"]), ("reward.max_flat_steps", ["(absent)", "10"])]
     else:
         assert {"model.experts", "sampling.cache_threshold", "sampling.early_exit"} <= set(added)
 

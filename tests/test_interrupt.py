@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flywheel import cli
+from flywheel.guards import NonFiniteError, NoSignalError
 from flywheel.runs.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +65,7 @@ class _ExitCalled(Exception):
 
 @pytest.mark.parametrize("main, code, printed", [(lambda: None, 0, ""),
                                                  (_raise(ValueError("bad step")), 1, "ValueError: bad step"),
+                                                 (_raise(NoSignalError("step 4: flat")), 1, "error: step 4: flat"),
                                                  (_raise(KeyboardInterrupt()), 130, "interrupted (Ctrl-C)")])
 def test_a_rank_holding_its_process_group_leaves_by_os_exit_without_freeing_it(main, code, printed, capsys,
                                                                               monkeypatch):
@@ -95,6 +97,25 @@ def test_a_rank_holding_its_process_group_leaves_by_os_exit_without_freeing_it(m
     assert handlers == ["ran"]  # logging and trackers flush as at a normal exit
     assert alive() is not None
     assert printed in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exc", [NonFiniteError("step 3: the loss is nan"), NoSignalError("step 3: flat")])
+def test_a_run_that_stopped_itself_ends_on_its_message_and_what_it_kept(exc, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "manifest.json").write_text("{}")
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    monkeypatch.setattr(cli, "_opened_run_dir", str(run))
+    with pytest.raises(SystemExit) as stop:
+        cli.run_main(_raise(exc))
+    assert stop.value.code == cli.RUN_STOPPED_EXIT == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {exc}", f"the newest checkpoint is {run / 'checkpoints' / 'step_000002'}; continue from it after "
+        f"the change with `python {sys.argv[0]} resume={run}`"]
+    assert cli.kept_message(None, "trainers/nft.py") == "the run directory was not created: nothing was written"
+    (run / "checkpoints" / "step_000002" / "manifest.json").unlink()
+    assert cli.kept_message(str(run), "trainers/nft.py") == (
+        f"no checkpoint was written yet in {run}; start again with overwrite=true after the change")
 
 
 def test_a_single_process_error_still_raises_as_python_would(monkeypatch):

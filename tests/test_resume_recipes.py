@@ -98,7 +98,7 @@ def test_kill_and_resume_gives_the_metrics_state_and_tensors_of_an_uninterrupted
     assert state == json.loads((straight / final).read_text())
     assert state == {"step": STEPS, "weight_version": STEPS,
                      "data_position": {"epoch": 0, "index_in_epoch": 4 * STEPS}, "skipped_steps": 0,
-                     "masked_run": 0}
+                     "masked_run": 0, "flat_run": 0}
     # Every file of the last checkpoint (the weights with the recipe's own tensors, the optimizer's state and
     # hyperparameters) is the uninterrupted run's, but the manifest (its checksums follow the files, and it
     # records when it was written) and the RNG files: they hold the process's global generators, which no

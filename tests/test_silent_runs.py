@@ -31,21 +31,40 @@ def tiny(tmp_path):
     return [*TINY, f"data.eval_prompts={path}"]
 
 
+# Runs a recipe's script after registering the constant scorer "half" and, with POISON=N set, an AdamW step that
+# leaves an inf in the first weight from the N-th step on (what a bad learning rate or batch does).
+WRAPPED_RECIPE = textwrap.dedent("""
+    import os, runpy, sys, torch
+    from rewards import registry
+    registry.register("half", lambda **_: (lambda images, prompts, metadata: torch.full((len(prompts),), 0.5)))
+    if os.environ.get("POISON"):
+        original, calls = torch.optim.AdamW.step, []
+
+        def poisoned(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            calls.append(1)
+            if len(calls) >= int(os.environ["POISON"]):
+                with torch.no_grad():
+                    self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+            return out
+
+        torch.optim.AdamW.step = poisoned
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+def run_wrapped(recipe: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WRAPPED_RECIPE, str(ROOT / "trainers" / f"{recipe}.py"), *args],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
 def test_a_scorer_that_gives_every_image_half_ends_with_0_of_3_steps_and_exit_3_after_saving(tmp_path, tiny):
     """The acceptance case of issue 22 from the command line: a constant scorer, every group flat."""
     run_dir = tmp_path / "flat"
-    script = textwrap.dedent("""
-        import runpy, sys, torch
-        from rewards import registry
-        registry.register("half", lambda **_: (lambda images, prompts, metadata: torch.full((len(prompts),), 0.5)))
-        sys.argv = sys.argv[1:]
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    """)
-    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "trainers" / "grpo.py"), f"run_dir={run_dir}",
-                          *tiny, "steps=3", "reward.scorers=half:1.0"],
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=600)
+    out = run_wrapped("grpo", [f"run_dir={run_dir}", *tiny, "steps=3", "reward.scorers=half:1.0"])
     assert out.returncode == NOTHING_TRAINED_EXIT == 3, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 0 of 3 steps took an optimizer step (3 skipped: every group's rewards were equal")
@@ -60,6 +79,35 @@ def test_a_scorer_that_gives_every_image_half_ends_with_0_of_3_steps_and_exit_3_
     assert rows[-1]["weight_version"] == 0 and "eval/reward/mean" in rows[-1]
     assert (run_dir / "checkpoints" / "step_000003" / "manifest.json").is_file()
     assert "eval reward: base 0.500 -> final 0.500" in out.stdout
+
+
+@pytest.mark.slow
+def test_groups_that_stay_flat_stop_the_run_at_max_flat_steps_with_the_message_and_the_newest_checkpoint(
+        tmp_path, tiny):
+    """A run whose every group is flat step after step trains nothing and will not (its weights do not move):
+    it stops at reward.max_flat_steps with one message (no traceback), exit 1, naming the newest checkpoint."""
+    run_dir = tmp_path / "flat"
+    out = run_wrapped("nft", [f"run_dir={run_dir}", *tiny, "steps=8", "save_every=2", "reward.scorers=half:1.0",
+                              "reward.max_flat_steps=3"])
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    error, kept = out.stderr.strip().splitlines()[-2:]
+    assert error.startswith("error: step 3: every group's rewards were equal in each of the last 3 steps "
+                            "(reward.max_flat_steps=3; reward mean 0.5): the policy gives every sample")
+    assert kept == (f"the newest checkpoint is {run_dir / 'checkpoints' / 'step_000002'}; continue from it after "
+                    f"the change with `python {ROOT / 'trainers' / 'nft.py'} resume={run_dir}`")
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]  # step 3 stopped unlogged
+
+
+@pytest.mark.slow
+def test_a_weight_gone_inf_ends_the_command_with_the_guards_message_and_the_newest_checkpoint(tmp_path, tiny):
+    run_dir = tmp_path / "inf"
+    out = run_wrapped("grpo", [f"run_dir={run_dir}", *tiny, "steps=4", "save_every=1"], POISON="3")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    error, kept = out.stderr.strip().splitlines()[-2:]
+    assert error.startswith("error: step 3: weight ") and "holds NaN or inf after the optimizer step" in error
+    assert kept.startswith(f"the newest checkpoint is {run_dir / 'checkpoints' / 'step_000002'};")
 
 
 @pytest.mark.slow

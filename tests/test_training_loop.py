@@ -82,7 +82,7 @@ class FakeAlgorithm:
 class FakeRun:
     def __init__(self, steps):
         self.cfg = SimpleNamespace(steps=steps, eval=SimpleNamespace(every=100), save_every=2,
-                                   reward=SimpleNamespace(max_masked_steps=5))
+                                   reward=SimpleNamespace(max_masked_steps=5, max_flat_steps=10))
         self.policy = SimpleNamespace(named_params=[("w", WEIGHT)])
         self.trainer_state, self.start_step, self.wall_offset, self.is_main = {}, 0, 0.0, False
         self.dir = SimpleNamespace(metrics_path="metrics.jsonl", release=lambda: setattr(self, "released", True))
@@ -163,6 +163,45 @@ def test_a_run_of_masked_steps_stops_the_loop_and_releases_the_run_dir():
         train(run, rollouts, FakeAlgorithm(rollouts, steps_on=set()))
     assert run.released and rollouts.closed
     assert [(r['step'], r['train/skipped_steps']) for r in run.rows] == [(1, 1)]  # step 1 logged, step 2 stopped
+
+
+def test_a_run_of_flat_steps_stops_the_loop_and_a_usable_or_masked_step_breaks_the_run():
+    # usable counts per step: 0 is a flat step (valid rewards, none usable); step 4 is masked (no valid reward).
+    rollouts = FakeRollouts(usable=[0, 0, 4, 0, 0, 0, 0, 0, 0])
+    original = rollouts.collect
+
+    def some_masked(step, trainer_version):
+        batch = original(step, trainer_version)
+        batch.metrics = {"reward/mean": 0.25}
+        if step == 4:
+            batch.rewards.valid = torch.zeros(4)
+        return batch
+
+    rollouts.collect = some_masked
+    run = FakeRun(steps=9)
+    run.cfg.reward.max_flat_steps = 3
+    # Flat at 1-2 (broken by the usable step 3), flat at 4, masked at 5 (breaks it too), flat at 6, 7, 8: stop.
+    with pytest.raises(training_loop.NoSignalError,
+                       match=r"^step 8: every group's rewards were equal in each of the last 3 steps "
+                             r"\(reward.max_flat_steps=3; reward mean 0.25\)"):
+        train(run, rollouts, FakeAlgorithm(rollouts, steps_on={2}))
+    assert [r["step"] for r in run.rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert run.released and rollouts.closed
+    # The streak is checkpointed: a resume continues it (step 6's checkpoint holds the flat step 6).
+    saved = {step: state for step, state, _ in run.saved}
+    assert (saved[2]["flat_run"], saved[4]["flat_run"], saved[6]["flat_run"]) == (2, 1, 1)
+    assert saved[6]["masked_run"] == 0 and saved[4]["masked_run"] == 0
+
+
+def test_a_resumed_flat_streak_continues_from_the_checkpoint():
+    accounting = training_loop.StepAccounting({"flat_run": 2}, max_masked_steps=3, metrics_path="m.jsonl",
+                                              is_main=False, max_flat_steps=3)
+    with pytest.raises(training_loop.NoSignalError, match=r"^step 5: .* last 3 steps"):
+        accounting.has_signal({"usable": 0.0, "valid": 4.0, "reward": 1.0}, step=4)
+    fresh = training_loop.StepAccounting({}, max_masked_steps=3, metrics_path="m.jsonl", is_main=False,
+                                         max_flat_steps=3)
+    assert not fresh.has_signal({"usable": 0.0, "valid": 4.0, "reward": 1.0}, step=4)
+    assert fresh.state_dict()["flat_run"] == 1
 
 
 def test_the_loop_logs_each_optimizer_steps_size_relative_to_the_weights():

@@ -91,6 +91,9 @@ class RewardConfig:
     """remote scorers: wall-clock bound (s) of all attempts (retries, backoff) to score one batch"""
     max_masked_steps: int = 3
     """stop with an error after this many consecutive steps whose every sample the scorers masked"""
+    max_flat_steps: int = 10
+    """stop with an error after this many consecutive steps in which every group's rewards were equal (a policy
+    that gives every sample of a prompt one reward, collapsed or saturated, leaves nothing to learn from)"""
 
 
 @dataclass

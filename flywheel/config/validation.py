@@ -302,6 +302,7 @@ def check_reward(cfg, checks: ConfigChecks) -> None:
     for key in ("reward.timeout_s", "reward.budget_s"):
         checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
     checks.require("reward.max_masked_steps", lambda v: v >= 1, POSITIVE)
+    checks.require("reward.max_flat_steps", lambda v: v >= 1, POSITIVE)
     check_reward_keys(cfg, checks)
 
 

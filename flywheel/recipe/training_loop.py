@@ -22,6 +22,7 @@ import sys
 import time
 
 from flywheel.distributed import all_reduce_mean
+from flywheel.guards import NoSignalError
 from flywheel.recipe.algorithm import Algorithm, UpdateResult
 from flywheel.recipe.weight_motion import WeightMotion
 
@@ -44,7 +45,8 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
     started = time.perf_counter() - run.wall_offset  # time/wall_s continues a resumed run's
     base_eval = run.base_evaluation()  # the step-0 evaluation (a fresh run's)
     version = rollouts.version
-    steps = StepAccounting(run.trainer_state, cfg.reward.max_masked_steps, run.dir.metrics_path, run.is_main)
+    steps = StepAccounting(run.trainer_state, cfg.reward.max_masked_steps, run.dir.metrics_path, run.is_main,
+                           max_flat_steps=cfg.reward.max_flat_steps)
     motion = WeightMotion(run.policy.named_params)
     row, stopping, progress = {}, False, run.progress()
     try:
@@ -55,7 +57,8 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
                 batch = rollouts.collect(step, trainer_version=version)
             # 2. Score and advantages: the collector did both, over every rank; is there anything to learn?
             t0 = time.perf_counter()
-            signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum())})
+            signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum()),
+                                      "reward": float(batch.metrics.get("reward/mean", float("nan")))})
             # 3. Update: the algorithm's optimizer steps (none when no sample carries a signal), and how far
             # they moved the weights (train/update_rel).
             if steps.has_signal(signal, step):
@@ -104,24 +107,38 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
 
 
 class StepAccounting:
-    """The steps that took no optimizer step (and why), and the run of all-masked ones that stops a run."""
+    """The steps that took no optimizer step (and why), and the runs of all-masked or all-flat ones that stop a
+    run (NoSignalError)."""
 
-    def __init__(self, trainer_state: dict, max_masked_steps: int, metrics_path, is_main: bool):
+    def __init__(self, trainer_state: dict, max_masked_steps: int, metrics_path, is_main: bool,
+                 max_flat_steps: int | None = None):
         self.skipped = trainer_state.get("skipped_steps", 0)  # over every session of the run
         self.masked_run = trainer_state.get("masked_run", 0)
+        self.flat_run = trainer_state.get("flat_run", 0)
         self.reasons: dict[str, int] = {}  # this session's only
         self.max_masked_steps, self.metrics_path, self.is_main = max_masked_steps, metrics_path, is_main
+        self.max_flat_steps = max_flat_steps
 
     def has_signal(self, signal: dict, step: int) -> bool:
-        """Whether any sample of the step carries a signal; stops a run whose rewards mask every sample too long."""
+        """Whether any sample of the step carries a signal; stops a run whose rewards mask every sample, or leave
+        every group flat, too many steps in a row."""
         if signal["usable"] > 0:
-            self.masked_run = 0
+            self.masked_run = self.flat_run = 0
             return True
-        self.masked_run = self.masked_run + 1 if signal["valid"] == 0 else 0
+        masked = signal["valid"] == 0
+        self.masked_run = self.masked_run + 1 if masked else 0
+        self.flat_run = 0 if masked else self.flat_run + 1
         if self.masked_run >= self.max_masked_steps:
-            raise RuntimeError(f"step {step + 1}: the rewards masked every sample of the last {self.masked_run} steps "
-                               f"(reward.max_masked_steps={self.max_masked_steps}); see the reward/*/invalid metrics "
-                               f"in {self.metrics_path} and the scorer's errors")
+            raise NoSignalError(f"step {step + 1}: the rewards masked every sample of the last {self.masked_run} "
+                                f"steps (reward.max_masked_steps={self.max_masked_steps}); see the reward/*/invalid "
+                                f"metrics in {self.metrics_path} and the scorer's errors")
+        if self.max_flat_steps is not None and self.flat_run >= self.max_flat_steps:
+            # The weights have not moved since the streak began, so the same policy would go on giving flat groups.
+            raise NoSignalError(f"step {step + 1}: every group's rewards were equal in each of the last "
+                                f"{self.flat_run} steps (reward.max_flat_steps={self.max_flat_steps}; reward mean "
+                                f"{signal.get('reward', float('nan')):.4g}): the policy gives every sample of a "
+                                f"prompt one reward (collapsed, or a bounded reward saturated), so there is nothing "
+                                f"to learn from; see reward/mean and reward/zero_std_groups in {self.metrics_path}")
         return False
 
     @staticmethod
@@ -142,4 +159,4 @@ class StepAccounting:
         return {**result.metrics, "train/skipped_steps": self.skipped}
 
     def state_dict(self) -> dict:
-        return {"skipped_steps": self.skipped, "masked_run": self.masked_run}
+        return {"skipped_steps": self.skipped, "masked_run": self.masked_run, "flat_run": self.flat_run}
