@@ -22,7 +22,7 @@ from flywheel.recipe.dppo import dppo_keep_mask, dppo_loss, dppo_sample_loss
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from flywheel.recipe.policy import Policy
-from trainers.grpo import GRPO, Config, dppo_mask_can_act, main, validate_config
+from trainers.grpo import GRPO, Config, trust_region_can_act, main, validate_config
 
 from recipe_kill import negate_advantages
 
@@ -209,11 +209,33 @@ def test_bad_dppo_keys_are_refused_by_name(overrides, message):
         validate_config(config(*overrides))
 
 
+@pytest.mark.parametrize("loss", [["train.clip_range=0.2"], ["train.policy_loss=dppo", "train.dppo_kl_threshold=1e-3"]])
+def test_a_trust_region_value_where_every_term_is_on_policy_is_refused(loss, monkeypatch):
+    # 128 rows in one minibatch, synchronous: one optimizer step, every ratio 1 and every per-step KL 0 when
+    # trained, so the clip range (or DPPO's threshold) would be ignored.
+    key = loss[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=0.\d+ with one optimizer step per update and synchronous "
+                                          r"rollouts: .* would be ignored; take several optimizer steps a rollout"):
+        validate_config(config(*loss))
+    # Where it acts, it is taken: several optimizer steps an update (smaller minibatches, updates_per_rollout),
+    # or lagged (async) rollouts.
+    for acting in (["train.minibatch_size=32"], ["train.updates_per_rollout=2", "train.minibatch_size=64"],
+                   ["rollout.asynchronous=true"]):
+        validate_config(config(*loss, *acting))
+    validate_config(config(loss[0]) if len(loss) == 2 else config("train.clip_range=1e-4"))  # defaults: said nothing
+    # Two processes of 64 rows at minibatch 64: one optimizer step each, ignored again.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="would be ignored"):
+        validate_config(config(*loss, "train.minibatch_size=64"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    validate_config(config(*loss, "train.minibatch_size=64"))
+
+
 def test_the_shipped_config_gives_the_mask_something_to_act_on():
     cfg = parse_config(Config, ["--config", "configs/toy_numbers_dppo.yaml"])
     validate_config(cfg)
-    assert cfg.train.policy_loss == "dppo" and dppo_mask_can_act(cfg, world_size=1)
-    assert not dppo_mask_can_act(config("train.policy_loss=dppo"), world_size=1)  # 128 rows, one minibatch
+    assert cfg.train.policy_loss == "dppo" and trust_region_can_act(cfg, world_size=1)
+    assert not trust_region_can_act(config("train.policy_loss=dppo"), world_size=1)  # 128 rows, one minibatch
     grpo = parse_config(Config, ["--config", "configs/toy_numbers_grpo.yaml"])
     # the same rollout budget and task as GRPO's toy-numbers baseline; its length is its own (70 steps, where
     # the reward-hacking bars still hold: docs/recipes/dppo.md), and the benchmark compares no lengths

@@ -235,7 +235,6 @@ def grpo_args(card, folder, prompts_file, run_dir, *extra):
             "data.group_size=2", "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
             "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
             "sample_every=3", "eval.steps=1", "train.log_kl=false", "train.learning_rate=0.02",
-            "train.clip_range=0.2",
             f"sampling.height={size['height']}", f"sampling.width={size['width']}"]
     if "frames" in size:
         args.append(f"sampling.frames={size['frames']}")

@@ -326,8 +326,7 @@ def test_grpo_lora_run_and_the_saved_lora_reproduces_the_engine_in_the_stock_pip
     guidance = 2.0 if card != "flux2-klein" else 1.0
     run_dir = tmp_path / "run"
     main(grpo_args(card, folders[card], run_dir, prompts_file, f"sampling.guidance_scale={guidance}",
-                   f"eval.guidance_scale={guidance}", "train.log_kl=false", "train.learning_rate=0.02",
-                   "train.clip_range=0.2"))
+                   f"eval.guidance_scale={guidance}", "train.log_kl=false", "train.learning_rate=0.02"))
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[1]["ratio/max_dev"] < 1e-5  # training's forward recomputes the rollout's log-probs

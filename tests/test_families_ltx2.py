@@ -305,7 +305,7 @@ def grpo_args(folder, prompts_file, run_dir, *extra):
             f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
             "data.group_size=2", "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
             "eval.guidance_scale=2.0", "eval.every=1000", "eval.steps=2",
-            "train.clip_range=0.2", f"sampling.height={SIZE['height']}",
+            f"sampling.height={SIZE['height']}",
             f"sampling.width={SIZE['width']}", f"sampling.frames={SIZE['frames']}", "sampling.audio=true",
             "sampling.audio_noise_level=0.5", *extra]
 

@@ -261,7 +261,7 @@ def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(qwen_fol
           "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
           "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
           "sample_every=1000", "eval.steps=2", "train.log_kl=false", "train.learning_rate=0.02",
-          "train.clip_range=0.2", f"sampling.height={SIZE['height']}", f"sampling.width={SIZE['width']}",
+          f"sampling.height={SIZE['height']}", f"sampling.width={SIZE['width']}",
           "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=true"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -367,7 +367,7 @@ def test_grpo_lora_run_on_first_frames_changes_the_adapter_and_loads_into_the_st
           "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
           "sample_every=3", "eval.steps=1", "train.log_kl=false", "train.learning_rate=0.02",
           # 16x16: square halves the tiny VAE's work (the parity tests cover the non-square size)
-          "train.clip_range=0.2", "sampling.height=16", "sampling.width=16", f"sampling.frames={SIZE['frames']}",
+          "sampling.height=16", "sampling.width=16", f"sampling.frames={SIZE['frames']}",
           "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8"])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

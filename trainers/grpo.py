@@ -66,6 +66,7 @@ from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradie
 from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
+from flywheel.recipe.preflight import optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
@@ -579,6 +580,7 @@ def validate_config(cfg: Config) -> None:
                     "train.kl_form=exact")
     check_window_keys(cfg, checks)
     check_dppo_keys(cfg, checks)
+    check_trust_region_acts(cfg, checks)
     check_layout_options(cfg, checks)  # async, Ray, workflow, Flash: the table of what combines
     if cfg.train.guard and card_flag(cfg.model.card, "audio"):
         checks.fail(f"train.guard=true with model.card={cfg.model.card}: GRPO-Guard rescales each step by its one "
@@ -590,6 +592,23 @@ def validate_config(cfg: Config) -> None:
                     "training forward would score a policy other than the one that sampled (every ratio far "
                     "from 1). Set train.cfg_in_train=true, or sampling.guidance_scale=1")
     checks.raise_if_any()
+
+
+def check_trust_region_acts(cfg: Config, checks) -> None:
+    """The trust region's own value (clip_range, or DPPO's KL threshold) set away from its default where it cannot
+    act: with synchronous rollouts and one optimizer step per update, every loss term scores the rollout's own
+    policy, recomputed, so each ratio is exactly 1 and each per-step KL exactly 0, and neither the clip nor the
+    mask ever applies (docs/recipes/grpo.md)."""
+    if cfg.resume or trust_region_can_act(cfg) or optimizer_steps_per_update(cfg) is None:
+        return
+    key, inert = (("train.clip_range", "every ratio is 1, so the clip never applies")
+                  if cfg.train.policy_loss == "clip" else
+                  ("train.dppo_kl_threshold", "every per-step KL is 0, so the mask never applies"))
+    for key, value in set_away_from_default(cfg, [key]):
+        checks.fail(f"{key}={value:g} with one optimizer step per update and synchronous rollouts: each loss term "
+                    f"scores the policy that sampled it, {inert} and the value would be ignored; take several "
+                    f"optimizer steps a rollout (train.updates_per_rollout > 1, or train.minibatch_size under a "
+                    f"process's rows), or leave it out")
 
 
 def check_dppo_keys(cfg: Config, checks) -> None:
@@ -609,14 +628,12 @@ def check_dppo_keys(cfg: Config, checks) -> None:
                     "threshold is DPPO's and would be ignored; set train.policy_loss=dppo, or leave it unset")
 
 
-def dppo_mask_can_act(cfg: Config, world_size: int) -> bool:
-    """Whether an update takes several optimizer steps (or lags, async), the only case where DPPO's KL to the
-    behaviour policy can be above 0: with one step per rollout every sample is on-policy when it is trained."""
-    rows = cfg.data.prompts_per_step * cfg.data.group_size // max(1, world_size)
-    minibatches = -(-rows // cfg.train.minibatch_size)
-    per_step = (minibatches // cfg.train.updates_per_rollout if cfg.train.updates_per_rollout
-                else cfg.train.gradient_accumulation_steps)
-    return cfg.rollout.asynchronous or minibatches > per_step
+def trust_region_can_act(cfg: Config, world_size: int | None = None) -> bool:
+    """Whether an update takes several optimizer steps (or lags, async), the only case where a ratio can leave 1
+    (or DPPO's KL to the behaviour policy rise above 0): with one step per rollout every sample is on-policy when
+    it is trained, so neither the clip nor the mask applies. `world_size`: default, the launcher's."""
+    steps = optimizer_steps_per_update(cfg, world_size)
+    return cfg.rollout.asynchronous or (steps is not None and steps > 1)
 
 
 def check_window_keys(cfg: Config, checks) -> None:
@@ -674,7 +691,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(Config, sys.argv[1:] if argv is None else argv, recipe="grpo")
     validate_config(cfg)
     run = RecipeRun(cfg, recipe="grpo")
-    if cfg.train.policy_loss == "dppo" and not dppo_mask_can_act(cfg, run.accelerator.num_processes):
+    if cfg.train.policy_loss == "dppo" and not trust_region_can_act(cfg, run.accelerator.num_processes):
         print("warning: train.policy_loss=dppo with one optimizer step per rollout: every sample is trained on-policy "
               "(KL 0 to the behaviour policy), so the mask never acts and the loss is the unclipped policy gradient; "
               "lower train.minibatch_size (or set train.updates_per_rollout > 1) for a trust region that acts",

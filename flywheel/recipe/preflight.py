@@ -66,17 +66,19 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def optimizer_steps_per_update(cfg) -> int | None:
+def optimizer_steps_per_update(cfg, world: int | None = None) -> int | None:
     """Optimizer steps one update takes on each process: train.updates_per_rollout, else that process's
-    minibatches over train.gradient_accumulation_steps; None when a size is not a positive integer (the range
-    checks report it; a split that does not divide is check_minibatches')."""
+    minibatches over train.gradient_accumulation_steps, on `world` processes (default: the launcher's); None when
+    a size is not a positive integer (the range checks report it; a split that does not divide is
+    check_minibatches')."""
     tc, data = cfg.train, cfg.data
     if tc.updates_per_rollout is not None:
         return tc.updates_per_rollout
     sizes = (data.prompts_per_step, data.group_size, tc.minibatch_size, tc.gradient_accumulation_steps)
     if not all(_positive_int(v) for v in sizes):
         return None
-    minibatches = math.ceil(data.prompts_per_step * data.group_size // launch_world_size() / tc.minibatch_size)
+    world = launch_world_size() if world is None else max(1, world)
+    minibatches = math.ceil(data.prompts_per_step * data.group_size // world / tc.minibatch_size)
     return max(1, minibatches // tc.gradient_accumulation_steps)
 
 
