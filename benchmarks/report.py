@@ -26,9 +26,26 @@ from typing import Any, Iterable, Mapping, Sequence
 JSON_HELP = "write the results as a flat JSON object here"
 
 
+def writable_file(value: str) -> Path:
+    """An argparse type for a file the script writes at its end: refused at parse time, before any work, when it
+    is a folder, or when the folder it would go in is a file or cannot be written (a missing folder is made)."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a folder; give a file path")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: {folder} is a file, so no folder can be made there")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{value}: {folder} is not writable")
+    return path
+
+
 def add_report_args(parser: argparse.ArgumentParser, *, quick: str | None, json_help: str = JSON_HELP) -> None:
-    """Add `--json PATH` and, unless `quick` is None, `--quick` (its help says what the quick run cuts)."""
-    parser.add_argument("--json", type=Path, metavar="PATH", help=json_help)
+    """Add `--json PATH` (checked writable at parse time: `writable_file`) and, unless `quick` is None, `--quick`
+    (its help says what the quick run cuts)."""
+    parser.add_argument("--json", type=writable_file, metavar="PATH", help=json_help)
     if quick is not None:
         parser.add_argument("--quick", action="store_true", help=quick)
 

@@ -25,7 +25,9 @@ took 7 min 45 s on 2 quiet cores, so 3 seeds that stop early fit in 40 minutes),
 it never gets there. Overrides after `--` go to every recipe. Before anything runs, the configs are resolved and must agree on what
 makes the runs comparable (`COMPARABLE_KEYS`: card, reward, prompts, prompts per step x
 group size, seed, evaluation prompts, seeds, steps and guidance); a
-disagreement is an error naming the keys.
+disagreement is an error naming the keys. Also refused before anything runs: a `--target`
+above the reward's declared range (rewards.registry.total_reward_bounds), `--cached` when no
+recipe it applies to runs, and a `--json` or `--plot` path that cannot be written.
 
 What is measured, from each run's metrics.jsonl (read with flywheel.runs.compare):
 
@@ -106,7 +108,7 @@ sys.path.insert(0, str(ROOT))
 from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, RunDirError,  # noqa: E402
                                    import_pyplot, format_duration, format_value, judge_key, load_runs,
                                    render_table, summarize)
-from benchmarks.report import add_report_args, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
+from benchmarks.report import add_report_args, writable_file, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
 from flywheel.runs.rundir import atomic_write_bytes  # noqa: E402
 
 DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard", "dppo", "draft")
@@ -715,7 +717,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path,
                         help="keep the run dirs and logs here (<out-dir>/<recipe>); default a temporary folder")
     parser.add_argument("--overwrite", action="store_true", help="reuse run dirs under --out-dir that hold a run")
-    parser.add_argument("--plot", type=Path,
+    parser.add_argument("--plot", type=writable_file,
                         help="PNG of reward and judge vs wall time (default time_to_target.png beside --json, or in "
                              "the current directory)")
     add_report_args(parser,
@@ -760,7 +762,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.stop_after_target is not None and args.stop_after_target < 0:
         parser.error(f"--stop-after-target must be >= 0 (evaluations after the target), got {args.stop_after_target}")
     if args.plot is None:
-        args.plot = (args.json.parent if args.json else Path.cwd()) / "time_to_target.png"
+        try:
+            args.plot = writable_file(str((args.json.parent if args.json else Path.cwd()) / "time_to_target.png"))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"--plot (its default, beside --json or here): {e}; give --plot PATH")
     return args
 
 
@@ -786,14 +791,31 @@ def choose_recipes(args: argparse.Namespace) -> list[tuple[str, Path]]:
             continue
         chosen.append((recipe, path))
     if args.cached:
-        chosen += [(recipe + CACHED_SUFFIX, path) for recipe, path in list(chosen) if recipe in DECOUPLED_RECIPES
-                   and (recipe + CACHED_SUFFIX, path) not in chosen]
+        added = [(recipe + CACHED_SUFFIX, path) for recipe, path in list(chosen) if recipe in DECOUPLED_RECIPES
+                 and (recipe + CACHED_SUFFIX, path) not in chosen]
+        if not added:
+            raise BenchmarkError(f"--cached adds <recipe>{CACHED_SUFFIX} for each of {', '.join(DECOUPLED_RECIPES)} "
+                                 f"that runs, and none of them is in --recipes {args.recipes or '(the defaults)'} (or each already has "
+                                 f"its {CACHED_SUFFIX} entry); add one, or leave --cached out")
+        chosen += added
     if not chosen:
         raise BenchmarkError(f"no recipe to run: none of {', '.join(DEFAULT_RECIPES)} has a trainer with a main() "
                              f"and a config matching {args.configs}")
     if len({r for r, _ in chosen}) != len(chosen):
         raise BenchmarkError(f"--recipes {args.recipes}: a recipe is named twice")
     return chosen
+
+
+def check_target_reachable(target: float, spec: str) -> None:
+    """A --target above what the eval reward can take (its scorers' declared output_range, weighted) is refused:
+    no recipe could reach it, so every run would go its whole length to report "never". (One at or under the
+    floor is left alone: the base evaluation reaches it, which a smoke test may want.)"""
+    from rewards.registry import total_reward_bounds
+
+    bounds = total_reward_bounds(spec)
+    if bounds is not None and target > bounds[1]:
+        raise BenchmarkError(f"--target {target:g}: the eval reward ({spec}) lies in [{bounds[0]:g}, {bounds[1]:g}], "
+                             f"so no recipe can reach it; choose a target of at most {bounds[1]:g}")
 
 
 def seed_dir(out_dir: Path, seed: int) -> Path:
@@ -811,6 +833,7 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                for recipe, path in recipes}
     settings = {recipe: comparable_settings(cfg) for recipe, cfg in configs.items()}
     check_agreement(settings)
+    check_target_reachable(args.target, next(iter(settings.values()))["reward.scorers"])
     for seed in args.seeds:
         for recipe, _ in recipes:
             run_dir = seed_dir(out_dir, seed) / recipe

@@ -545,6 +545,19 @@ def total_reward_span(spec) -> float | None:
     return span
 
 
+def total_reward_bounds(spec) -> tuple[float, float] | None:
+    """(low, high) of the weighted-sum reward under `spec`: each scorer's `output_range` end that its weight's sign
+    makes the lowest (highest); None when a scorer declares no range. Errors as `total_reward_span`."""
+    low = high = 0.0
+    for _, target, weight in parse_spec_targets(spec):
+        bounds = output_range(target)
+        if bounds is None:
+            return None
+        ends = (weight * bounds[0], weight * bounds[1])
+        low, high = low + min(ends), high + max(ends)
+    return low, high
+
+
 def register_check(name: str, check: Callable[..., None]) -> None:
     """Register `check(**kwargs)` for scorer `name`: it raises (ValueError, OSError) when the scorer could not be
     built with those kwargs, without building it. Scorers without a check are only checked when built."""

@@ -308,3 +308,9 @@ def test_the_digit_scorers_stay_in_their_declared_output_range():
         assert torch.isfinite(scores).all() and low <= scores.min() and scores.max() <= high
     assert output_range("jpeg_compressibility") is None and output_range("remote:http://127.0.0.1:1") is None
     assert total_reward_span("digit_alignment:0.5,number_alignment:-1.5") == 2.0
+    # The weighted sum's own ends: a negative weight takes its scorer's high end to the low one.
+    from rewards.registry import total_reward_bounds
+
+    assert total_reward_bounds("digit_alignment:0.5,number_alignment:-1.5") == (-1.5, 0.5)
+    assert total_reward_bounds("clip_score:2,number_alignment:1") == (-2.0, 3.0)
+    assert total_reward_bounds("number_alignment:1,jpeg_compressibility:1") is None  # one without a range

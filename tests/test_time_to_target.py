@@ -261,6 +261,37 @@ def test_cached_entries_run_their_recipes_config_with_the_cache(tmp_path, capsys
     assert "awm+cache: 50 steps, sampling.cache_threshold=0.15" in capsys.readouterr().out
 
 
+def test_a_target_the_eval_reward_cannot_take_and_a_cached_flag_that_adds_nothing_are_refused_before_a_run(
+        tmp_path):
+    out = ["--configs", "configs/toy_numbers_{recipe}.yaml", "--out-dir", str(tmp_path / "runs")]
+    with pytest.raises(ttt.BenchmarkError, match=r"--target 1.01: the eval reward \(number_alignment:1.0\) lies in "
+                                                 r"\[0, 1\], so no recipe can reach it; choose a target of at most 1"):
+        ttt.run_benchmark(ttt.parse_args(["--recipes", "grpo", "--target", "1.01", *out]), tmp_path / "runs")
+    ttt.check_target_reachable(1.0, "number_alignment:1.0")  # the top is reachable
+    ttt.check_target_reachable(0.0, "number_alignment:1.0")  # the floor: the base evaluation is there
+    with pytest.raises(ttt.BenchmarkError, match=r"lies in \[-1.5, 0.5\]"):  # a negative weight's ends swap
+        ttt.check_target_reachable(0.6, "digit_alignment:0.5,number_alignment:-1.5")
+    ttt.check_target_reachable(5.0, "jpeg_compressibility:1.0")  # no declared range: no bound to check
+    with pytest.raises(ttt.BenchmarkError, match=r"--cached adds <recipe>\+cache for each of nft, awm, dpo that "
+                                                 r"runs, and none of them is in --recipes grpo"):
+        ttt.choose_recipes(ttt.parse_args(["--recipes", "grpo", "--cached"]))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_output_paths_that_cannot_be_written_are_refused_when_parsed(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for flag, value, why in (("--json", a_file / "out.json", f"{a_file} is a file, so no folder can be made there"),
+                             ("--json", tmp_path, f"{tmp_path} is a folder; give a file path"),
+                             ("--plot", a_file / "p.png", f"{a_file} is a file")):
+        with pytest.raises(SystemExit):
+            ttt.parse_args([flag, str(value)])
+        assert why in capsys.readouterr().err
+    # The plot's default goes beside --json: a --json in a folder still to be made is fine.
+    args = ttt.parse_args(["--json", str(tmp_path / "new" / "out.json")])
+    assert args.plot == tmp_path / "new" / "time_to_target.png" and not (tmp_path / "new").exists()
+
+
 def test_an_asked_recipe_that_does_not_exist_is_an_error():
     args = ttt.parse_args(["--recipes", "grpo,nosuch", "--configs", "configs/toy_{recipe}.yaml"])
     with pytest.raises(ttt.BenchmarkError, match=r"nosuch.*trainers/nosuch.py does not exist \(the recipes: grpo, nft, .*draft; each of "
