@@ -532,22 +532,10 @@ def output_range(name: str) -> tuple[float, float] | None:
     return None if declared is None else (float(declared[0]), float(declared[1]))
 
 
-def total_reward_span(spec) -> float | None:
-    """The widest gap two samples' weighted-sum rewards under `spec` can have: the sum over its scorers of
-    |weight| x (high - low) of their `output_range`; None when a scorer declares no range (then there is no
-    bound). KeyError or ValueError as `parse_spec_targets` and `output_range`."""
-    span = 0.0
-    for _, target, weight in parse_spec_targets(spec):
-        bounds = output_range(target)
-        if bounds is None:
-            return None
-        span += abs(weight) * (bounds[1] - bounds[0])
-    return span
-
-
 def total_reward_bounds(spec) -> tuple[float, float] | None:
     """(low, high) of the weighted-sum reward under `spec`: each scorer's `output_range` end that its weight's sign
-    makes the lowest (highest); None when a scorer declares no range. Errors as `total_reward_span`."""
+    makes the lowest (highest); None when a scorer declares no range (then there is no bound). KeyError or
+    ValueError as `parse_spec_targets` and `output_range`."""
     low = high = 0.0
     for _, target, weight in parse_spec_targets(spec):
         bounds = output_range(target)
@@ -556,6 +544,13 @@ def total_reward_bounds(spec) -> tuple[float, float] | None:
         ends = (weight * bounds[0], weight * bounds[1])
         low, high = low + min(ends), high + max(ends)
     return low, high
+
+
+def total_reward_span(spec) -> float | None:
+    """The widest gap two samples' weighted-sum rewards under `spec` can have (the sum over its scorers of
+    |weight| x (high - low) of their `output_range`); None when a scorer declares no range."""
+    bounds = total_reward_bounds(spec)
+    return None if bounds is None else bounds[1] - bounds[0]
 
 
 def register_check(name: str, check: Callable[..., None]) -> None:

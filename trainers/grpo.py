@@ -597,8 +597,8 @@ def validate_config(cfg: Config) -> None:
 def check_trust_region_acts(cfg: Config, checks) -> None:
     """The trust region's own value (clip_range, or DPPO's KL threshold) set away from its default where it cannot
     act: with synchronous rollouts and one optimizer step per update, every loss term scores the rollout's own
-    policy, recomputed, so each ratio is exactly 1 and each per-step KL exactly 0, and neither the clip nor the
-    mask ever applies (docs/recipes/grpo.md)."""
+    policy, recomputed, so each ratio is 1 and each per-step KL 0 (to rounding under model.compile), and neither
+    the clip nor the mask ever applies (docs/recipes/grpo.md)."""
     if cfg.resume or trust_region_can_act(cfg) or optimizer_steps_per_update(cfg) is None:
         return
     key, inert = (("train.clip_range", "every ratio is 1, so the clip never applies")
