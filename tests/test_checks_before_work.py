@@ -87,6 +87,10 @@ CASES = {
     "gradient_accumulation": (["data.prompts_per_step=4", "data.group_size=4", "train.minibatch_size=8",
                                "train.gradient_accumulation_steps=3"], "train.gradient_accumulation_steps",
                               "does not divide the 2 minibatches"),
+    # A short last minibatch would be an optimizer step on 2 rows (or outweigh the others under accumulation).
+    "uneven minibatch": (["data.group_size=6", "train.minibatch_size=5"], "train.minibatch_size",
+                         "does not divide the 12 rows of a step (data.prompts_per_step x data.group_size): the last "
+                         "minibatch would hold 2; use one of 1, 2, 3, 4, 6, 12"),
     # Caught on the built model, still before the run dir is created:
     "lora targets": (["model.finetune=lora", "model.lora_targets=[nope,qkv]"], "model.lora_targets",
                      "nope match(es) no module of the ToyDiT"),

@@ -160,6 +160,15 @@ def test_unknown_choices_and_all_problems_at_once():
     validate_config(parse_config(Config, ["train.updates_per_rollout=1", "train.pairing=all_pairs"]))
 
 
+def test_minibatch_size_counts_pairs_so_any_size_is_valid():
+    # The row recipes refuse a minibatch that does not divide a step's rows; DPO's counts pairs, whose number
+    # changes each step, so 7 (128 rows, 16 pairs) is valid here while GRPO refuses it.
+    from trainers.grpo import Config as GRPOConfig, validate_config as validate_grpo
+    validate_config(parse_config(Config, ["train.minibatch_size=7"]))
+    with pytest.raises(ConfigError, match="train.minibatch_size=7 does not divide the 128 rows"):
+        validate_grpo(parse_config(GRPOConfig, ["train.minibatch_size=7"]))
+
+
 # ---- shipped configs ----------------------------------------------------------------------------
 
 

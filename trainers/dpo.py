@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
 import torch
@@ -93,6 +93,8 @@ PAIRINGS = ("best_worst", "all_pairs")
 
 @dataclass
 class DPOConfig(OptimConfig):
+    MINIBATCH_UNIT: ClassVar[str] = "pairs"  # a step's pair count varies, so no divisibility check (rows only)
+
     learning_rate: float = 1e-3
     """AdamW learning rate (3e-4 is slower on the toy task: see the module docstring)"""
     beta: float = 10.0

@@ -11,7 +11,7 @@ still work for one release (flywheel/config/aliases.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from flywheel.config.parsing import CONFIG_RELATIVE
 
@@ -237,6 +237,10 @@ class SamplingConfig:
 
 @dataclass
 class OptimConfig:
+    # What train.minibatch_size counts: rollout rows (every recipe but DPO, whose minibatches are pairs and whose
+    # pair count changes from step to step). Rows must split into equal minibatches (check_minibatches).
+    MINIBATCH_UNIT: ClassVar[str] = "rows"
+
     learning_rate: float = 3e-4
     """AdamW learning rate"""
     weight_decay: float = 1e-4
@@ -246,7 +250,8 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     minibatch_size: int = 128
-    """samples per training forward"""
+    """rollout rows per training forward; must divide the rows of a step on each process (prompts_per_step x
+    group_size / processes); DPO's counts pairs, any number"""
     gradient_accumulation_steps: int = 1
     """minibatches accumulated into one optimizer step"""
     updates_per_rollout: int | None = None

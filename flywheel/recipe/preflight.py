@@ -100,7 +100,15 @@ def check_minibatches(cfg, checks: ConfigChecks) -> None:
              f"{f' on each of {world} processes' if world > 1 else ''} in train.minibatch_size={tc.minibatch_size})")
     divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
     upr = tc.updates_per_rollout
-    if _positive_int(upr) and n % upr:
+    if getattr(tc, "MINIBATCH_UNIT", "rows") == "rows" and local % tc.minibatch_size and tc.minibatch_size < local:
+        # A short last minibatch would take an optimizer step on a few rows, or weigh its rows more than the
+        # others' under accumulation (each minibatch's loss is its rows' mean): refused, as the public codes do.
+        fits = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        checks.fail(f"train.minibatch_size={tc.minibatch_size} does not divide the {local} rows of a step"
+                    f"{f' on each of {world} processes' if world > 1 else ''} (data.prompts_per_step x "
+                    f"data.group_size{f' / {world}' if world > 1 else ''}): the last minibatch would hold "
+                    f"{local % tc.minibatch_size}; use one of {fits}")
+    elif _positive_int(upr) and n % upr:
         checks.fail(f"train.updates_per_rollout={upr} does not divide {where}: use one of {divisors} (or null), "
                     "or change train.minibatch_size")
     elif upr is None and _positive_int(tc.gradient_accumulation_steps) and n % tc.gradient_accumulation_steps:
