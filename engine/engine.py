@@ -163,6 +163,10 @@ class Engine:
             if not image_conditioned and r.image is not None:
                 raise ValueError(f"request {i} has image={r.image!r} but card {self.card_id!r} takes no image; "
                                  f"only image-conditioned cards (image-to-video, editing) do")
+            if r.negative_prompt and getattr(self.model, "embedded_guidance", False):
+                raise ValueError(f"request {i} has negative_prompt={r.negative_prompt[:30]!r} but card "
+                                 f"{self.card_id!r} is guidance-distilled (it has no unconditional branch), so it "
+                                 f"would be ignored; leave negative_prompt empty")
             if r.batch_key() != key:
                 raise ValueError(
                     f"request {i} cannot share a batch with request 0: batch keys differ "

@@ -106,6 +106,11 @@ class GenerationRequest:
             raise ValueError(f"noise_level is CPS's eta and must be in [0, 1) for sampler='cps', "
                              f"got {self.noise_level}")
         self._check_audio()
+        if self.negative_prompt and not self.guided:
+            # The unconditional branch runs only under CFG: a negative prompt at scale 1 would change nothing.
+            raise ValueError(f"negative_prompt={self.negative_prompt[:30]!r} is used only under classifier-free "
+                             f"guidance, and guidance_scale={self.guidance_scale:g} runs none; set guidance_scale "
+                             f"!= 1 (e.g. 4.5) or leave negative_prompt empty")
         _integer("start_step", self.start_step, 0, self.steps - 1)
         if self.sde_window is not None:
             window = self.sde_window
@@ -130,6 +135,11 @@ class GenerationRequest:
                              f"SDE window (a trained step's log-prob needs its own model call), and "
                              f"sde_window={self.sde_window} with steps={self.steps} leaves none; valid: sampler='ode', "
                              f"an sde_window ending before steps, or cache_threshold=0 and early_exit=None")
+
+    @property
+    def guided(self) -> bool:
+        """Whether the request runs classifier-free guidance (the video's scale, or a joint card's audio one, != 1)."""
+        return self.guidance_scale != 1.0 or (self.audio and self.effective_audio_guidance != 1.0)
 
     @property
     def adaptive(self) -> bool:

@@ -114,6 +114,18 @@ def test_guidance_changes_the_output_by_the_cfg_term(toy_engine):
     torch.testing.assert_close(guided.latents[:, 1] - plain.latents[:, 1], expected, atol=1e-5, rtol=0)
 
 
+def test_a_negative_prompt_is_refused_where_it_would_change_nothing_and_used_under_guidance(toy_engine):
+    # At guidance 1 the unconditional branch never runs, so the negative prompt would be dropped silently.
+    with pytest.raises(ValueError, match="negative_prompt='a 4' is used only under classifier-free guidance"):
+        GenerationRequest(prompt="a 3", seed=0, negative_prompt="a 4")
+    GenerationRequest(prompt="a 3", seed=0, negative_prompt="a 4", guidance_scale=0.0)  # uncond only: used
+    ode = dict(prompt="a 3", seed=0, sampler="ode", guidance_scale=4.0)
+    empty = toy_engine.generate([GenerationRequest(**ode)])
+    negative = toy_engine.generate([GenerationRequest(**ode, negative_prompt="a 4")])
+    assert not torch.equal(empty.negative_prompt_embeds, negative.negative_prompt_embeds)
+    assert (empty.latents[:, -1] - negative.latents[:, -1]).abs().max() > 1e-3
+
+
 def test_incompatible_requests_and_wrong_card_are_clear_errors(toy_engine):
     with pytest.raises(ValueError, match="batch keys differ"):
         toy_engine.generate(requests(1, steps=4) + requests(1, steps=5))

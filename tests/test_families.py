@@ -219,6 +219,15 @@ def test_sde_rollout_carries_log_probs_and_fp32_under_bf16_weights(tiny_folders)
     assert (traj.log_probs[:, :2] != 0).all()  # stochastic steps carry a log-prob (the last step to t=0 too)
 
 
+def test_a_guidance_distilled_card_refuses_a_negative_prompt(tiny_folders):
+    # FLUX.1 takes guidance as an input and has no unconditional branch: a negative prompt would be ignored.
+    engine = Engine(load_model("flux", path=str(tiny_folders["flux"])))
+    request = GenerationRequest(prompt="a cat", seed=0, steps=2, guidance_scale=3.5, negative_prompt="a dog",
+                                height=32, width=32, card="flux")
+    with pytest.raises(ValueError, match="'flux' is guidance-distilled .* leave negative_prompt empty"):
+        engine.generate([request])
+
+
 def test_flux_schedule_shifts_with_resolution(tiny_folders):
     model = load_model("flux", path=str(tiny_folders["flux"]))
     small, large = model.schedule(4, (4, 8, 8)), model.schedule(4, (4, 32, 32))

@@ -59,7 +59,8 @@ def draw_noise(seeds, shape):
 
 
 def requests(steps, guidance, sampler="ode", **kwargs):
-    return [GenerationRequest(prompt=p, negative_prompt=n, seed=s, card=CARD, steps=steps, sampler=sampler,
+    # Negative prompts only under CFG: at guidance 1 the engine refuses them (the pipeline ignores them there).
+    return [GenerationRequest(prompt=p, negative_prompt=n if guidance != 1.0 else "", seed=s, card=CARD, steps=steps, sampler=sampler,
                               guidance_scale=guidance, **SIZE, **kwargs)
             for p, n, s in zip(PROMPTS, NEGATIVES, SEEDS)]
 

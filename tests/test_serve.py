@@ -123,6 +123,7 @@ BAD_INPUTS = [
     ({"prompt": "x", "seed": 2**70}, 400, "'seed' must be in"),
     ({"prompt": "x", "noise_level": "NaN"}, 400, "'noise_level' must be a number"),
     ({"prompt": "x", "frames": 4}, 400, "not videos"),
+    ({"prompt": "x", "negative_prompt": "y"}, 400, "is used only under classifier-free guidance"),
     ({"prompt": "x", "n": 10_000}, 413, "'n' must be in 1..16"),
     ({"prompt": "x", "card": "sd9"}, 404, "known: toy-digits"),
     ({"prompt": "x" * 100_000}, 413, "body exceeds"),
