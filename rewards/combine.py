@@ -9,7 +9,8 @@ import torch
 
 from rewards.registry import REMOTE, get, parse_spec_targets
 from rewards.remote import check_seconds
-from rewards.types import RewardBatch, Scorer, check_audio, check_videos, scorer_inputs, wants_audio, wants_video
+from rewards.types import (RewardBatch, Scorer, check_audio, check_pixel_range, check_videos, scorer_inputs,
+                           wants_audio, wants_video)
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +79,14 @@ class RewardSet:
         An error, not a masked batch: a missing input is a mismatch between the reward spec and what the
         model generates, which no later batch fixes.
         """
+        check_pixel_range("RewardSet.score's images", images)
         if audio is not None:
             sample_rate = check_audio(audio, sample_rate, images.shape[0])
         elif sample_rate is not None:
             raise ValueError("RewardSet.score got a sample_rate but no audio; pass both or neither")
         if videos is not None:
             check_videos(videos, images.shape[0])
+            check_pixel_range("RewardSet.score's videos", videos)
         return {name: scorer_inputs(name, scorer, images, audio, sample_rate, videos)
                 for name, scorer in self.scorers.items()}
 

@@ -84,6 +84,25 @@ def scorer_inputs(name: str, scorer: object, images: torch.Tensor, audio: torch.
     return extra
 
 
+# Rounding room on the [0, 1] pixel range (a decoder's clamp is exact; a client's own arithmetic may not be).
+PIXEL_RANGE_SLACK = 1e-4
+
+
+def check_pixel_range(name: str, pixels: torch.Tensor) -> None:
+    """ValueError unless the finite values of `pixels` lie in [0, 1], the range every scorer reads (NaN marks a
+    broken sample and is scored as masked). Images in [-1, 1] (a VAE's raw output) or [0, 255] would be scored
+    without complaint, and wrongly."""
+    finite = pixels.detach()
+    finite = finite[torch.isfinite(finite)] if finite.is_floating_point() else finite
+    if not finite.numel():
+        return
+    low, high = float(finite.min()), float(finite.max())
+    if low < -PIXEL_RANGE_SLACK or high > 1 + PIXEL_RANGE_SLACK:
+        raise ValueError(f"{name} must hold pixel values in [0, 1], got values in [{low:.4g}, {high:.4g}]: send "
+                         f"them as the engine returns them ((x + 1) / 2 for a VAE's [-1, 1] output, x / 255 for "
+                         f"8-bit pixels)")
+
+
 def check_videos(videos: torch.Tensor, batch: int) -> None:
     """ValueError unless `videos` is a [batch, C, F, H, W] tensor."""
     if not isinstance(videos, torch.Tensor) or videos.dim() != 5 or videos.shape[0] != batch:

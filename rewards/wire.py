@@ -27,7 +27,7 @@ from PIL import Image
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from rewards.types import check_audio, check_videos
+from rewards.types import check_audio, check_pixel_range, check_videos
 
 SAFETENSORS = "application/vnd.flywheel.safetensors"
 JSON = "application/json"
@@ -154,10 +154,12 @@ def decode_request(body: bytes, content_type: str) -> ScoringRequest:
     if images.ndim != 4 or len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:
         raise ValueError(f"scoring request has images {tuple(images.shape)}, {len(prompts)} prompts and "
                          f"{len(metadata)} metadata dicts; expected [B, C, H, W] and B of each")
+    check_pixel_range("scoring request's images", images)
     if audio is not None:
         sample_rate = check_audio(audio, sample_rate, images.shape[0])
     if videos is not None:
         check_videos(videos, images.shape[0])
+        check_pixel_range("scoring request's videos", videos)
     return ScoringRequest(images, prompts, metadata, audio, sample_rate, videos)
 
 

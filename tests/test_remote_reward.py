@@ -269,3 +269,36 @@ def test_a_malformed_safetensors_request_names_what_was_wrong():
         with pytest.raises(ValueError, match="a request is a tensor \"images\" \\[B, C, H, W\\]") as info:
             decode_request(body, SAFETENSORS)
         assert what in str(info.value), info.value
+
+
+@pytest.mark.parametrize("pixels, shown", [(torch.rand(2, 1, 8, 8) * 2 - 1, "got values in [-"),
+                                           (torch.full((2, 1, 8, 8), 255.0), "got values in [255, 255]")])
+def test_pixels_outside_0_1_are_refused_on_the_wire_and_in_process(digit_server, pixels, shown):
+    # A VAE's [-1, 1] output or 8-bit values would be scored without complaint, and wrongly.
+    import urllib.error
+    import urllib.request
+
+    body, content_type = encode_request(pixels, ["a 3", "a 4"], [{}, {}])
+    with pytest.raises(ValueError, match=r"images must hold pixel values in \[0, 1\]") as info:
+        decode_request(body, content_type)
+    assert shown in str(info.value) and "(x + 1) / 2" in str(info.value)
+    request = urllib.request.Request(f"{digit_server.url}/score", data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(request, timeout=30)
+    assert http.value.code == 400 and b"pixel values in [0, 1]" in http.value.read()
+    with pytest.raises(ValueError, match=r"RewardSet.score's images must hold pixel values in \[0, 1\]"):
+        RewardSet("digit_alignment").score(pixels, ["a 3", "a 4"], None, weight_version=0)
+
+
+def test_pixels_in_0_1_with_rounding_and_nan_rows_are_scored():
+    pixels = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    pixels[0, 0, 0, 0], pixels[1, 0, 0, 0] = 1 + 5e-5, -5e-5  # a client's rounding, within the slack
+    pixels[2] = float("nan")  # a broken sample: masked, not refused
+    body, content_type = encode_request(pixels, ["a 3", "a 4", "a 5"], [{}, {}, {}])
+    assert decode_request(body, content_type).images.shape == (3, 1, 8, 8)
+    batch = RewardSet("digit_alignment").score(pixels, ["a 3", "a 4", "a 5"], None, weight_version=0)
+    assert batch.valid.tolist() == [True, True, False]
+    pixels[0, 0, 0, 0] = 1.001  # past the slack
+    with pytest.raises(ValueError, match=r"got values in \[-5e-05, 1\.001\]"):
+        decode_request(encode_request(pixels, ["a 3", "a 4", "a 5"], [{}, {}, {}])[0], content_type)
