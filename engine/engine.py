@@ -233,8 +233,7 @@ class Engine:
         encode = self._prompt_encoder(requests)
         cond = encode(prompts)
         uncond = None
-        guided = first.guidance_scale != 1.0 or (joint_audio and first.effective_audio_guidance != 1.0)
-        if guided and not getattr(self.model, "embedded_guidance", False):
+        if first.guided and not getattr(self.model, "embedded_guidance", False):
             uncond = encode([r.negative_prompt for r in requests])
         extra = {}
         if getattr(self.model, "image_conditioned", False):

@@ -66,7 +66,7 @@ from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
-from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig
 from flywheel.config.validation import ABOVE_ZERO, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
@@ -133,8 +133,6 @@ class Config(RunConfig):
     steps: int = 35
     """training steps (rollout + update); 35: reward past 0.95 with typicality at its best and the seeds of a
     prompt still apart (docs/recipes/awm.md#defaults-and-reward-hacking)"""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     # AWM trains on clean samples, not on per-step log-probabilities: the deterministic sampler will do.
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
     train: AWMConfig = field(default_factory=AWMConfig)

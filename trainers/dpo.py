@@ -73,7 +73,7 @@ from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
-from flywheel.config.sections import DataConfig, EMAConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.sections import EMAConfig, OptimConfig, RunConfig, SamplingConfig
 from flywheel.config.validation import ABOVE_ZERO, check_advantage_unused, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
@@ -130,8 +130,6 @@ class Config(RunConfig):
     train: DPOConfig = field(default_factory=DPOConfig)
     # A pair is two final samples: no per-step log-probability is needed, so rollouts use the ODE.
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     # Evaluation (and best/) uses an EMA of the weights, as flow_grpo's scripts do with train.ema; its decay 0.85
     # (flow_grpo: 0.9) lags less (docs/recipes/dpo.md, "Defaults and reward hacking").
     ema: EMAConfig = field(default_factory=lambda: EMAConfig(enabled=True, decay=0.85))

@@ -66,7 +66,7 @@ from flywheel.recipe.ema import EMAAnchored, WeightEMA, checkpointed_anchor
 from flywheel.recipe.policy import Policy
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
-from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig
 from flywheel.config.validation import ABOVE_ZERO, check_advantage_unused, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
@@ -126,8 +126,6 @@ class Config(RunConfig):
     """where config, metrics, samples and checkpoints go"""
     steps: int = 35
     """training steps (rollout + update); with kl_beta 0.1 toy-digits passes 0.95 at 35 (docs/recipes/draft.md)"""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     # The gradient path re-runs the deterministic sampler: rollouts must be the ODE's.
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
     train: DraftConfig = field(default_factory=DraftConfig)

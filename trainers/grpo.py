@@ -69,7 +69,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.preflight import optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config
-from flywheel.config.sections import DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig
 from flywheel.config.validation import (ANY_VALUE, card_flag, check_shared_sections, check_switched_keys,
                                         set_away_from_default)
 from flywheel.recipe.session import RecipeRun
@@ -147,10 +147,6 @@ class Config(RunConfig):
     """where config, metrics, samples and checkpoints go"""
     steps: int = 70
     """training steps (rollout + update)"""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """the model card, its weights and what is trained"""
-    data: DataConfig = field(default_factory=DataConfig)
-    """training and evaluation prompts, prompts per step and group size"""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """the rollout sampler (Flow-SDE by default) and the evaluation samples"""
     train: GRPOConfig = field(default_factory=GRPOConfig)

@@ -65,7 +65,7 @@ from flywheel.recipe.policy import Policy
 from flywheel.recipe.preflight import optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
-from flywheel.config.sections import AdvantageConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, SamplingConfig
+from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig
 from flywheel.config.validation import ABOVE_ZERO, check_shared_sections, check_switched_keys
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
@@ -118,8 +118,6 @@ class Config(RunConfig):
     steps: int = 55
     """training steps (rollout + update + soft update); with kl_beta 0.03, 55 passes 0.95 before the samples of a
     prompt collapse (docs/recipes/nft.md#defaults-and-reward-hacking)"""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(sampler="ode"))
     train: NFTConfig = field(default_factory=NFTConfig)
     advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(global_std=True))

@@ -297,6 +297,11 @@ class RunConfig:
     """where rollouts and rewards run (this process, an engine process, Ray actors) and their timing"""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """train one stage of a multi-stage workflow, scored on the workflow's final output"""
+    # Last, so a recipe's own sections (sampling, train) follow them as they did when each recipe declared these.
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """the model card, its weights and what is trained"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """training and evaluation prompts, prompts per step and group size"""
 
 
 # ---- the engine requests the sampling and eval sections make --------------------------------------------------
