@@ -46,6 +46,7 @@ CONFIG_ERROR_EXIT = 2  # as argparse: the command line was wrong
 NOTHING_TRAINED_EXIT = 3  # the run went through, saved, and trained nothing
 RUN_STOPPED_EXIT = 1  # the run stopped itself at a step (RunStoppedError): an error, as an uncaught exception's
 _LAUNCHER_WAIT_S = 60.0
+_OTHER_RANKS_EXIT_DELAY_S = 0.5
 
 
 def _under_accelerate_launch() -> bool:
@@ -81,6 +82,10 @@ def _repeat_after_launcher(message: str) -> None:
     if os.fork() != 0:
         return
     try:
+        # torchrun starts each rank in a session of its own and stops a rank still running when another has
+        # failed with killpg: a session of our own keeps that from taking the repeat with it (CI saw the message
+        # missing after the table once in ~50 two-rank refusals).
+        os.setsid()
         deadline = time.monotonic() + _LAUNCHER_WAIT_S
         while time.monotonic() < deadline and _process_alive(launcher):
             time.sleep(0.02)
@@ -150,6 +155,7 @@ def _end_interrupted(how: str, code: int) -> None:
 
 def _end_stopped(message: str) -> None:
     """Exit RUN_STOPPED_EXIT after the stopped run's message and what it kept (rank 0; every rank stops alike)."""
+    _ignore_the_launchers_sigterm()  # its trackers still flush at exit
     if _is_rank_zero():
         message = f"{message}\n{kept_message(_opened_run_dir, sys.argv[0])}"
         print(message, file=sys.stderr, flush=True)
@@ -160,12 +166,25 @@ def _end_stopped(message: str) -> None:
     raise SystemExit(RUN_STOPPED_EXIT) from None
 
 
+def _ignore_the_launchers_sigterm() -> None:
+    """A rank on its way out ignores SIGTERM. When another rank has exited first, torchrun stops the rest with
+    SIGTERM; one arriving now would end this rank before its message is printed, or with -15 instead of its
+    own exit code. SIGKILL still follows after the launcher's 30 s, should a rank hang."""
+    if _under_accelerate_launch() and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _exit_with_message(message: str, code: int) -> None:
     """Print `message` as the last line (rank 0; again after the launcher's traceback) and exit with `code`."""
+    _ignore_the_launchers_sigterm()
     if _is_rank_zero():
         print(message, file=sys.stderr, flush=True)
         if _under_accelerate_launch():
             _repeat_after_launcher(message)
+    elif _under_accelerate_launch():
+        # Every rank raises the same error; the others leave a moment after the main one, so that the launcher
+        # sees the main rank's exit first and its table names the main rank as the root cause.
+        time.sleep(_OTHER_RANKS_EXIT_DELAY_S)
     sys.stdout.flush()
     os._exit(code)
 
