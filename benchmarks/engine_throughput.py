@@ -33,7 +33,7 @@ def _requests(n: int, steps: int, sampler: str, offset: int = 0):
 
     words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     return [GenerationRequest(prompt=f"a handwritten {words[i % 10]}", seed=offset + i, steps=steps,
-                              sampler=sampler, noise_level=0.7 if sampler == "sde" else 0.5,
+                              sampler=sampler, noise_level={"sde": 0.7, "cps": 0.5}.get(sampler),
                               keep_trajectory=True) for i in range(n)]
 
 

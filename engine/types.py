@@ -18,6 +18,7 @@ MAX_SIZE = 16384  # pixels per side
 MAX_FRAMES = 4096
 MAX_CACHE_THRESHOLD = 1.0  # the adaptive loop's tolerances are relative changes: 1 already skips nearly everything
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+DEFAULT_NOISE_LEVEL = 0.7  # Flow-GRPO's a; also the CPS eta a request gets when it names none
 
 
 def _integer(name: str, value: object, low: int, high: int, nullable: bool = False) -> None:
@@ -39,6 +40,20 @@ def _number(name: str, value: object, low: float, high: float) -> None:
         raise ValueError(f"{name}={str(value)[:30]} is out of range; valid: {low:g} <= {name} <= {high:g}")
 
 
+# What a stochastic sampler takes and the ODE refuses.
+NOISE_FIELDS = ("noise_level", "audio_noise_level", "sde_window")
+
+
+def overlay_request_fields(base: dict, overrides: dict) -> dict:
+    """`base`'s request fields with `overrides` on top. Overriding the sampler to "ode" also resets the noise
+    fields `base` held for its stochastic sampler (NOISE_FIELDS), unless `overrides` names them: an ODE
+    evaluation of SDE rollouts' settings asks for the ODE, not for their noise level to be ignored."""
+    merged = {**base, **overrides}
+    if overrides.get("sampler") == "ode":
+        merged.update({name: None for name in NOISE_FIELDS if name not in overrides})
+    return merged
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One sample to generate. Requests with the same `batch_key` run in one batch."""
@@ -49,8 +64,9 @@ class GenerationRequest:
     steps: int = 10
     guidance_scale: float = 1.0
     sampler: str = "sde"
-    # Flow-SDE's `a` for "sde"; CPS's eta in [0, 1) for "cps"; unused by "ode".
-    noise_level: float = 0.7
+    # Flow-SDE's `a` for "sde"; CPS's eta in [0, 1) for "cps". None: DEFAULT_NOISE_LEVEL for those two, 0 for
+    # "ode", which draws no noise and refuses any other level (it would be ignored).
+    noise_level: float | None = None
     # Half-open range [start, end) of step indices that are stochastic and
     # recorded; None means every step. Steps outside it are plain ODE steps.
     sde_window: tuple[int, int] | None = None
@@ -98,6 +114,8 @@ class GenerationRequest:
         _integer("noise_seed", self.noise_seed, *SEED_RANGE, nullable=True)
         _integer("steps", self.steps, 1, MAX_STEPS)
         _number("guidance_scale", self.guidance_scale, 0.0, MAX_GUIDANCE)
+        if self.noise_level is None:  # the sampler's own: frozen, so set as dataclasses do
+            object.__setattr__(self, "noise_level", 0.0 if self.sampler == "ode" else DEFAULT_NOISE_LEVEL)
         _number("noise_level", self.noise_level, 0.0, MAX_NOISE_LEVEL)
         _integer("height", self.height, 1, MAX_SIZE, nullable=True)
         _integer("width", self.width, 1, MAX_SIZE, nullable=True)
@@ -112,6 +130,7 @@ class GenerationRequest:
                              f"guidance, and guidance_scale={self.guidance_scale:g} runs none; set guidance_scale "
                              f"!= 1 (e.g. 4.5) or leave negative_prompt empty")
         _integer("start_step", self.start_step, 0, self.steps - 1)
+        self._check_ode_ignores_noise()
         if self.sde_window is not None:
             window = self.sde_window
             if not (isinstance(window, (tuple, list)) and len(window) == 2
@@ -121,6 +140,19 @@ class GenerationRequest:
             if not 0 <= start < end <= self.steps:
                 raise ValueError(f"sde_window={self.sde_window} must satisfy 0 <= start < end <= steps={self.steps}")
         self._check_adaptive()
+
+    def _check_ode_ignores_noise(self) -> None:
+        """The ODE draws no noise and has no stochastic steps: a noise level or an SDE window would be ignored."""
+        if self.sampler != "ode":
+            return
+        fix = "use sampler='sde' or 'cps', or leave it out"
+        for name, value in (("noise_level", self.noise_level), ("audio_noise_level", self.audio_noise_level)):
+            if value not in (None, 0):
+                raise ValueError(f"{name}={value} with sampler='ode': the ODE draws no noise, so it would be "
+                                 f"ignored; {fix}")
+        if self.sde_window is not None:
+            raise ValueError(f"sde_window={self.sde_window} with sampler='ode': the ODE has no stochastic steps, so "
+                             f"it would be ignored; {fix}")
 
     def _check_adaptive(self) -> None:
         _number("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine import Engine, GenerationRequest, Trajectory
+from engine.types import overlay_request_fields
 from flywheel.advantages import distributed_reward_advantages, flat_group_count
 from flywheel.distributed import all_gather_cat, rank_and_world
 from flywheel.prompts import PromptItem, PromptSampler
@@ -206,13 +207,13 @@ class Flywheel:
         return {"noise_seed": sample_seed(self.seed, step, row - row % self.group_size)}
 
     def _request(self, item: PromptItem, seed: int, **overrides) -> GenerationRequest:
-        return item_request(item, seed, self.engine.card_id, {**self.request_kwargs, **overrides})
+        return item_request(item, seed, self.engine.card_id, overlay_request_fields(self.request_kwargs, overrides))
 
     def eval_samples(self, items: list[PromptItem], seeds_per_prompt: int, eval_kwargs: dict,
                  judges: dict | None = None) -> tuple[dict[str, float], Trajectory]:
         """Evaluate the engine's current weights with this flywheel's rewards (see `eval_samples`)."""
-        return eval_samples(self.engine, self.rewards, items, seeds_per_prompt, {**self.request_kwargs, **eval_kwargs},
-                        judges)
+        return eval_samples(self.engine, self.rewards, items, seeds_per_prompt,
+                            overlay_request_fields(self.request_kwargs, eval_kwargs), judges)
 
 
 EVAL_SEED_OFFSET = 10_000  # evaluation seeds never coincide with the first training rows

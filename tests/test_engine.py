@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, GenerationRequest, HostTransferError, PromptEmbeds, forbid_host_transfers
+from engine.types import overlay_request_fields
 from engine.denoise import guided_velocity
 from engine.sampling import sde_step_log_prob, sde_t_cap
 
@@ -124,6 +125,34 @@ def test_a_negative_prompt_is_refused_where_it_would_change_nothing_and_used_und
     negative = toy_engine.generate([GenerationRequest(**ode, negative_prompt="a 4")])
     assert not torch.equal(empty.negative_prompt_embeds, negative.negative_prompt_embeds)
     assert (empty.latents[:, -1] - negative.latents[:, -1]).abs().max() > 1e-3
+
+
+def test_an_ode_request_refuses_the_noise_it_would_ignore_and_takes_each_samplers_default_level(toy_engine):
+    # The ODE draws no noise: a level or window given with it would change nothing, so it is refused by name.
+    with pytest.raises(ValueError, match=r"^noise_level=0.5 with sampler='ode': the ODE draws no noise"):
+        GenerationRequest(prompt="a 3", seed=0, sampler="ode", noise_level=0.5)
+    with pytest.raises(ValueError, match=r"^sde_window=\(0, 2\) with sampler='ode': the ODE has no stochastic"):
+        GenerationRequest(prompt="a 3", seed=0, sampler="ode", sde_window=(0, 2))
+    with pytest.raises(ValueError, match=r"^audio_noise_level=0.3 with sampler='ode'"):
+        GenerationRequest(prompt="a 3", seed=0, sampler="ode", audio=True, audio_noise_level=0.3)
+    assert GenerationRequest(prompt="a 3", seed=0, sampler="ode", noise_level=0).noise_level == 0
+    # Left out, the level is the sampler's own, and ODE requests batch whatever their rollouts' level was.
+    assert GenerationRequest(prompt="a 3", seed=0).noise_level == 0.7
+    assert GenerationRequest(prompt="a 3", seed=0, sampler="cps").noise_level == 0.7
+    ode = GenerationRequest(prompt="a 3", seed=0, sampler="ode")
+    assert ode.noise_level == 0.0 and ode.batch_key() == GenerationRequest(prompt="a 9", seed=1, sampler="ode").batch_key()
+    # An ODE over SDE settings (an evaluation of the rollouts' fields, a workflow stage) drops their noise.
+    sde = dict(steps=4, sampler="sde", noise_level=1.1, sde_window=(0, 2))
+    fields = overlay_request_fields(sde, {"sampler": "ode"})
+    assert fields == dict(steps=4, sampler="ode", noise_level=None, sde_window=None, audio_noise_level=None)
+    assert GenerationRequest(prompt="a 3", seed=0, **fields).noise_level == 0.0
+    assert overlay_request_fields(sde, {"guidance_scale": 2.0}) == {**sde, "guidance_scale": 2.0}  # SDE kept
+    with pytest.raises(ValueError, match="noise_level=1.1 with sampler='ode'"):  # named by the override: refused
+        GenerationRequest(prompt="a 3", seed=0, **overlay_request_fields(sde, {"sampler": "ode", "noise_level": 1.1,
+                                                                               "sde_window": None}))
+    overlaid = toy_engine.generate([GenerationRequest(prompt="a 3", seed=0, **fields)])
+    plain = toy_engine.generate([GenerationRequest(prompt="a 3", seed=0, steps=4, sampler="ode")])
+    assert torch.equal(overlaid.latents, plain.latents) and not overlaid.log_probs.any()
 
 
 def test_incompatible_requests_and_wrong_card_are_clear_errors(toy_engine):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.engine import Engine
-from engine.types import GenerationRequest, Trajectory
+from engine.types import GenerationRequest, Trajectory, overlay_request_fields
 from engine.workflows.definition import (FirstFrame, FromImage, FromText, Stage, WorkflowCycleError, WorkflowError,
                                          WorkflowRegistry, default_registry)
 
@@ -233,7 +233,7 @@ def stage_requests(stage: Stage, requests: list[GenerationRequest],
                    extra: dict | None = None) -> list[GenerationRequest]:
     """A stage's requests: the workflow's with the stage's card, its overrides, then `extra`, and the start step
     of an image-to-image stage."""
-    fields = {"card": stage.target, **stage.overrides, **(extra or {})}
+    fields = overlay_request_fields({}, {"card": stage.target, **stage.overrides, **(extra or {})})
     out = [replace(r, **fields) for r in requests]
     if isinstance(stage.input, FromImage):
         out = [replace(r, start_step=stage.input.start_step(r.steps)) for r in out]

@@ -316,7 +316,9 @@ def audio_request_kwargs(sampling: SamplingConfig) -> dict:
 
 def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
     """The GenerationRequest fields of a training rollout, from the sampling section."""
-    kwargs = dict(steps=sampling.steps, sampler=sampling.sampler, noise_level=sampling.noise_level,
+    # The ODE takes no noise level (the request refuses one); the config checks refuse one set beside it.
+    noise_level = None if sampling.sampler == "ode" else sampling.noise_level
+    kwargs = dict(steps=sampling.steps, sampler=sampling.sampler, noise_level=noise_level,
                   guidance_scale=sampling.guidance_scale, sde_window=sampling.sde_window,
                   height=sampling.height, width=sampling.width, frames=sampling.frames,
                   **audio_request_kwargs(sampling))
@@ -330,6 +332,6 @@ def rollout_request_kwargs(sampling: SamplingConfig) -> dict:
 def eval_request_kwargs(sampling: SamplingConfig, evaluation: EvalConfig) -> dict:
     """The fields of an evaluation sample: the ODE at the eval guidance, the same seeds every time (no SDE
     window: the rollouts' window may not fit eval.steps, and an ODE has none)."""
-    return {"sampler": "ode", "guidance_scale": evaluation.guidance_scale,
+    return {"sampler": "ode", "guidance_scale": evaluation.guidance_scale, "noise_level": None,
             "steps": evaluation.steps or sampling.steps, "sde_window": None, "audio_noise_level": None,
             "cache_threshold": evaluation.cache_threshold, "early_exit": None}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine
+from engine.types import overlay_request_fields
 from flywheel.config.sections import rollout_request_kwargs
 from flywheel.prompts import PromptSampler, load_prompts
 from flywheel.recipe.policy import Policy, lora_targets
@@ -277,7 +278,7 @@ class Rollouts:
         flywheel.rollout_collector.eval_samples."""
         fw = self.flywheel
         return eval_samples(self.eval_engine, fw.rewards, items, seeds_per_prompt,
-                            {**fw.request_kwargs, **eval_kwargs}, judges)
+                            overlay_request_fields(fw.request_kwargs, eval_kwargs), judges)
 
     def metrics(self) -> dict:
         out = self.collector.metrics() if self.collector is not None else {}
