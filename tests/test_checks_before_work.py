@@ -187,6 +187,29 @@ def test_a_bad_input_is_refused_before_anything_is_written(case, tmp_path, capsy
     assert reason in message.splitlines()[-1], message
 
 
+@pytest.mark.parametrize("tracker,install", [("tensorboard", "`pip install tensorboard`"),
+                                             ("wandb,trackio", "`pip install -e .[dashboards]`")])
+def test_a_tracker_whose_package_is_not_installed_is_refused_before_anything_is_written(tracker, install, tmp_path,
+                                                                                         capsys, monkeypatch):
+    # Before, the run made its directory and died on a ModuleNotFoundError traceback whose advice (the dashboards
+    # extra) did not bring TensorBoard.
+    import importlib.util
+
+    import flywheel.runs.tracking as tracking
+
+    missing = {"tensorboard", "tensorboardX", "trackio"}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name, *a: None if name in missing
+                        else find_spec(name, *a))
+    run_dir = tmp_path / "run"
+    message, _ = refused([f"run_dir={run_dir}", *FAST, f"tracker={tracker}"], capsys)
+    assert_nothing_written(run_dir)
+    assert_last_line_names(message, "tracker")
+    name = tracker.split(",")[-1]
+    assert message.splitlines()[-1].strip() == (f"tracker={name} needs the {name} package, which is not installed: "
+                                                f"{install}, or use tracker=wandb / tracker=none")
+
+
 def test_a_folder_of_another_family_is_refused_naming_the_card_that_loads_it(tmp_path, capsys):
     flux = fake_diffusers_folder(tmp_path / "flux", "FluxPipeline", "FluxTransformer2DModel")
     message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={flux}"], capsys)

@@ -193,12 +193,15 @@ def check_run(cfg, checks: ConfigChecks) -> None:
     checks.require("seed", lambda v: v >= 0, "must be an integer >= 0")
     checks.require("threads", lambda v: v >= 0, "must be an integer >= 0 or null (0/null: OMP_NUM_THREADS, else "
                    "the cores divided among the processes)", allow_none=True)
-    try:
-        from flywheel.runs.tracking import tracker_names
+    from flywheel.runs.tracking import missing_tracker_packages, tracker_names
 
+    try:
         tracker_names(cfg.tracker)
     except ValueError as e:
         checks.fail(str(e))
+    else:
+        for message in missing_tracker_packages(cfg.tracker):  # refused here, not after the run dir is made
+            checks.fail(message)
 
 
 def check_model(cfg, checks: ConfigChecks) -> None:

@@ -46,14 +46,24 @@ def tracker_names(tracker: str) -> list[str]:
     return [] if names == ["none"] else names
 
 
+# How to install each tracker's package: the dashboards extra brings trackio and mlflow-skinny, not TensorBoard.
+INSTALL = {"tensorboard": "`pip install tensorboard`", "trackio": "`pip install -e .[dashboards]`",
+           "mlflow": "`pip install -e .[dashboards]` (or `pip install mlflow`)"}
+
+
+def missing_tracker_packages(tracker: str) -> list[str]:
+    """One message for each tracker of a `tracker=` value whose package is not installed."""
+    return [f"tracker={name} needs the {PACKAGES[name][0]} package, which is not installed: {INSTALL[name]}, or "
+            f"use tracker=wandb / tracker=none" for name in tracker_names(tracker)
+            if name in PACKAGES and not any(importlib.util.find_spec(p) for p in PACKAGES[name])]
+
+
 def prepare_tracker(tracker: str, run_dir: Path) -> dict:
     """Environment and init kwargs for `Accelerator.init_trackers`; call before creating trackers."""
     names = tracker_names(tracker)
-    for name in names:
-        if name in PACKAGES and not any(importlib.util.find_spec(p) for p in PACKAGES[name]):
-            raise ModuleNotFoundError(f"tracker={name} needs the {PACKAGES[name][0]} package: `pip install "
-                                      f"{PACKAGES[name][0]}` (or `pip install -e .[dashboards]`), or use "
-                                      "tracker=wandb / tracker=none")
+    missing = missing_tracker_packages(tracker)
+    if missing:
+        raise ModuleNotFoundError("; ".join(missing))
     kwargs: dict = {}
     if "wandb" in names:
         reason = None
