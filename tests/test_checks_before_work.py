@@ -82,6 +82,14 @@ CASES = {
     "sampling.steps past 1000": (["sampling.steps=1001"], "sampling.steps", "at most 1000"),
     "eval.steps past 1000": (["eval.steps=5000"], "eval.steps", "at most 1000"),
     "steps 1e12": (["steps=1e12"], "steps", "at most 10_000_000"),
+    # Each of these once passed the checks and failed or hung after the run dir was written: the seed overflowed
+    # GRPO's step choice, torch refused the thread count, the rows' divisors were listed one by one, and the
+    # evaluation built 1e30 requests.
+    "seed 2**32": (["seed=4294967296"], "seed", "must be at most 2**32 - 1 = 4294967295"),
+    "threads 1e30": (["threads=1e30"], "threads", "must be at most 1024 torch threads"),
+    "eval.seeds 1e30": (["eval.seeds=1e30"], "eval.seeds", "must be at most 10_000 samples of each evaluation"),
+    "rows 1e30": (["data.prompts_per_step=1e30"], "data.prompts_per_step",
+                  "x 2 = 2000000000000000039769249677312 rollouts a step: must be at most 1_000_000"),
     "updates_per_rollout": (["data.prompts_per_step=8", "data.group_size=16", "train.minibatch_size=32",
                              "train.updates_per_rollout=3"], "train.updates_per_rollout", "use one of 1, 2, 4"),
     "gradient_accumulation": (["data.prompts_per_step=4", "data.group_size=4", "train.minibatch_size=8",
@@ -565,3 +573,31 @@ def test_a_switched_key_at_the_recipes_own_default_is_not_refused(tmp_path):
     dpo_main([f"run_dir={tmp_path / 'run'}", *FAST, "steps=1", "ema.enabled=false"])
     with pytest.raises(USAGE_ERRORS, match=r"ema.decay=0.5 with ema.enabled=false"):
         dpo_main([f"run_dir={tmp_path / 'other'}", *FAST, "ema.enabled=false", "ema.decay=0.5"])
+
+
+# Values each recipe once accepted, to fail or hang after the run dir was written (found by trying nan, inf, -1, 0
+# and 1e30 on every numeric key): the refusal names the key and its range.
+OUT_OF_RANGE = [
+    ("awm", ["train.timestep_fraction=inf"], "train.timestep_fraction=inf: must be a finite number"),
+    ("dpo", ["train.timesteps_per_pair=1e30"], "train.timesteps_per_pair=1000000000000000019884624838656: must be "
+                                               "an integer in [1, 1000]"),
+    ("draft", ["train.lv_samples=1e30"], "train.lv_samples=1000000000000000019884624838656: must be an integer in "
+                                         "[0, 1000]"),
+    ("nft", ["sampling.height=1e30"], "sampling.height=1000000000000000019884624838656: must be at most 16384 (the "
+                                      "engine's bound)"),
+    ("nft", ["sampling.frames=5000"], "sampling.frames=5000: must be at most 4096 (the engine's bound)"),
+    ("grpo", ["rollout.reward_actors=1e30"], "rollout.reward_actors=1000000000000000019884624838656: must be at "
+                                             "most 1024"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, phrase", OUT_OF_RANGE, ids=[" ".join(c[1]) for c in OUT_OF_RANGE])
+def test_a_value_out_of_a_recipes_range_is_refused_before_anything_is_written(recipe, overrides, phrase, tmp_path):
+    import importlib
+
+    main = importlib.import_module(f"trainers.{recipe}").main
+    run_dir = tmp_path / "run"
+    with pytest.raises(USAGE_ERRORS) as info:
+        main([f"run_dir={run_dir}", *FAST, *overrides])
+    assert_nothing_written(run_dir)
+    assert any(line.strip().startswith(phrase) for line in str(info.value).splitlines()), info.value

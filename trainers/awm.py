@@ -172,7 +172,8 @@ def validate_config(cfg: Config) -> None:
     for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
         checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
     checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
-    if tc.time_sampling == "schedule" and cfg.sampling.steps >= 1 and tc.timesteps_per_sample >= 1:
+    if (tc.time_sampling == "schedule" and cfg.sampling.steps >= 1 and tc.timesteps_per_sample >= 1
+            and 0 < tc.timestep_fraction <= 1):  # a fraction out of range is reported above, not planned with
         try:
             schedule_strata(cfg.sampling.steps, tc.timesteps_per_sample, tc.timestep_fraction, tc.skip_first_step)
         except ValueError as e:

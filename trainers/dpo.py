@@ -400,6 +400,9 @@ DPO_SWITCHED_KEYS = (
 )
 
 
+MAX_TIMESTEPS_PER_PAIR = 1000  # loss terms a pair, each a forward of both samples: a bound for typos
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
@@ -409,7 +412,8 @@ def validate_config(cfg: Config) -> None:
     checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = the paper's loss alone)")
     checks.require("train.pair_margin", lambda v: v >= 0, "must be >= 0 (reward units; 0 = any strict preference)")
     check_pair_margin_reachable(cfg, checks)
-    checks.require("train.timesteps_per_pair", lambda v: v >= 1, "must be an integer >= 1")
+    checks.require("train.timesteps_per_pair", lambda v: 1 <= v <= MAX_TIMESTEPS_PER_PAIR,
+                   f"must be an integer in [1, {MAX_TIMESTEPS_PER_PAIR}]")
     if cfg.train.gradient_accumulation_steps != 1 or cfg.train.updates_per_rollout not in (None, 1):
         checks.fail(f"train.gradient_accumulation_steps={cfg.train.gradient_accumulation_steps}, "
                     f"train.updates_per_rollout={cfg.train.updates_per_rollout}: the number of pairs (so of "

@@ -175,6 +175,9 @@ DRAFT_SWITCHED_KEYS = (
 )
 
 
+MAX_LV_SAMPLES = 1000  # reward passes a sample for DRaFT-LV (the paper takes 2): a bound for typos
+
+
 def validate_config(cfg: Config) -> None:
     """Check every field before anything runs: one ConfigError listing each bad key and what is valid."""
     checks = check_shared_sections(cfg)
@@ -183,7 +186,8 @@ def validate_config(cfg: Config) -> None:
     checks.require("train.mode", lambda v: v in MODES, f"must be one of {', '.join(MODES)}")
     checks.require("train.truncation_steps", lambda v: 1 <= v <= cfg.sampling.steps,
                    f"must be in [1, sampling.steps={cfg.sampling.steps}] (the ODE steps the gradient flows through)")
-    checks.require("train.lv_samples", lambda v: v >= 0, "must be an integer >= 0 (0 = off)")
+    checks.require("train.lv_samples", lambda v: 0 <= v <= MAX_LV_SAMPLES,
+                   f"must be an integer in [0, {MAX_LV_SAMPLES}] (0 = off; each is one more reward and backward pass)")
     if tc.lv_samples > 0 and (tc.mode != "draft" or tc.truncation_steps != 1):
         checks.fail(f"train.lv_samples={tc.lv_samples}: DRaFT-LV is a variant of DRaFT-1: it needs train.mode=draft "
                     f"and train.truncation_steps=1 (got mode={tc.mode}, truncation_steps={tc.truncation_steps})")

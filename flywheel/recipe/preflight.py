@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.card_folders import check_card_path
-from engine.types import MAX_STEPS
+from engine.types import MAX_FRAMES, MAX_SIZE, MAX_STEPS
 from flywheel.config.parsing import ConfigError
 from flywheel.runs.rundir import RunDir, RunDirInUseError
 from rewards.registry import REMOTE, available, check_scorer, check_spec, get, parse_spec_targets, resolve_args
@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 # A bound on `steps` that no real run reaches (1e7 steps of one second each is four months): a typo such as
 # steps=1e12 is refused instead of starting a run whose progress bar and schedules are meaningless.
 MAX_TRAINING_STEPS = 10_000_000
+# Rollouts a step (data.prompts_per_step x data.group_size): a step holds all of them at once. Published runs
+# take about a thousand; the bound is there so that a typo (1e30) is refused rather than planned for.
+MAX_ROWS_PER_STEP = 1_000_000
+MAX_EVAL_SEEDS = 10_000  # samples of each evaluation prompt, every evaluation
+# The run seed: numpy's and torch's generators take it, and it is mixed into 64-bit seeds with the step
+# (seed x 7919 + step in GRPO's step choice), which a seed over 2**32 could overflow.
+MAX_SEED = 2**32 - 1
+MAX_THREADS = 1024  # torch.set_num_threads takes a C int; far over any machine's cores
+MAX_REWARD_ACTORS = 1024  # Ray actors, each holding its own reward model
 # Wall-clock bound (s) of the /health probe of each remote: reward at config time.
 REMOTE_PROBE_S = 5.0
 
@@ -49,12 +58,42 @@ def warn(message: str) -> None:
 
 
 def check_bounds(cfg, checks: ConfigChecks) -> None:
-    """`steps` and the denoising steps within what the trainer and the engine take."""
+    """`steps`, the denoising steps, the seed, threads and the samples of a step or an evaluation within what the
+    trainer, the engine and torch take."""
     checks.require("steps", lambda v: v <= MAX_TRAINING_STEPS,
                    f"must be at most {MAX_TRAINING_STEPS:,} training steps".replace(",", "_"))
     for key in ("sampling.steps", "eval.steps"):
         checks.require(key, lambda v: v <= MAX_STEPS, f"must be at most {MAX_STEPS} (the engine's bound on "
                        "denoising steps)", allow_none=True)
+    checks.require("seed", lambda v: v <= MAX_SEED, f"must be at most 2**32 - 1 = {MAX_SEED}")
+    checks.require("threads", lambda v: v <= MAX_THREADS, f"must be at most {MAX_THREADS} torch threads",
+                   allow_none=True)
+    for key, bound in (("sampling.height", MAX_SIZE), ("sampling.width", MAX_SIZE), ("sampling.frames", MAX_FRAMES)):
+        checks.require(key, lambda v, bound=bound: v <= bound, f"must be at most {bound} (the engine's bound)",
+                       allow_none=True)
+    checks.require("rollout.reward_actors", lambda v: v <= MAX_REWARD_ACTORS, f"must be at most {MAX_REWARD_ACTORS}")
+    checks.require("eval.seeds", lambda v: v <= MAX_EVAL_SEEDS,
+                   f"must be at most {MAX_EVAL_SEEDS:,} samples of each evaluation prompt".replace(",", "_"))
+    rows = _rows_per_step(cfg)
+    if rows is not None and rows > MAX_ROWS_PER_STEP:
+        checks.fail(f"data.prompts_per_step x data.group_size = {cfg.data.prompts_per_step} x "
+                    f"{cfg.data.group_size} = {rows} rollouts a step: must be at most "
+                    f"{MAX_ROWS_PER_STEP:,}".replace(",", "_"))
+
+
+def _rows_per_step(cfg) -> int | None:
+    """data.prompts_per_step x data.group_size; None when either is not a positive integer (the range checks
+    report it)."""
+    data = cfg.data
+    if not (_positive_int(data.prompts_per_step) and _positive_int(data.group_size)):
+        return None
+    return data.prompts_per_step * data.group_size
+
+
+def _divisors(n: int) -> str:
+    """n's divisors in order, comma-separated (n <= MAX_ROWS_PER_STEP: a square root's worth of trials)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in low + [n // d for d in reversed(low) if d * d != n])
 
 
 def _positive_int(value) -> bool:
@@ -85,11 +124,11 @@ def optimizer_steps_per_update(cfg, world: int | None = None) -> int | None:
 def check_minibatches(cfg, checks: ConfigChecks) -> None:
     """The rows of a step split into whole minibatches and optimizer steps on every process: what
     `flywheel.recipe.update.accumulation_steps` would refuse at the first update."""
-    tc, data = cfg.train, cfg.data
-    if not all(_positive_int(v) for v in (data.prompts_per_step, data.group_size, tc.minibatch_size)):
-        return  # reported by the range checks
+    tc = cfg.train
+    rows = _rows_per_step(cfg)
+    if rows is None or rows > MAX_ROWS_PER_STEP or not _positive_int(tc.minibatch_size):
+        return  # reported by the range checks and check_bounds
     world = launch_world_size()
-    rows = data.prompts_per_step * data.group_size
     if rows % world:
         checks.fail(f"data.prompts_per_step x data.group_size = {rows} rows must be divisible by the number of "
                     f"processes ({world}): each process rolls out an equal share")
@@ -98,22 +137,21 @@ def check_minibatches(cfg, checks: ConfigChecks) -> None:
     n = math.ceil(local / tc.minibatch_size)
     where = (f"the {n} minibatch{'es' if n != 1 else ''} of a step ({local} rows"
              f"{f' on each of {world} processes' if world > 1 else ''} in train.minibatch_size={tc.minibatch_size})")
-    divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
     upr = tc.updates_per_rollout
     if getattr(tc, "MINIBATCH_UNIT", "rows") == "rows" and local % tc.minibatch_size and tc.minibatch_size < local:
         # A short last minibatch would take an optimizer step on a few rows, or weigh its rows more than the
         # others' under accumulation (each minibatch's loss is its rows' mean): refused, as the public codes do.
-        fits = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        fits = _divisors(local)
         checks.fail(f"train.minibatch_size={tc.minibatch_size} does not divide the {local} rows of a step"
                     f"{f' on each of {world} processes' if world > 1 else ''} (data.prompts_per_step x "
                     f"data.group_size{f' / {world}' if world > 1 else ''}): the last minibatch would hold "
                     f"{local % tc.minibatch_size}; use one of {fits}")
     elif _positive_int(upr) and n % upr:
-        checks.fail(f"train.updates_per_rollout={upr} does not divide {where}: use one of {divisors} (or null), "
+        checks.fail(f"train.updates_per_rollout={upr} does not divide {where}: use one of {_divisors(n)} (or null), "
                     "or change train.minibatch_size")
     elif upr is None and _positive_int(tc.gradient_accumulation_steps) and n % tc.gradient_accumulation_steps:
         checks.fail(f"train.gradient_accumulation_steps={tc.gradient_accumulation_steps} does not divide {where}: "
-                    f"use one of {divisors}, or change train.minibatch_size")
+                    f"use one of {_divisors(n)}, or change train.minibatch_size")
 
 
 def warn_prompts_per_step(cfg, prompts: int) -> None:
