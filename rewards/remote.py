@@ -62,10 +62,15 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
+# A socket's timeout must fit the platform's time_t (1e30 raises OverflowError at the first call, long after the
+# setting was taken); a week is far over any reward call.
+MAX_SECONDS = 604_800
+
+
 def check_seconds(name: str, value: object) -> float:
-    """A finite number of seconds > 0; ValueError naming the setting otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    """A finite number of seconds in (0, MAX_SECONDS]; ValueError naming the setting otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_SECONDS}] (a week), got {value!r}")
     return float(value)
 
 

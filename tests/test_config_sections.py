@@ -167,7 +167,8 @@ def test_an_old_key_with_no_new_key_in_the_class_is_unknown():
 
 SECTION_ERRORS = {
     # overrides -> the start of the line that names the key
-    "reward.timeout_s": (["reward.timeout_s=0"], "reward.timeout_s=0.0: must be a number of seconds > 0"),
+    "reward.timeout_s": (["reward.timeout_s=0"], "reward.timeout_s=0.0: must be a number of seconds in (0, 604800]"),
+    "reward.budget_s": (["reward.budget_s=1e30"], "reward.budget_s=1e+30: must be a number of seconds in (0, 604800]"),
     "reward.max_masked_steps": (["reward.max_masked_steps=0"], "reward.max_masked_steps=0: must be an integer >= 1"),
     "reward.max_flat_steps": (["reward.max_flat_steps=0"], "reward.max_flat_steps=0: must be an integer >= 1"),
     "reward.scorers": (["reward.scorers=nope:1"], "reward.scorers='nope:1': unknown scorer 'nope'"),

@@ -145,17 +145,20 @@ def test_reward_set_passes_remote_timeouts_to_remote_scorers_only(digit_server):
     assert (own.scorers[name].timeout_s, own.scorers[name].budget_s) == (3.0, 120.0)
     # Bad values are errors naming the setting, even when the spec has no remote entry.
     for kwargs in ({"remote_timeout_s": 0}, {"remote_timeout_s": float("nan")}, {"remote_budget_s": "60"},
-                   {"remote_budget_s": float("inf")}, {"remote_timeout_s": True}):
-        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be a finite number of seconds > 0"):
+                   {"remote_budget_s": float("inf")}, {"remote_timeout_s": True}, {"remote_timeout_s": 1e30},
+                   {"remote_budget_s": 604_801}):  # over a week: a socket timeout of 1e30 overflows time_t
+        with pytest.raises(ValueError, match=rf"{next(iter(kwargs))} must be a number of seconds in \(0, 604800\]"):
             RewardSet("digit_alignment", **kwargs)
+    assert RewardSet("digit_alignment", remote_budget_s=604_800)  # a week is taken
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    ({"timeout_s": float("nan")}, "timeout_s must be a finite number"),
-    ({"timeout_s": 0}, "timeout_s must be a finite number"),
-    ({"budget_s": -1.0}, "budget_s must be a finite number"),
-    ({"budget_s": float("inf")}, "budget_s must be a finite number"),
-    ({"health_timeout_s": float("nan")}, "health_timeout_s must be a finite number"),
+    ({"timeout_s": float("nan")}, "timeout_s must be a number of seconds in"),
+    ({"timeout_s": 0}, "timeout_s must be a number of seconds in"),
+    ({"timeout_s": 1e30}, r"timeout_s must be a number of seconds in \(0, 604800\]"),
+    ({"budget_s": -1.0}, "budget_s must be a number of seconds in"),
+    ({"budget_s": float("inf")}, "budget_s must be a number of seconds in"),
+    ({"health_timeout_s": float("nan")}, "health_timeout_s must be a number of seconds in"),
     ({"retries": -1}, "retries must be an integer >= 0"),
     ({"retries": 1.5}, "retries must be an integer >= 0"),
     ({"backoff_s": float("nan")}, "backoff_s must be a finite number"),

@@ -302,8 +302,11 @@ def check_optimizer(cfg, checks: ConfigChecks) -> None:
 def check_reward(cfg, checks: ConfigChecks) -> None:
     """`reward`: the scorers' spec, arguments and modules (by name: rewards.registry.check_spec), the bounds of
     remote scorers and the masked-steps stop."""
+    from rewards.remote import MAX_SECONDS
+
     for key in ("reward.timeout_s", "reward.budget_s"):
-        checks.require(key, lambda v: v > 0, "must be a number of seconds > 0")
+        checks.require(key, lambda v: 0 < v <= MAX_SECONDS, f"must be a number of seconds in (0, {MAX_SECONDS}] "
+                       "(a week)")
     checks.require("reward.max_masked_steps", lambda v: v >= 1, POSITIVE)
     checks.require("reward.max_flat_steps", lambda v: v >= 1, POSITIVE)
     check_reward_keys(cfg, checks)
