@@ -113,7 +113,7 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     ("train.beta=0", "train.beta=0.0: must be > 0"),
     ("train.beta=-5", "train.beta=-5"),
     ("train.pair_margin=-0.1", "train.pair_margin=-0.1: must be >= 0"),
-    ("train.timesteps_per_pair=0", "train.timesteps_per_pair=0: must be an integer >= 1"),
+    ("train.timesteps_per_pair=0", "train.timesteps_per_pair=0: must be an integer in [1, 1000]"),
     ("train.beta=inf", "train.beta=inf: must be a finite number"),
     ("train.kl_beta=-0.5", "train.kl_beta=-0.5: must be >= 0"),
     ("train.kl_beta=nan", "train.kl_beta=nan: must be a finite number"),
