@@ -100,6 +100,8 @@ CASES = {
                          "does not divide the 12 rows of a step (data.prompts_per_step x data.group_size): the last "
                          "minibatch would hold 2; use one of 1, 2, 3, 4, 6, 12"),
     # Caught on the built model, still before the run dir is created:
+    "lora targets empty": (["model.finetune=lora", "model.lora_targets=[]"], "model.lora_targets",
+                           "model.lora_targets=[]: names no module; give module names (e.g. [qkv]) or leave it null"),
     "lora targets": (["model.finetune=lora", "model.lora_targets=[nope,qkv]"], "model.lora_targets",
                      "nope match(es) no module of the ToyDiT"),
     "height 7": (["sampling.height=7"], "sampling.height", "generates 8x8 images only"),

@@ -208,6 +208,9 @@ def check_model(cfg, checks: ConfigChecks) -> None:
     """`model`: a known card and LoRA's rank and alpha."""
     checks.require("model.lora_rank", lambda v: v >= 1, POSITIVE)
     checks.require("model.lora_alpha", lambda v: v > 0, "must be > 0")
+    # An empty list would read as null (the card's own targets) where it says "no module": refused, not guessed.
+    checks.require("model.lora_targets", lambda v: len(v) > 0, "names no module; give module names (e.g. [qkv]) "
+                   "or leave it null for the card's own targets", allow_none=True)
     try:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
