@@ -83,8 +83,8 @@ def _repeat_after_launcher(message: str) -> None:
         return
     try:
         # torchrun starts each rank in a session of its own and stops a rank still running when another has
-        # failed with killpg: a session of our own keeps that from taking the repeat with it (CI saw the message
-        # missing after the table once in ~50 two-rank refusals).
+        # failed with killpg: a session of our own keeps that from taking the repeat with it (a CI run lost the
+        # message this way, rank 1 having exited first).
         os.setsid()
         deadline = time.monotonic() + _LAUNCHER_WAIT_S
         while time.monotonic() < deadline and _process_alive(launcher):

@@ -200,7 +200,7 @@ def check_run(cfg, checks: ConfigChecks) -> None:
     except ValueError as e:
         checks.fail(str(e))
     else:
-        for message in missing_tracker_packages(cfg.tracker):  # refused here, not after the run dir is made
+        for message in missing_tracker_packages(cfg.tracker):  # a config error, not a traceback at set-up
             checks.fail(message)
 
 
