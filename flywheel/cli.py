@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -46,6 +47,7 @@ CONFIG_ERROR_EXIT = 2  # as argparse: the command line was wrong
 NOTHING_TRAINED_EXIT = 3  # the run went through, saved, and trained nothing
 RUN_STOPPED_EXIT = 1  # the run stopped itself at a step (RunStoppedError): an error, as an uncaught exception's
 _LAUNCHER_WAIT_S = 60.0
+_WAITER_READY_S = 5.0  # at most this long for the forked waiter to leave the rank's session
 _OTHER_RANKS_EXIT_DELAY_S = 0.5
 
 
@@ -79,13 +81,21 @@ def _repeat_after_launcher(message: str) -> None:
     launcher = os.getppid()
     sys.stdout.flush()
     sys.stderr.flush()
+    ready_r, ready_w = os.pipe()
     if os.fork() != 0:
+        # Returns once the waiter has its own session, so that a killpg from here on cannot reach it.
+        os.close(ready_w)
+        select.select([ready_r], [], [], _WAITER_READY_S)
+        os.close(ready_r)
         return
     try:
         # torchrun starts each rank in a session of its own and stops a rank still running when another has
         # failed with killpg: a session of our own keeps that from taking the repeat with it (a CI run lost the
         # message this way, rank 1 having exited first).
+        os.close(ready_r)
         os.setsid()
+        os.write(ready_w, b"1")
+        os.close(ready_w)
         deadline = time.monotonic() + _LAUNCHER_WAIT_S
         while time.monotonic() < deadline and _process_alive(launcher):
             time.sleep(0.02)
