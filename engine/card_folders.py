@@ -35,6 +35,13 @@ def check_card_path(card_id: str, path: str | None) -> None:
         if path is not None and not Path(path).expanduser().exists():
             raise ValueError(f"does not exist (card {card_id!r}: a weights file or a folder holding it, or null "
                              "for the shipped weights)")
+        from engine.toy.card import SPECS  # the toy cards' files: a folder must hold the card's own
+
+        spec = SPECS.get(card_id)
+        folder = Path(path).expanduser() if path is not None else None
+        if spec is not None and folder is not None and folder.is_dir() and not (folder / spec.weights_file).is_file():
+            raise ValueError(f"is a folder without {spec.weights_file} (card {card_id!r}: a weights file or a folder "
+                             "holding it, or null for the shipped weights)")
         return
     if path is None:
         raise ValueError(f"is not set: card {card_id!r} loads a local diffusers folder of a {pipeline} "

@@ -61,7 +61,7 @@ def load_prompts(source: str) -> list[PromptItem]:
     if source in BUILTIN_DATASETS:
         return BUILTIN_DATASETS[source]()
     path = Path(source)
-    if not path.exists():
+    if not str(source).strip() or not path.is_file():  # '' would be Path('.'), a directory
         raise FileNotFoundError(
             f"prompt dataset {source!r} is neither a built-in ({', '.join(BUILTIN_DATASETS)}) nor an existing file")
     items: list[PromptItem] = []

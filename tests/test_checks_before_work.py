@@ -78,6 +78,10 @@ CASES = {
     "clip folder missing": (["reward.scorers=clip_score:1"], "reward.scorers", "does not exist"),
     "model.path empty": (["model.path="], "model.path", "is empty"),
     "model.path missing": (["model.path=/nonexistent/toy.safetensors"], "model.path", "does not exist"),
+    # Before: the toy loader's FileNotFoundError traceback; a message naming "[Errno 21] Is a directory: '.'".
+    "model.path folder without the weights": (["model.path=/"], "model.path",
+                                              "is a folder without toy-digits.safetensors (card 'toy-digits'"),
+    "data.prompts empty": (["data.prompts="], "data.prompts", "prompt dataset '' is neither a built-in"),
     "sd3 without a folder": (["model.card=sd3"], "model.path", "loads a local diffusers folder"),
     "sampling.steps past 1000": (["sampling.steps=1001"], "sampling.steps", "at most 1000"),
     "eval.steps past 1000": (["eval.steps=5000"], "eval.steps", "at most 1000"),
