@@ -35,11 +35,10 @@ def check_card_path(card_id: str, path: str | None) -> None:
         if path is not None and not Path(path).expanduser().exists():
             raise ValueError(f"does not exist (card {card_id!r}: a weights file or a folder holding it, or null "
                              "for the shipped weights)")
-        from engine.toy.card import SPECS  # the toy cards' files: a folder must hold the card's own
+        from engine.toy.card import SPECS, weights_path  # the file the toy loader would open
 
         spec = SPECS.get(card_id)
-        folder = Path(path).expanduser() if path is not None else None
-        if spec is not None and folder is not None and folder.is_dir() and not (folder / spec.weights_file).is_file():
+        if spec is not None and path is not None and not weights_path(spec, Path(path).expanduser()).is_file():
             raise ValueError(f"is a folder without {spec.weights_file} (card {card_id!r}: a weights file or a folder "
                              "holding it, or null for the shipped weights)")
         return

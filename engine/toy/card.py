@@ -142,7 +142,8 @@ def weights_state_dict(transformer: ToyDiT, text_encoder: ToyPromptEncoder) -> d
     return tensors
 
 
-def _resolve(spec: ToyCardSpec, path: str | Path | None) -> Path:
+def weights_path(spec: ToyCardSpec, path: str | Path | None) -> Path:
+    """The weights file a toy card loads: the shipped one for None, `<folder>/<weights_file>` for a folder."""
     if path is None:
         return spec.default_weights
     path = Path(path)
@@ -152,7 +153,7 @@ def _resolve(spec: ToyCardSpec, path: str | Path | None) -> Path:
 def load_toy(spec: ToyCardSpec, path: str | Path | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32) -> ToyModel:
     """Load a toy card's model from a safetensors file or folder (None: the weights the project ships)."""
-    file = _resolve(spec, path)
+    file = weights_path(spec, path)
     if not file.is_file():
         raise FileNotFoundError(f"no {spec.card_id} weights at {file}; regenerate them with `{spec.script}`")
     with safe_open(str(file), framework="pt") as f:
