@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from engine.cards import get_card, list_cards
+from engine.families.common import check_diffusers_folder
 
 
 def _read_json(path: Path) -> dict | None:
@@ -66,3 +67,25 @@ def check_card_path(card_id: str, path: str | None) -> None:
     if expected and transformer is not None and transformer.get("_class_name") != expected:
         raise ValueError(f"transformer/config.json is a {transformer.get('_class_name')}, but model_index.json "
                          f"lists a {expected}")
+    # Each listed component's own files: a folder without its weights (a download stopped half-way, a
+    # `git clone` without LFS) would otherwise fail in diffusers after the other components have loaded.
+    components = {name: component_kind(entry[-1]) for name, entry in index.items()
+                  if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None}
+    try:
+        check_diffusers_folder(root, card_id, components)
+    except FileNotFoundError as e:
+        raise ValueError("is incomplete: missing " + str(e).split("; missing: ", 1)[-1]) from None
+
+
+def component_kind(class_name: str | None) -> str:
+    """The kind of files a model_index.json entry's folder holds, from its class name (see
+    `engine.families.common.check_diffusers_folder`): a scheduler's config, a tokenizer's files, a processor's
+    config, else a model's config and weights."""
+    name = class_name or ""
+    if name.endswith("Scheduler"):
+        return "scheduler"
+    if "Tokenizer" in name:
+        return "tokenizer"
+    if "Processor" in name or "FeatureExtractor" in name:
+        return "processor"
+    return "model"

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from flywheel.cli import CONFIG_ERROR_EXIT, USAGE_ERRORS
 from trainers.grpo import main as grpo_main
@@ -243,6 +244,49 @@ def test_a_folder_of_another_family_is_refused_naming_the_card_that_loads_it(tmp
     message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={odd}"], capsys)
     assert "lacks text_encoder_3/, listed in its model_index.json" in message
     assert_nothing_written(tmp_path / "run")
+
+
+def complete_sd3_folder(root: Path) -> Path:
+    """A folder with every file each sd3 component's kind needs (no real weights: only the checks read it)."""
+    from safetensors.torch import save_file
+
+    classes = {"transformer": "SD3Transformer2DModel", "vae": "AutoencoderKL",
+               "text_encoder": "CLIPTextModelWithProjection", "tokenizer": "CLIPTokenizer",
+               "scheduler": "FlowMatchEulerDiscreteScheduler"}
+    (root).mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline",
+                                                       "image_encoder": [None, None],
+                                                       **{k: ["diffusers", v] for k, v in classes.items()}}))
+    for name, cls in classes.items():
+        (root / name).mkdir()
+    for name in ("transformer", "vae", "text_encoder"):
+        (root / name / "config.json").write_text(json.dumps({"_class_name": classes[name]}))
+        save_file({"w": torch.zeros(4, 4)}, str(root / name / "model.safetensors"))
+    (root / "tokenizer" / "vocab.json").write_text("{}")
+    (root / "scheduler" / "scheduler_config.json").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("remove,missing", [
+    ("transformer/model.safetensors", "transformer/*.safetensors (weights)"),
+    ("vae/config.json", "vae/config.json"),
+    ("tokenizer/vocab.json", "tokenizer/ tokenizer files"),
+    ("scheduler/scheduler_config.json", "scheduler/scheduler_config.json"),
+])
+def test_a_diffusers_folder_missing_a_components_files_is_refused_before_loading(remove, missing, tmp_path, capsys):
+    # Before, only the component folders were checked: a folder without its transformer's weights (a download
+    # stopped half-way) passed, and the loader's FileNotFoundError traceback came after the run had started.
+    from engine.card_folders import check_card_path
+
+    folder = complete_sd3_folder(tmp_path / "sd3")
+    check_card_path("sd3", str(folder))  # complete: passes
+    (folder / remove).unlink()
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={folder}"], capsys)
+    assert_nothing_written(tmp_path / "run")
+    assert_last_line_names(message, "model.path")
+    assert message.splitlines()[-1].endswith(f"is incomplete: missing {missing}" + (
+        " (one of tokenizer.json, tokenizer_config.json, vocab.json, spiece.model)" if "tokenizer" in remove else "")
+    ), message
 
 
 def test_an_unreachable_remote_reward_is_refused_within_the_probe_bound(tmp_path, capsys):

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from engine import Engine, GenerationRequest, get_card, list_cards
+from engine.card_folders import check_card_path
 from flywheel.runs.rundir import read_metrics
 from tiny_models.folders import (SHIPPED_CARDS, TINY_BUILDERS, TINY_SIZES, TinyFolderError, main, smoke_command,
                                  write_tiny_folder)
@@ -52,6 +53,7 @@ def test_the_folder_loads_in_the_engine_and_the_stock_pipeline(card, tmp_path, c
     assert not list(tmp_path.glob(".*partial"))  # the staging folder is gone
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == get_card(card).defaults["diffusers_pipeline"]
+    check_card_path(card, str(out))  # the checks before work pass: each component's files are the ones it needs
 
     size = TINY_SIZES[card]
     engine = Engine.from_card(card, path=str(out))

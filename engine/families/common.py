@@ -19,6 +19,7 @@ import torch
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def check_diffusers_folder(path: str | Path | None, card_id: str, components: dict[str, str]) -> Path:
@@ -26,7 +27,8 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
 
     components maps a subfolder to its kind: "model" (config.json + weights),
     "tokenizer" (tokenizer files), "scheduler" (scheduler_config.json) or
-    "processor" (an image processor's preprocessor_config.json).
+    "processor" (a processor's preprocessor_config.json, or processor_config.json as transformers 5 writes
+    a multimodal one).
     """
     if path is None:
         raise ValueError(f"model card {card_id!r} needs model.path: a local diffusers folder "
@@ -55,7 +57,7 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
             if not (folder / "scheduler_config.json").is_file():
                 missing.append(f"{sub}/scheduler_config.json")
         elif kind == "processor":
-            if not (folder / "preprocessor_config.json").is_file():
+            if not any((folder / f).is_file() for f in PROCESSOR_FILES):
                 missing.append(f"{sub}/preprocessor_config.json")
     if missing:
         raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; missing: "
