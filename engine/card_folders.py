@@ -74,7 +74,7 @@ def check_card_path(card_id: str, path: str | None) -> None:
     try:
         check_diffusers_folder(root, card_id, components)
     except FileNotFoundError as e:
-        raise ValueError("is incomplete: missing " + str(e).split("; missing: ", 1)[-1]) from None
+        raise ValueError("is incomplete: " + str(e).split(" is incomplete; ", 1)[-1]) from None
 
 
 def component_kind(class_name: str | None) -> str:

@@ -261,7 +261,7 @@ def complete_sd3_folder(root: Path) -> Path:
         (root / name).mkdir()
     for name in ("transformer", "vae", "text_encoder"):
         (root / name / "config.json").write_text(json.dumps({"_class_name": classes[name]}))
-        save_file({"w": torch.zeros(4, 4)}, str(root / name / "model.safetensors"))
+        save_file({"w": torch.zeros(32, 32)}, str(root / name / "model.safetensors"))
     (root / "tokenizer" / "vocab.json").write_text("{}")
     (root / "scheduler" / "scheduler_config.json").write_text("{}")
     return root
@@ -284,9 +284,41 @@ def test_a_diffusers_folder_missing_a_components_files_is_refused_before_loading
     message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={folder}"], capsys)
     assert_nothing_written(tmp_path / "run")
     assert_last_line_names(message, "model.path")
-    assert message.splitlines()[-1].endswith(f"is incomplete: missing {missing}" + (
+    assert message.splitlines()[-1].endswith(f"is incomplete: missing: {missing}" + (
         " (one of tokenizer.json, tokenizer_config.json, vocab.json, spiece.model)" if "tokenizer" in remove else "")
     ), message
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (cut_in_half, "unreadable: transformer/model.safetensors ({half} bytes where its header says {size}: cut short; "
+                  "download it again)"),
+    (lambda p: p.write_bytes(p.read_bytes() + b"\0"), "unreadable: transformer/model.safetensors ({more} bytes "
+                                                        "where its header says {size}: bytes after its data)"),
+    (lambda p: p.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 212\n"),
+     "unreadable: transformer/model.safetensors (not a safetensors file: a Git LFS pointer; run `git lfs pull`)"),
+    (lambda p: p.write_bytes(b""), "unreadable: transformer/model.safetensors (not a safetensors file: 0 bytes, "
+                                   "no header)"),
+    (lambda p: (p.parent / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})),
+     "missing: transformer/model-00002-of-00002.safetensors (listed in model.safetensors.index.json)"),
+])
+def test_a_weights_file_cut_short_or_not_safetensors_is_refused_before_loading(damage, problem, tmp_path, capsys):
+    # Before, a transformer file cut short by a stopped download passed every check, and diffusers' OSError
+    # ("Unable to load weights from checkpoint file") came after the text encoders had loaded.
+    folder = complete_sd3_folder(tmp_path / "sd3")
+    size = (folder / "transformer" / "model.safetensors").stat().st_size
+    assert size > 4096  # 4 KiB of float32 zeros after a header of about 80 bytes: half is past the header
+    problem = problem.format(size=size, half=size // 2, more=size + 1)
+    damage(folder / "transformer" / "model.safetensors")
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={folder}"], capsys)
+    assert_nothing_written(tmp_path / "run")
+    assert_last_line_names(message, "model.path")
+    assert message.splitlines()[-1].endswith(f"is incomplete: {problem}"), message
 
 
 def test_an_unreachable_remote_reward_is_refused_within_the_probe_bound(tmp_path, capsys):

@@ -37,7 +37,7 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
     if not root.is_dir():
         raise FileNotFoundError(f"{card_id}: model.path={str(root)!r} is not a folder; expected a local diffusers "
                                 f"folder with model_index.json and {', '.join(components)}")
-    missing = []
+    missing, unreadable = [], []
     if not (root / "model_index.json").is_file():
         missing.append("model_index.json")
     for sub, kind in components.items():
@@ -50,6 +50,18 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
                 missing.append(f"{sub}/config.json")
             if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in folder.iterdir()):
                 missing.append(f"{sub}/*.safetensors (weights)")
+            for index in sorted(folder.glob("*.safetensors.index.json")):  # sharded weights: every shard it maps
+                try:
+                    shards = set(read_json(index).get("weight_map", {}).values())
+                except (OSError, ValueError, AttributeError) as e:
+                    unreadable.append(f"{sub}/{index.name} ({e})")
+                    continue
+                missing.extend(f"{sub}/{shard} (listed in {index.name})" for shard in sorted(shards)
+                               if not (folder / str(shard)).is_file())
+            for weights in sorted(folder.glob("*.safetensors")):
+                problem = safetensors_problem(weights)
+                if problem is not None:
+                    unreadable.append(f"{sub}/{weights.name} ({problem})")
         elif kind == "tokenizer":
             if not any((folder / f).is_file() for f in TOKENIZER_FILES):
                 missing.append(f"{sub}/ tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
@@ -59,10 +71,40 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
         elif kind == "processor":
             if not any((folder / f).is_file() for f in PROCESSOR_FILES):
                 missing.append(f"{sub}/preprocessor_config.json")
-    if missing:
-        raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; missing: "
-                                + "; ".join(missing))
+    if missing or unreadable:
+        parts = ([f"missing: {'; '.join(missing)}"] if missing else []) + (
+            [f"unreadable: {'; '.join(unreadable)}"] if unreadable else [])
+        raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; {'; '.join(parts)}")
     return root
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be read whole, from its header and size alone (a few KB read), or None.
+
+    The format is an 8-byte little-endian header length, a JSON header whose tensors give their byte ranges, then
+    the data; safetensors refuses a file whose size is not exactly that. Caught here: a download stopped
+    half-way (shorter), a Git LFS pointer (a text file, not a header), a file that is not safetensors at all.
+    """
+    try:
+        size = path.stat().st_size  # a dangling link (a cache folder moved away) fails here
+        with path.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if length < 2 or 8 + length > size:
+                return "not a safetensors file: " + ("a Git LFS pointer; run `git lfs pull`"
+                                                     if head.startswith(b"version ") else f"{size} bytes, no header")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as e:
+        return f"its header does not read: {e}"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"
+            and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list) and entry["data_offsets"]]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"{size} bytes where its header says {expected}: " + ("cut short; download it again"
+                                                                   if size < expected else "bytes after its data")
+    return None
 
 
 def read_json(path: Path) -> dict:
