@@ -36,12 +36,23 @@ def check_card_path(card_id: str, path: str | None) -> None:
         if path is not None and not Path(path).expanduser().exists():
             raise ValueError(f"does not exist (card {card_id!r}: a weights file or a folder holding it, or null "
                              "for the shipped weights)")
-        from engine.toy.card import SPECS, weights_path  # the file the toy loader would open
+        from engine.toy.card import SPECS, weights_file_problem, weights_path  # the file the toy loader would open
 
         spec = SPECS.get(card_id)
-        if spec is not None and path is not None and not weights_path(spec, Path(path).expanduser()).is_file():
-            raise ValueError(f"is a folder without {spec.weights_file} (card {card_id!r}: a weights file or a folder "
-                             "holding it, or null for the shipped weights)")
+        if spec is None or path is None:
+            return
+        folder = Path(path).expanduser()
+        file = weights_path(spec, folder)
+        if not file.is_file():
+            raise ValueError((f"is a folder without {spec.weights_file}" if folder.is_dir() else "is not a regular file")
+                             + f" (card {card_id!r}: a weights file or a folder holding it, or null for the shipped "
+                             "weights)")
+        problem = weights_file_problem(spec, file)
+        if problem is not None:
+            message = (f"cannot be loaded: {file.name} is {problem}" if problem.startswith("not a ")
+                       else f"cannot be loaded: {file.name}: {problem}")
+            owner = [c for c, other in SPECS.items() if c != card_id and f"'{other.format}'" in problem]
+            raise ValueError(message + (f"; it is a weights file of card {owner[0]!r}" if owner else ""))
         return
     if path is None:
         raise ValueError(f"is not set: card {card_id!r} loads a local diffusers folder of a {pipeline} "

@@ -82,6 +82,11 @@ CASES = {
     # Before: the toy loader's FileNotFoundError traceback; a message naming "[Errno 21] Is a directory: '.'".
     "model.path folder without the weights": (["model.path=/"], "model.path",
                                               "is a folder without toy-digits.safetensors (card 'toy-digits'"),
+    # Before: the toy loader's ValueError traceback (another card's file) and the "is a folder" wording (a device).
+    "model.path another toy card's weights": ([f"model.path={REPO / 'engine/toy/weights/toy-numbers.safetensors'}"],
+                                              "model.path", "expected 'flywheel-toy-digits-v1'); it is a weights "
+                                                            "file of card 'toy-numbers'"),
+    "model.path a device": (["model.path=/dev/null"], "model.path", "is not a regular file (card 'toy-digits'"),
     "data.prompts empty": (["data.prompts="], "data.prompts", "prompt dataset '' is neither a built-in"),
     "sd3 without a folder": (["model.card=sd3"], "model.path", "loads a local diffusers folder"),
     "sampling.steps past 1000": (["sampling.steps=1001"], "sampling.steps", "at most 1000"),
@@ -303,6 +308,8 @@ def cut_in_half(path: Path) -> None:
      "unreadable: transformer/model.safetensors (not a safetensors file: a Git LFS pointer; run `git lfs pull`)"),
     (lambda p: p.write_bytes(b""), "unreadable: transformer/model.safetensors (not a safetensors file: 0 bytes, "
                                    "no header)"),
+    (lambda p: p.write_bytes(p.read_bytes()[:20]), "unreadable: transformer/model.safetensors (20 bytes, cut short "
+                                                   "inside its {header}-byte header; download it again)"),
     (lambda p: (p.parent / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})),
      "missing: transformer/model-00002-of-00002.safetensors (listed in model.safetensors.index.json)"),
@@ -313,12 +320,25 @@ def test_a_weights_file_cut_short_or_not_safetensors_is_refused_before_loading(d
     folder = complete_sd3_folder(tmp_path / "sd3")
     size = (folder / "transformer" / "model.safetensors").stat().st_size
     assert size > 4096  # 4 KiB of float32 zeros after a header of about 80 bytes: half is past the header
-    problem = problem.format(size=size, half=size // 2, more=size + 1)
+    header = int.from_bytes((folder / "transformer" / "model.safetensors").read_bytes()[:8], "little")
+    problem = problem.format(size=size, half=size // 2, more=size + 1, header=header)
     damage(folder / "transformer" / "model.safetensors")
     message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, "model.card=sd3", f"model.path={folder}"], capsys)
     assert_nothing_written(tmp_path / "run")
     assert_last_line_names(message, "model.path")
     assert message.splitlines()[-1].endswith(f"is incomplete: {problem}"), message
+
+
+def test_a_toy_weights_file_cut_short_is_refused_before_loading(tmp_path, capsys):
+    # Before: safetensors' "invalid header length" traceback from the loader.
+    shipped = (REPO / "engine/toy/weights/toy-digits.safetensors").read_bytes()
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "toy-digits.safetensors").write_bytes(shipped[:len(shipped) // 2])
+    message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"model.path={tmp_path / 'weights'}"], capsys)
+    assert_nothing_written(tmp_path / "run")
+    assert_last_line_names(message, "model.path")
+    assert message.splitlines()[-1].endswith(f"cannot be loaded: toy-digits.safetensors: {len(shipped) // 2} bytes "
+                                             f"where its header says {len(shipped)}: cut short; download it again")
 
 
 def test_an_unreachable_remote_reward_is_refused_within_the_probe_bound(tmp_path, capsys):

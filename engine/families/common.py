@@ -20,6 +20,7 @@ import torch
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own bound on a header's length
 
 
 def check_diffusers_folder(path: str | Path | None, card_id: str, components: dict[str, str]) -> Path:
@@ -90,9 +91,12 @@ def safetensors_problem(path: Path) -> str | None:
         with path.open("rb") as f:
             head = f.read(8)
             length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if length < 2 or 8 + length > size:
-                return "not a safetensors file: " + ("a Git LFS pointer; run `git lfs pull`"
-                                                     if head.startswith(b"version ") else f"{size} bytes, no header")
+            if head.startswith(b"version "):
+                return "not a safetensors file: a Git LFS pointer; run `git lfs pull`"
+            if length < 2 or length > MAX_SAFETENSORS_HEADER:
+                return f"not a safetensors file: {size} bytes, no header"
+            if 8 + length > size:
+                return f"{size} bytes, cut short inside its {length}-byte header; download it again"
             header = json.loads(f.read(length))
     except (OSError, ValueError) as e:
         return f"its header does not read: {e}"

@@ -150,17 +150,31 @@ def weights_path(spec: ToyCardSpec, path: str | Path | None) -> Path:
     return path / spec.weights_file if path.is_dir() else path
 
 
+def weights_file_problem(spec: ToyCardSpec, file: Path) -> str | None:
+    """Why `file` is not a readable weights file of the card, from its header alone, or None."""
+    from engine.families.common import safetensors_problem
+
+    problem = safetensors_problem(file)
+    if problem is not None:
+        return problem
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != spec.format:
+        return f"not a {spec.card_id} weights file (format={meta.get('format')!r}, expected {spec.format!r})"
+    return None
+
+
 def load_toy(spec: ToyCardSpec, path: str | Path | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32) -> ToyModel:
     """Load a toy card's model from a safetensors file or folder (None: the weights the project ships)."""
     file = weights_path(spec, path)
     if not file.is_file():
         raise FileNotFoundError(f"no {spec.card_id} weights at {file}; regenerate them with `{spec.script}`")
+    problem = weights_file_problem(spec, file)
+    if problem is not None:
+        raise ValueError(f"{file}: {problem}")
     with safe_open(str(file), framework="pt") as f:
         meta = f.metadata() or {}
-    if meta.get("format") != spec.format:
-        raise ValueError(f"{file} is not a {spec.card_id} weights file (format={meta.get('format')!r}, "
-                         f"expected {spec.format!r})")
     tensors = load_file(str(file))
     transformer = ToyDiT(ToyDiTConfig(**json.loads(meta["transformer_config"])))
     text_encoder = ToyPromptEncoder(ToyTextConfig(**json.loads(meta["text_encoder_config"])))
