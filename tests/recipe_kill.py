@@ -43,7 +43,7 @@ def tiny_sd3_lora_ema_args(tmp_path: Path, run_dir: Path) -> list[str]:
             "tracker=none", "steps=2", f"data.prompts={prompts}", f"data.eval_prompts={prompts}",
             "data.prompts_per_step=2", "data.group_size=2", "sampling.steps=2", "eval.steps=1",
             "eval.seeds=1", "sampling.height=32", "sampling.width=32", "reward.scorers=jpeg_compressibility:1.0",
-            "eval.every=1000", "sample_every=1000", "train.log_kl=false", "train.learning_rate=0.02",
+            "eval.every=1000", "sample_every=1000", "train.kl_beta=0", "train.log_kl=false", "train.learning_rate=0.02",
             "model.finetune=lora", "model.lora_rank=4", "ema.enabled=true"]
 
 

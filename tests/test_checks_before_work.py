@@ -164,6 +164,10 @@ CASES = {
                                      "set train.timestep_fraction or leave it out"),
     "importance cap without async": (["train.importance_cap=5"], "train.importance_cap",
                                      "train.importance_cap=5.0 with rollout.asynchronous=false"),
+    # Before: accepted, and the reference forward ran and the KL was logged all the same.
+    "log_kl off under a KL penalty": (["train.log_kl=false"], "train.log_kl",
+                                      "train.log_kl=false with train.kl_beta=0.1: the KL penalty measures (and logs) "
+                                      "the KL anyway, so it would be ignored"),
     "kl form without a kl": (["train.kl_beta=0", "train.log_kl=false", "train.kl_form=flow_grpo"], "train.kl_form",
                              "train.kl_form=flow_grpo with train.kl_beta=0 and train.log_kl=false: no KL is computed"),
     "bfloat16 full fine-tune, small rate": (["model.dtype=bfloat16", "train.learning_rate=1e-5"],

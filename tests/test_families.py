@@ -243,7 +243,7 @@ def grpo_args(card, folder, prompts_file, run_dir, *extra):
             f"data.prompts={prompts_file}", f"data.eval_prompts={prompts_file}", "data.prompts_per_step=2",
             "data.group_size=2", "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
             "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
-            "sample_every=3", "eval.steps=1", "train.log_kl=false", "train.learning_rate=0.02",
+            "sample_every=3", "eval.steps=1", "train.kl_beta=0", "train.log_kl=false", "train.learning_rate=0.02",
             f"sampling.height={size['height']}", f"sampling.width={size['width']}"]
     if "frames" in size:
         args.append(f"sampling.frames={size['frames']}")

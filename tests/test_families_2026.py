@@ -331,7 +331,7 @@ def test_grpo_lora_run_and_the_saved_lora_reproduces_the_engine_in_the_stock_pip
     guidance = 2.0 if card != "flux2-klein" else 1.0
     run_dir = tmp_path / "run"
     main(grpo_args(card, folders[card], run_dir, prompts_file, f"sampling.guidance_scale={guidance}",
-                   f"eval.guidance_scale={guidance}", "train.log_kl=false", "train.learning_rate=0.02"))
+                   f"eval.guidance_scale={guidance}", "train.kl_beta=0", "train.log_kl=false", "train.learning_rate=0.02"))
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[1]["ratio/max_dev"] < 1e-5  # training's forward recomputes the rollout's log-probs
@@ -433,7 +433,7 @@ def test_wan22_lora_trains_under_ddp_with_two_processes(folders, prompts_file, t
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29549",
            str(ROOT / "trainers" / "grpo.py"),
-           *grpo_args("wan2.2-t2v", folders["wan2.2-t2v"], run_dir, prompts_file, "train.log_kl=false")]
+           *grpo_args("wan2.2-t2v", folders["wan2.2-t2v"], run_dir, prompts_file, "train.kl_beta=0", "train.log_kl=false")]
     cmd[cmd.index("steps=3")] = "steps=2"
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=600)

@@ -473,7 +473,7 @@ def test_grpo_and_nft_lora_runs_on_source_images_change_the_adapter(card, recipe
     extra = [f"sampling.guidance_scale={guidance}", f"eval.guidance_scale={CARDS[card][2][0]}",
              "reward.scorers=edit_consistency:1.0"]
     if recipe == "grpo":
-        extra += ["train.learning_rate=0.02", "train.log_kl=false"]
+        extra += ["train.learning_rate=0.02", "train.kl_beta=0", "train.log_kl=false"]
     run_dir = tmp_path / "run"
     importlib.import_module(f"trainers.{recipe}").main(run_args(card, folders[card], edit_prompts, run_dir, *extra))
     rows = read_metrics(run_dir / "metrics.jsonl")

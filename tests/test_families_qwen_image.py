@@ -261,7 +261,7 @@ def test_grpo_lora_run_and_the_saved_lora_loads_into_the_stock_pipeline(qwen_fol
           f"data.prompts={prompts}", f"data.eval_prompts={prompts}", "data.prompts_per_step=2", "data.group_size=2",
           "sampling.steps=2", "eval.seeds=1", "sampling.guidance_scale=2.0",
           "eval.guidance_scale=2.0", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
-          "sample_every=1000", "eval.steps=2", "train.log_kl=false", "train.learning_rate=0.02",
+          "sample_every=1000", "eval.steps=2", "train.kl_beta=0", "train.log_kl=false", "train.learning_rate=0.02",
           f"sampling.height={SIZE['height']}", f"sampling.width={SIZE['width']}",
           "model.finetune=lora", "model.lora_rank=4", "model.lora_alpha=8", "train.gradient_checkpointing=true"])
     rows = read_metrics(run_dir / "metrics.jsonl")

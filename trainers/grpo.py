@@ -560,6 +560,10 @@ def validate_config(cfg: Config) -> None:
             and set_away_from_default(cfg, ["train.kl_form"]):
         checks.fail(f"train.kl_form={cfg.train.kl_form} with train.kl_beta=0 and train.log_kl=false: no KL is "
                     "computed, so it would be ignored; set train.kl_beta > 0 or train.log_kl=true, or leave it out")
+    if cfg.train.kl_beta > 0 and not cfg.train.log_kl and not cfg.resume:
+        checks.fail(f"train.log_kl=false with train.kl_beta={cfg.train.kl_beta}: the KL penalty measures (and logs) "
+                    "the KL anyway, so it would be ignored; set train.kl_beta=0 as well for no reference forward, or "
+                    "leave train.log_kl out")
     sampler = cfg.sampling.sampler
     if sampler == "ode":
         checks.fail("sampling.sampler=ode: GRPO trains the per-step log-probabilities of a stochastic sampler; "
