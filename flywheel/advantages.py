@@ -200,3 +200,39 @@ def gdpo_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float], 
         adv = adv.clamp(-clip, clip)
     usable = scored_any & spread
     return torch.where(usable, adv, torch.zeros_like(adv)), usable
+
+
+def kept_per_group(size: int, fraction: float) -> int:
+    """How many of a group's `size` candidates max-variance down-sampling keeps: round(fraction·size), at least 2
+    (one sample has no variance to maximise), at most size."""
+    return min(size, max(2, round(fraction * size)))
+
+
+def max_variance_subset(values: torch.Tensor, group_ids: torch.Tensor, fraction: float,
+                        candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """PODS' max-variance down-sampling (Xu et al., arXiv 2504.13818): per group, the m = `kept_per_group(n,
+    fraction)` of its n candidates whose `values` have the largest variance; a mask [N].
+
+    Such a subset is always the i largest and m - i smallest values for some i (the paper's O(n log n) rule), so
+    each group sorts once and tries the m + 1 splits; ties go to the smallest i, so the result is deterministic.
+    `values` are rewards or, equivalently within a group, advantages (an affine map of them). Samples that are not
+    `candidates` (masked rewards) are never kept and do not count in n.
+    """
+    keep = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    candidates = torch.ones_like(keep) if candidates is None else candidates.bool().to(values.device)
+    for g in torch.unique(group_ids):
+        rows = ((group_ids.to(values.device) == g) & candidates).nonzero().flatten()
+        m = kept_per_group(len(rows), fraction)
+        if len(rows) == 0:
+            continue
+        order = rows[torch.argsort(values[rows].double(), stable=True)]
+        ranked = values[order].double()
+        best, best_i = None, 0
+        for i in range(m + 1):  # i from the top, m - i from the bottom
+            chosen = torch.cat([ranked[:m - i], ranked[len(ranked) - i:]])
+            variance = float(chosen.var(unbiased=False))
+            if best is None or variance > best + 1e-12:
+                best, best_i = variance, i
+        keep[order[:m - best_i]] = True
+        keep[order[len(order) - best_i:]] = True
+    return keep

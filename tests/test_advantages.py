@@ -8,7 +8,12 @@ from pathlib import Path
 
 import torch
 
-from flywheel.advantages import flat_group_count, group_advantages, reward_advantages
+import itertools
+
+import pytest
+
+from flywheel.advantages import (flat_group_count, group_advantages, kept_per_group, max_variance_subset,
+                                  reward_advantages)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,3 +113,41 @@ def test_distributed_advantages_equal_single_rank(tmp_path):
     rewards[5] = float("nan")
     one_rank, _ = group_advantages(rewards, torch.arange(24) // 8, torch.isfinite(rewards), clip=5.0)
     assert torch.equal(two_ranks, one_rank)
+
+
+# ---- PODS' max-variance down-sampling ---------------------------------------------------------------------
+
+
+def test_max_variance_subset_golden_values():
+    # Group 0: the two lowest and two highest (variance 0.1525); group 1, skewed: one top and three bottom
+    # ({0, 0, 0, 10}: 18.75) beats two and two ({0, 0, 1, 10}: 17.19) and any other split.
+    values = torch.tensor([0.1, 0.9, 0.5, 0.2, 0.8, 0.85, 0.3, 0.95, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 10.0])
+    groups = torch.arange(16) // 8
+    kept = max_variance_subset(values, groups, 0.5)
+    assert kept.nonzero().flatten().tolist() == [0, 1, 3, 7, 8, 9, 10, 15]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_max_variance_subset_is_the_best_subset_of_every_group(seed):
+    # Against all C(n, m) subsets: the kept ones have the largest variance, m of the group's candidates.
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [5, 7, 8]
+    groups = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
+    values = torch.randn(len(groups), generator=gen).round(decimals=1)  # ties too
+    candidates = torch.rand(len(groups), generator=gen) > 0.15
+    fraction = [0.3, 0.5, 0.75][seed % 3]
+    kept = max_variance_subset(values, groups, fraction, candidates)
+    assert not (kept & ~candidates).any()
+    for g in range(len(sizes)):
+        rows = ((groups == g) & candidates).nonzero().flatten().tolist()
+        m = kept_per_group(len(rows), fraction)
+        chosen = kept[groups == g].sum().item()
+        assert chosen == m
+        best = max(float(values[list(c)].double().var(unbiased=False)) for c in itertools.combinations(rows, m))
+        got = float(values[kept & (groups == g)].double().var(unbiased=False))
+        assert got == pytest.approx(best, abs=1e-12)
+
+
+def test_kept_per_group_rounds_and_keeps_at_least_two():
+    assert [kept_per_group(16, f) for f in (0.75, 0.5, 0.625, 0.01, 1.0)] == [12, 8, 10, 2, 16]
+    assert kept_per_group(1, 0.5) == 1 and kept_per_group(0, 0.5) == 0

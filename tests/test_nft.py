@@ -72,9 +72,18 @@ def test_unknown_key_is_an_error_naming_the_valid_ones():
                             "trained one)"),
     ("rollout.backend=ray", "rollout.backend=ray with this recipe"),
     ("train.learning_rate=nan", "train.learning_rate=nan: must be a finite number"),
+    ("train.downsample_fraction=0", "train.downsample_fraction=0.0: must be in (0, 1]"),
+    ("train.downsample_fraction=1.5", "train.downsample_fraction=1.5: must be in (0, 1]"),
 ])
 def test_each_bad_field_is_named_with_what_is_valid(override, named):
     assert named in config_problems(override)
+
+
+def test_a_down_sampling_that_keeps_every_sample_of_a_group_is_refused():
+    # Groups of 2: at least 2 are kept, so any fraction would be ignored. Groups of 4 at 0.5 keep 2.
+    assert ("train.downsample_fraction=0.5 keeps every sample of a group of data.group_size=2 (at least 2 are "
+            "kept), so it would be ignored") in config_problems("data.group_size=2", "train.downsample_fraction=0.5")
+    validate_config(parse_config(Config, ["data.group_size=4", "train.downsample_fraction=0.5"]))
 
 
 def test_all_problems_come_at_once_and_before_the_run_dir_is_touched(tmp_path):

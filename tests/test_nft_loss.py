@@ -253,15 +253,17 @@ def hand_batch(traj):
     return RolloutBatch(traj, rewards, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4)
 
 
-def oracle_update(model, transformer, old, reference, traj, cfg, times, noise):
-    """SGD on the hand-written loss, in velocity space; the draws are the recipe's."""
+def oracle_update(model, transformer, old, reference, traj, cfg, times, noise, kept_rows=None):
+    """SGD on the hand-written loss, in velocity space; the draws are the recipe's. `kept_rows`: the rows a
+    down-sampled update trains, minibatched in that order (default: every row, the excluded ones at weight 0)."""
     tc = cfg.train
     opt = torch.optim.SGD(transformer.parameters(), lr=LR)
     c, k = cfg.advantage.clip_max, times.shape[1]
     r_all = 0.5 + 0.5 * torch.clamp(ADV / c, -1, 1)
     included = VALID if tc.keep_flat_groups else USABLE
-    for m, start in enumerate(range(0, ROWS, tc.minibatch_size)):
-        rows = list(range(start, start + tc.minibatch_size))
+    order = list(range(ROWS)) if kept_rows is None else kept_rows
+    for m, start in enumerate(range(0, len(order), tc.minibatch_size)):
+        rows = order[start:start + tc.minibatch_size]
         w = included[rows].float() / included[rows].float().sum().clamp(min=1)
         mask = None if traj.prompt_mask is None else traj.prompt_mask[rows]
         cond = PromptEmbeds(traj.prompt_embeds[rows], traj.pooled_prompt_embeds[rows], mask)
@@ -345,6 +347,41 @@ def test_nft_update_equals_sgd_on_the_hand_written_loss(toy, keep_flat_groups):
     assert metrics["train/optimizer_steps"] == 2  # two optimizer steps (the loop syncs once, after the update)
     assert metrics["nft/trained_samples"] == (7 if keep_flat_groups else 6)
     assert metrics["ref_mse"] > 0 and math.isfinite(metrics["loss"]) and "kl" not in metrics
+
+
+def test_a_down_sampled_update_equals_sgd_on_the_kept_rows_and_runs_no_forward_for_the_others(toy):
+    """PODS (train.downsample_fraction): half of each group of 4, by the largest variance of the advantages among
+    the valid rows, is rows 1 and 3 (-0.4 and 6.0 of 1.2, -0.4, 0, 6.0) and 4 and 5 (-2.0 and 0.7 of -2.0, 0.7,
+    -0.9; row 6 is masked, and 2 of 3 are kept). The weights must match SGD on those rows alone, two of them a
+    minibatch, and the transformer sees those rows only."""
+    model = toy
+    traj = toy_rollouts(model)
+    cfg = RecipeKeys(seed=3, train=TrainKeys(beta=0.7, timesteps_per_sample=2, downsample_fraction=0.5))
+    old = copy.deepcopy(model.transformer).requires_grad_(False)
+    start = copy.deepcopy(model.transformer.state_dict())
+    rows_seen = []
+    hook = model.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_seen.append(next(iter([*args, *kwargs.values()])).shape[0]),
+        with_kwargs=True)
+    try:
+        metrics = nft_update(hand_batch(traj), model, frozen_velocity(model, old),
+                             torch.optim.SGD(model.transformer.parameters(), lr=LR), cfg, step=5)
+    finally:
+        hook.remove()
+    after = copy.deepcopy(model.transformer.state_dict())
+    assert metrics["nft/trained_samples"] == 4
+    # v_old comes from the frozen copy (its own module); the trained module runs 2 minibatches x 2 times of 2 rows.
+    assert rows_seen == [2, 2, 2, 2]
+
+    times, noise = update_draws(traj, cfg.train, update_generator(cfg.seed, 5, stream=UPDATE_STREAM))
+    model.transformer.load_state_dict(start)
+    oracle_update(model, model.transformer, old, old, traj, cfg, times, noise, kept_rows=[1, 3, 4, 5])
+    moved = 0.0
+    for name, value in model.transformer.state_dict().items():
+        torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        moved = max(moved, float((value - start[name]).abs().max()))
+    assert moved > 1e-4
+    assert metrics["train/optimizer_steps"] == 1
 
 
 def make_flywheel_batch(model, steps=STEPS):

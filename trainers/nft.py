@@ -37,6 +37,8 @@ unless it says otherwise):
 8. Rollouts with classifier-free guidance are refused (v_old must have sampled x0).
 9. The eta schedule counts training steps; the first soft update uses eta_1 = 0.001.
 10. theta_old is the trained tensors only, swapped into the one transformer (code: a 2nd LoRA adapter); same maths.
+11. train.downsample_fraction < 1 (not in the paper or its code): PODS' max-variance down-sampling (arXiv
+    2504.13818) of each group's samples by advantage, on each rank's share of a group.
 
 Usage, the equations and deviations in full, logged metrics and the measured runs:
 docs/recipes/nft.md; the toy default's tuning: docs/tuning_nft.md.
@@ -54,7 +56,7 @@ import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sl
 import torch
 
 from engine import PromptEmbeds, Trajectory
-from flywheel.advantages import group_advantages
+from flywheel.advantages import group_advantages, kept_per_group, max_variance_subset
 from flywheel.cli import run_main
 from flywheel.distributed import rank_and_world
 from flywheel.rollout_collector import RolloutBatch
@@ -109,6 +111,9 @@ class NFTConfig(OptimConfig):
     kl_beta: float = 0.03
     """weight of mean ||v_theta - v_ref||^2 to the reference (base) model; 0 = KL-free as in the paper. 0.03 keeps
     the toy default from gaming its reward (docs/recipes/nft.md#defaults-and-reward-hacking)"""
+    downsample_fraction: float = 1.0
+    """PODS (arXiv 2504.13818): train only the max-variance round(f·G) (at least 2) of each group's samples on this
+    rank, with no forwards for the rest; 1 = every sample (the paper)"""
 
 
 @dataclass
@@ -352,13 +357,21 @@ def update_draws(traj: Trajectory, cfg: NFTConfig, generator: torch.Generator) -
     return times, noise
 
 
-def trained_samples(batch: RolloutBatch, keep_flat_groups: bool) -> torch.Tensor:
-    """Which samples enter the loss [B]: the valid ones (or only those of groups with a spread of rewards)."""
+def trained_samples(batch: RolloutBatch, keep_flat_groups: bool, downsample_fraction: float = 1.0) -> torch.Tensor:
+    """Which samples enter the loss [B]: the valid ones (or only those of groups with a spread of rewards), and of
+    those, with downsample_fraction < 1, each group's max-variance subset by advantage (PODS)."""
     if not keep_flat_groups:
-        return batch.usable.bool()
-    if batch.rewards is None:  # no scorer masks (hand-built batches): every sample has a reward
-        return torch.ones_like(batch.usable, dtype=torch.bool)
-    return batch.rewards.valid.to(batch.usable.device).bool()
+        included = batch.usable.bool()
+    elif batch.rewards is None:  # no scorer masks (hand-built batches): every sample has a reward
+        included = torch.ones_like(batch.usable, dtype=torch.bool)
+    else:
+        included = batch.rewards.valid.to(batch.usable.device).bool()
+    if downsample_fraction < 1:
+        # Advantages, not rewards: within a group they are an affine map of the rewards (the same subset), and
+        # they are what every rank agrees on.
+        included = max_variance_subset(batch.advantages.to(included.device), batch.group_ids.to(included.device),
+                                       downsample_fraction, included)
+    return included
 
 
 
@@ -397,14 +410,19 @@ class NFT:
         k = times.shape[1]
         # r from the flywheel's group advantages (normalised over every rank), not from the raw rewards here.
         r_all = optimality_from_advantages(batch.advantages, cfg.advantage.clip_max).to(device)
-        included = trained_samples(batch, tc.keep_flat_groups).to(device)
+        included = trained_samples(batch, tc.keep_flat_groups, tc.downsample_fraction).to(device)
+        # Down-sampled: the minibatches run over the kept rows only, so the others cost no forward (PODS' saving).
+        # Otherwise every row runs, an excluded one at weight 0, as before the option.
+        trained_rows = (included.nonzero().flatten().tolist() if tc.downsample_fraction < 1
+                        else list(range(len(traj))))
 
         grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
         # Until this update's first optimizer step, a sampling policy equal to the trained one gives v_old =
         # v_theta exactly: one forward fewer per loss term (eta 0, e.g. train.eta_max=0; the same numbers).
         reuse_v_theta = self.v_old_is_v_theta()
         reused = 0
-        for m, rows in enumerate(grads.minibatches(len(traj))):
+        for m, local in enumerate(grads.minibatches(len(trained_rows))):
+            rows = [trained_rows[i] for i in local]
             sub = traj.select(rows)
             cond, _ = trajectory_conditioning(sub, use_cfg=False)
             x0, r = sub.latents[:, -1], r_all[rows]
@@ -494,6 +512,13 @@ def validate_config(cfg: Config) -> None:
     checks.require("train.eta_rate", lambda v: v >= 0, "must be >= 0 (eta's growth per training step)")
     checks.require("train.eta_max", lambda v: 0 <= v <= 1, "must be in [0, 1] (0: on-policy, 1: never moves)")
     checks.require("train.kl_beta", lambda v: v >= 0, "must be >= 0 (0 = KL-free, as in the paper)")
+    checks.require("train.downsample_fraction", lambda v: 0 < v <= 1,
+                   "must be in (0, 1]: the fraction of each group's samples trained (1 = all)")
+    size = cfg.data.group_size
+    fraction = cfg.train.downsample_fraction
+    if 0 < fraction < 1 and isinstance(size, int) and size >= 1 and kept_per_group(size, fraction) == size:
+        checks.fail(f"train.downsample_fraction={fraction:g} keeps every sample of a group of data.group_size={size} "
+                    "(at least 2 are kept), so it would be ignored; use a larger group or leave it out")
     grid = cfg.sampling.steps
     if cfg.train.time_sampling == "rollout_grid":
         checks.require("train.timesteps_per_sample", lambda v: 1 <= v <= grid,
