@@ -253,17 +253,18 @@ def hand_batch(traj):
     return RolloutBatch(traj, rewards, ADV.clone(), USABLE.clone(), torch.arange(ROWS) // 4)
 
 
-def oracle_update(model, transformer, old, reference, traj, cfg, times, noise, kept_rows=None):
-    """SGD on the hand-written loss, in velocity space; the draws are the recipe's. `kept_rows`: the rows a
-    down-sampled update trains, minibatched in that order (default: every row, the excluded ones at weight 0)."""
+def oracle_update(model, transformer, old, reference, traj, cfg, times, noise, minibatches=None, included=None):
+    """SGD on the hand-written loss, in velocity space; the draws are the recipe's. `minibatches` and `included`:
+    a down-sampled update's (default: minibatch_size rows in order, the excluded ones at weight 0)."""
     tc = cfg.train
     opt = torch.optim.SGD(transformer.parameters(), lr=LR)
     c, k = cfg.advantage.clip_max, times.shape[1]
     r_all = 0.5 + 0.5 * torch.clamp(ADV / c, -1, 1)
-    included = VALID if tc.keep_flat_groups else USABLE
-    order = list(range(ROWS)) if kept_rows is None else kept_rows
-    for m, start in enumerate(range(0, len(order), tc.minibatch_size)):
-        rows = order[start:start + tc.minibatch_size]
+    if included is None:
+        included = VALID if tc.keep_flat_groups else USABLE
+    if minibatches is None:
+        minibatches = [list(range(start, start + tc.minibatch_size)) for start in range(0, ROWS, tc.minibatch_size)]
+    for m, rows in enumerate(minibatches):
         w = included[rows].float() / included[rows].float().sum().clamp(min=1)
         mask = None if traj.prompt_mask is None else traj.prompt_mask[rows]
         cond = PromptEmbeds(traj.prompt_embeds[rows], traj.pooled_prompt_embeds[rows], mask)
@@ -352,8 +353,9 @@ def test_nft_update_equals_sgd_on_the_hand_written_loss(toy, keep_flat_groups):
 def test_a_down_sampled_update_equals_sgd_on_the_kept_rows_and_runs_no_forward_for_the_others(toy):
     """PODS (train.downsample_fraction): half of each group of 4, by the largest variance of the advantages among
     the valid rows, is rows 1 and 3 (-0.4 and 6.0 of 1.2, -0.4, 0, 6.0) and 4 and 5 (-2.0 and 0.7 of -2.0, 0.7,
-    -0.9; row 6 is masked, and 2 of 3 are kept). The weights must match SGD on those rows alone, two of them a
-    minibatch, and the transformer sees those rows only."""
+    -0.9; row 6 is masked, and 2 of 3 are kept). The update keeps its 4 minibatches of 2 rows (2 optimizer steps
+    of 2 accumulated), each now one kept row: the weights must match SGD on those rows alone, and the
+    transformer sees those rows only."""
     model = toy
     traj = toy_rollouts(model)
     cfg = RecipeKeys(seed=3, train=TrainKeys(beta=0.7, timesteps_per_sample=2, downsample_fraction=0.5))
@@ -370,18 +372,33 @@ def test_a_down_sampled_update_equals_sgd_on_the_kept_rows_and_runs_no_forward_f
         hook.remove()
     after = copy.deepcopy(model.transformer.state_dict())
     assert metrics["nft/trained_samples"] == 4
-    # v_old comes from the frozen copy (its own module); the trained module runs 2 minibatches x 2 times of 2 rows.
-    assert rows_seen == [2, 2, 2, 2]
+    # v_old comes from the frozen copy (its own module); the trained module runs 4 minibatches x 2 times of 1 row.
+    assert rows_seen == [1] * 8
 
     times, noise = update_draws(traj, cfg.train, update_generator(cfg.seed, 5, stream=UPDATE_STREAM))
     model.transformer.load_state_dict(start)
-    oracle_update(model, model.transformer, old, old, traj, cfg, times, noise, kept_rows=[1, 3, 4, 5])
+    kept = torch.zeros(ROWS, dtype=torch.bool)
+    kept[[1, 3, 4, 5]] = True
+    oracle_update(model, model.transformer, old, old, traj, cfg, times, noise, minibatches=[[1], [3], [4], [5]],
+                  included=kept)
     moved = 0.0
     for name, value in model.transformer.state_dict().items():
         torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, float((value - start[name]).abs().max()))
     assert moved > 1e-4
-    assert metrics["train/optimizer_steps"] == 1
+    assert metrics["train/optimizer_steps"] == 2  # as many as without down-sampling
+
+
+def test_down_sampled_minibatches_keep_the_count_and_fill_an_empty_one_with_an_excluded_row():
+    from trainers.nft import down_sampled_minibatches
+
+    included = torch.tensor([True, False, True, True, False, True, True, False])
+    assert down_sampled_minibatches(included, 1) == [[0, 2, 3, 5, 6]]
+    assert down_sampled_minibatches(included, 2) == [[0, 2, 3], [5, 6]]
+    assert down_sampled_minibatches(included, 4) == [[0, 2], [3], [5], [6]]
+    # Two kept rows, four minibatches (a process whose share kept fewer): the empty ones run excluded rows.
+    few = torch.tensor([False, True, False, False, True, False, False, False])
+    assert down_sampled_minibatches(few, 4) == [[1], [4], [0], [2]]
 
 
 def make_flywheel_batch(model, steps=STEPS):

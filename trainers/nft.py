@@ -374,6 +374,18 @@ def trained_samples(batch: RolloutBatch, keep_flat_groups: bool, downsample_frac
     return included
 
 
+def down_sampled_minibatches(included: torch.Tensor, count: int) -> list[list[int]]:
+    """The kept rows split in order into `count` minibatches of near-equal size: as many as the update of every
+    row has, so the optimizer steps (train.updates_per_rollout) are the same, and the same on every process
+    whatever each keeps (their gradients are all-reduced at the same minibatches). A minibatch left without a
+    kept row (fewer kept than minibatches) runs one excluded row at weight 0, so every process runs its backward."""
+    kept = included.nonzero().flatten().tolist()
+    spare = (~included).nonzero().flatten().tolist()
+    out = []
+    for part in torch.tensor_split(torch.tensor(kept, dtype=torch.long), count):
+        out.append(part.tolist() or [spare.pop(0)])
+    return out
+
 
 class NFT:
     """DiffusionNFT's update behind the algorithm protocol (flywheel/recipe/algorithm.py): the policy, its
@@ -411,18 +423,16 @@ class NFT:
         # r from the flywheel's group advantages (normalised over every rank), not from the raw rewards here.
         r_all = optimality_from_advantages(batch.advantages, cfg.advantage.clip_max).to(device)
         included = trained_samples(batch, tc.keep_flat_groups, tc.downsample_fraction).to(device)
-        # Down-sampled: the minibatches run over the kept rows only, so the others cost no forward (PODS' saving).
-        # Otherwise every row runs, an excluded one at weight 0, as before the option.
-        trained_rows = (included.nonzero().flatten().tolist() if tc.downsample_fraction < 1
-                        else list(range(len(traj))))
 
         grads = GradientSteps(self.accelerator, transformer, self.optimizer, self.policy.named_params, tc, step)
+        minibatches = grads.minibatches(len(traj))  # every row, an excluded one at weight 0
+        if tc.downsample_fraction < 1:  # the kept rows only: the others cost no forward (PODS' saving)
+            minibatches = down_sampled_minibatches(included, len(minibatches))
         # Until this update's first optimizer step, a sampling policy equal to the trained one gives v_old =
         # v_theta exactly: one forward fewer per loss term (eta 0, e.g. train.eta_max=0; the same numbers).
         reuse_v_theta = self.v_old_is_v_theta()
         reused = 0
-        for m, local in enumerate(grads.minibatches(len(trained_rows))):
-            rows = [trained_rows[i] for i in local]
+        for m, rows in enumerate(minibatches):
             sub = traj.select(rows)
             cond, _ = trajectory_conditioning(sub, use_cfg=False)
             x0, r = sub.latents[:, -1], r_all[rows]
