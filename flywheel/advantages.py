@@ -213,8 +213,9 @@ def max_variance_subset(values: torch.Tensor, group_ids: torch.Tensor, fraction:
     """PODS' max-variance down-sampling (Xu et al., arXiv 2504.13818): per group, the m = `kept_per_group(n,
     fraction)` of its n candidates whose `values` have the largest variance; a mask [N].
 
-    Such a subset is always the i largest and m - i smallest values for some i (the paper's O(n log n) rule), so
-    each group sorts once and tries the m + 1 splits; ties go to the smallest i, so the result is deterministic.
+    Such a subset is always the i largest and m - i smallest values for some i (the paper's result, which gives it
+    an O(n log n) algorithm), so each group sorts once and tries the m + 1 splits, a variance each (cheap for
+    groups of tens); ties go to the smallest i and the stable sort, so the result is deterministic.
     `values` are rewards or, equivalently within a group, advantages (an affine map of them). Samples that are not
     `candidates` (masked rewards) are never kept and do not count in n.
     """
@@ -222,9 +223,9 @@ def max_variance_subset(values: torch.Tensor, group_ids: torch.Tensor, fraction:
     candidates = torch.ones_like(keep) if candidates is None else candidates.bool().to(values.device)
     for g in torch.unique(group_ids):
         rows = ((group_ids.to(values.device) == g) & candidates).nonzero().flatten()
-        m = kept_per_group(len(rows), fraction)
         if len(rows) == 0:
             continue
+        m = kept_per_group(len(rows), fraction)
         order = rows[torch.argsort(values[rows].double(), stable=True)]
         ranked = values[order].double()
         best, best_i = None, 0

@@ -1,6 +1,7 @@
 """The DiffusionNFT recipe end to end on the toy task: config checks, learning signal, exact resume, LoRA, launch."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -193,6 +194,51 @@ def test_accelerate_launch_runs_the_recipe(tmp_path):
     rows = read_metrics(tmp_path / "launched" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/reward/mean" in rows[2]
     assert "eval reward: base" in out.stdout
+
+
+# Registers "half_masked": digit_alignment on every sample, except that rank 0 masks the first half of each batch it
+# scores (a NaN reward), so the two processes keep different numbers of samples when down-sampling.
+RANK_MASKED_RECIPE = """
+import os, runpy, sys, torch
+from rewards import registry
+
+def half_masked(**kwargs):
+    inner = registry.get("digit_alignment")
+    def score(images, prompts, metadata):
+        out = inner(images, prompts, metadata).clone()
+        if os.environ.get("RANK", "0") == "0":
+            out[: len(out) // 2] = float("nan")
+        return out
+    return score
+
+registry.register("half_masked", half_masked)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_that_keep_different_numbers_of_samples_take_the_same_optimizer_steps(tmp_path):
+    # Rank 0 masks half its rewards, so PODS keeps fewer of its rows than rank 1 keeps of its own. Had the
+    # minibatches followed the kept rows, the ranks would all-reduce at different minibatches (a hang, or a
+    # gradient averaged with the wrong one); they keep the full update's count (4 of 8 rows each: 4 steps).
+    wrapper = tmp_path / "masked_nft.py"
+    wrapper.write_text(RANK_MASKED_RECIPE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29541",
+           str(wrapper), str(ROOT / "trainers" / "nft.py"), f"run_dir={tmp_path / 'two'}", *QUICK, "steps=2",
+           "eval.every=1000", "data.prompts_per_step=2", "data.group_size=8", "sampling.steps=4",
+           "reward.scorers=half_masked:1.0", "train.downsample_fraction=0.5", "train.minibatch_size=2",
+           "train.gradient_accumulation_steps=1", "train.timesteps_per_sample=1"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["train/optimizer_steps"] == 4 for r in rows[1:])
+    # Rank 0 (the one that logs) keeps 2 of the 4 valid rows of its group; rank 1 keeps 4 of its 8.
+    assert all(r["nft/trained_samples"] == 2 for r in rows[1:])
+    assert all(math.isfinite(r["loss"]) for r in rows[1:])
 
 
 def test_guided_rollouts_are_refused_and_sde_rollouts_train(tmp_path):
