@@ -236,8 +236,8 @@ def test_two_processes_that_keep_different_numbers_of_samples_take_the_same_opti
     rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["train/optimizer_steps"] == 4 for r in rows[1:])
-    # Rank 0 (the one that logs) keeps 2 of the 4 valid rows of its group; rank 1 keeps 4 of its 8.
-    assert all(r["nft/trained_samples"] == 2 for r in rows[1:])
+    # Rank 0 keeps 2 of the 4 valid rows of its group, rank 1 4 of its 8: the logged value is the ranks' mean.
+    assert all(r["reward/invalid"] == 2 and r["nft/trained_samples"] == 3 for r in rows[1:])
     assert all(math.isfinite(r["loss"]) for r in rows[1:])
 
 
