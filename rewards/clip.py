@@ -39,6 +39,11 @@ def resolve_folder(path: str | os.PathLike | None, env: str, scorer: str) -> Pat
         missing.append("tokenizer.json (or vocab.json + merges.txt)")
     if missing:
         raise FileNotFoundError(f"reward {scorer!r}: folder {folder} lacks {', '.join(missing)}; it must be {need}")
+    from engine.families.common import unreadable_safetensors  # a header read each: a download cut short
+
+    broken = unreadable_safetensors(sorted(folder.glob("*.safetensors")))
+    if broken:
+        raise FileNotFoundError(f"reward {scorer!r}: folder {folder} has unreadable weights: {'; '.join(broken)}")
     return folder
 
 
@@ -216,4 +221,9 @@ def _head_path(folder: Path, head: str | os.PathLike | None) -> Path:
         raise FileNotFoundError(f"reward 'aesthetic': head file {head_path} does not exist; it must be a "
                                 f"safetensors file of linear layers 'layers.N.weight' / 'layers.N.bias' "
                                 f"(put it in the CLIP folder as {HEAD_FILE} or pass head=...)")
+    from engine.families.common import unreadable_safetensors
+
+    broken = unreadable_safetensors([head_path])
+    if broken:
+        raise FileNotFoundError(f"reward 'aesthetic': head file {head_path} is unreadable: {broken[0]}")
     return head_path

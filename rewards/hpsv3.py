@@ -54,6 +54,11 @@ def resolve_folder(path: str | os.PathLike | None) -> Path:
         missing.append("model.safetensors")
     if missing:
         raise FileNotFoundError(f"reward 'hpsv3': folder {folder} lacks {', '.join(missing)}; it must be {need}")
+    from engine.families.common import unreadable_safetensors  # a header read each: a download cut short
+
+    broken = unreadable_safetensors(sorted(folder.glob("*.safetensors")))
+    if broken:
+        raise FileNotFoundError(f"reward 'hpsv3': folder {folder} has unreadable weights: {'; '.join(broken)}")
     return folder
 
 
@@ -79,16 +84,23 @@ class HPSv3:
 
     name = "hpsv3"
 
+    @staticmethod
+    def check_args(path: str | os.PathLike | None = None, pixels: int = PIXELS, batch_size: int = 8, **_) -> Path:
+        """What the constructor refuses, found without loading anything (`rewards.registry.check_scorer`, run
+        before a training run writes its directory): the folder's files and the two numbers. The folder."""
+        folder = resolve_folder(path)
+        if isinstance(pixels, bool) or not isinstance(pixels, int) or pixels < 4 * 28 * 28:
+            raise ValueError(f"hpsv3 pixels must be an integer >= {4 * 28 * 28} (Qwen2-VL's minimum), got {pixels!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"hpsv3 batch_size must be an integer >= 1, got {batch_size!r}")
+        return folder
+
     def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str = torch.float32, pixels: int = PIXELS, batch_size: int = 8):
         from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.folder = resolve_folder(path)
-        if isinstance(pixels, bool) or not isinstance(pixels, int) or pixels < 4 * 28 * 28:
-            raise ValueError(f"hpsv3 pixels must be an integer >= {4 * 28 * 28} (Qwen2-VL's minimum), got {pixels!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"hpsv3 batch_size must be an integer >= 1, got {batch_size!r}")
+        self.folder = self.check_args(path, pixels=pixels, batch_size=batch_size)
         self.device, self.pixels, self.batch_size = torch.device(device), pixels, batch_size
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         # The tokenizer and the image processor, not Qwen2VLProcessor: in transformers 5 that one also wants a

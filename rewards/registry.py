@@ -585,3 +585,9 @@ for _name_, _class_ in (("clip_score", "ClipScore"), ("pickscore", "PickScore"),
     register_check(_name_, _lazy_check("rewards.clip", _class_))
 for _name_, _class_ in (("edit_consistency", "EditConsistency"), ("edit_instruction_clip", "EditInstructionClip")):
     register_check(_name_, _lazy_check("rewards.edit", _class_))
+register_check("hpsv3", _lazy_check("rewards.hpsv3", "HPSv3"))
+register_check("vlm_judge", _lazy_check("rewards.vlm_judge", "VlmJudge"))
+for _name_, _class_ in (("clip_score_video", "ClipScore"), ("pickscore_video", "PickScore"),
+                        ("aesthetic_video", "Aesthetic")):
+    register_check(_name_, lambda _class_=_class_, **kwargs: importlib.import_module("rewards.video")._video_check(
+        "rewards.clip", _class_)(**kwargs))

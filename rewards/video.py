@@ -84,6 +84,18 @@ def _video_of(module: str, attr: str, name: str):
     return factory
 
 
+def _video_check(module: str, attr: str):
+    """The check before work of `_video_of(module, attr)`: the frames, then the image scorer's own check."""
+
+    def check(frames: int = 4, **kwargs) -> None:
+        import importlib
+
+        check_frames(frames)
+        getattr(importlib.import_module(module), attr).check_args(**kwargs)
+
+    return check
+
+
 clip_score_video = _video_of("rewards.clip", "ClipScore", "clip_score_video")
 pickscore_video = _video_of("rewards.clip", "PickScore", "pickscore_video")
 aesthetic_video = _video_of("rewards.clip", "Aesthetic", "aesthetic_video")

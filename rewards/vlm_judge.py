@@ -230,6 +230,14 @@ class VlmJudge:
         self.counts: collections.Counter = collections.Counter()  # rows scored / masked, by reason, all batches
         self.model = model or os.environ.get(MODEL_ENV) or self._first_model()
 
+    @classmethod
+    def check_args(cls, **kwargs) -> None:
+        """Every check the constructor makes of its arguments, without asking the server for its model
+        (`rewards.registry.check_scorer`: before a training run writes its directory)."""
+        probe = cls.__new__(cls)
+        probe._first_model = lambda: ""  # shadows the method on this instance only: no request is made
+        cls.__init__(probe, **kwargs)
+
     def _client(self):
         from openai import AsyncOpenAI
 

@@ -77,6 +77,15 @@ CASES = {
     "remote not a url": (["reward.scorers=remote:notaurl"], "reward.scorers", "needs an address"),
     "pickscore folder unset": (["reward.scorers=pickscore"], "reward.scorers", "FLYWHEEL_PICKSCORE_PATH"),
     "clip folder missing": (["reward.scorers=clip_score:1"], "reward.scorers", "does not exist"),
+    # Each of these four had no check before work: the run dir was written, then the scorer's constructor raised.
+    "video clip folder missing": (["reward.scorers=clip_score_video:1"], "reward.scorers",
+                                  "clip_score_video: reward 'clip_score': folder"),
+    "hpsv3 folder unset": (["reward.scorers=hpsv3:1"], "reward.scorers", "set FLYWHEEL_HPSV3_PATH"),
+    "vlm judge without a server": (["reward.scorers=vlm_judge:1"], "reward.scorers",
+                                   "vlm_judge needs the server's base URL"),
+    "vlm judge server down": (["reward.scorers=vlm_judge:1", "reward.args={vlm_judge: {base_url: 'http://127.0.0.1:9/v1'}}"],
+                              "reward.scorers", "vlm_judge's server is not reachable (vlm_judge could not list the "
+                                                "models of http://127.0.0.1:9/v1"),
     "model.path empty": (["model.path="], "model.path", "is empty"),
     "model.path missing": (["model.path=/nonexistent/toy.safetensors"], "model.path", "does not exist"),
     # Before: the toy loader's FileNotFoundError traceback; a message naming "[Errno 21] Is a directory: '.'".
@@ -202,7 +211,8 @@ def test_a_key_the_ode_would_ignore_is_refused_before_anything_is_written(case, 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_input_is_refused_before_anything_is_written(case, tmp_path, capsys, monkeypatch):
     overrides, key, reason = CASES[case]
-    monkeypatch.delenv("FLYWHEEL_PICKSCORE_PATH", raising=False)
+    for unset in ("FLYWHEEL_PICKSCORE_PATH", "FLYWHEEL_HPSV3_PATH", "FLYWHEEL_VLM_URL", "FLYWHEEL_VLM_MODEL"):
+        monkeypatch.delenv(unset, raising=False)
     monkeypatch.setenv("FLYWHEEL_CLIP_PATH", str(tmp_path / "no-clip"))
     run_dir = tmp_path / "run"
     message, _ = refused([f"run_dir={run_dir}", *FAST, *overrides], capsys)

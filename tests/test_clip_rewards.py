@@ -126,3 +126,25 @@ def test_missing_folder_or_files_is_a_clear_error(tmp_path, monkeypatch, clip_fo
     (no_head / "aesthetic_head.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="aesthetic_head.safetensors"):
         rewards.get("aesthetic", path=str(no_head))
+
+
+def test_a_weights_file_cut_short_is_refused_by_the_check_before_work(tmp_path, clip_folder):
+    # Before, the folder check saw model.safetensors exist and the run died in transformers' loader after the
+    # run had started; the check reads each file's header and size.
+    import shutil
+
+    from rewards.registry import check_scorer
+
+    cut = tmp_path / "cut"
+    shutil.copytree(clip_folder, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(FileNotFoundError, match=r"has unreadable weights: model\.safetensors \(\d+ bytes where its "
+                                                r"header says \d+: cut short; download it again\)"):
+        check_scorer("clip_score", path=str(cut))
+    empty = tmp_path / "empty_head.safetensors"  # a head given apart from the folder: head=...
+    empty.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"head file .*empty_head\.safetensors is unreadable: "
+                                                r"empty_head\.safetensors \(not a safetensors file: 0 bytes"):
+        check_scorer("aesthetic", path=str(clip_folder), head=str(empty))
+    check_scorer("aesthetic", path=str(clip_folder))  # the whole folder passes

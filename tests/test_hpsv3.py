@@ -70,3 +70,13 @@ def test_hpsv3_folder_errors_name_what_is_missing(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="lacks preprocessor_config.json, rm_head.safetensors, model.safetensors"):
         rewards.get("hpsv3", path=str(tmp_path))
+    # Every file there, but the weights are a Git LFS pointer (a clone without `git lfs pull`): refused before
+    # anything loads (it was transformers' error after the run had started).
+    from rewards.registry import check_scorer
+
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    (tmp_path / "rm_head.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+    with pytest.raises(FileNotFoundError, match=r"has unreadable weights: model\.safetensors \(not a safetensors "
+                                                r"file: a Git LFS pointer; run `git lfs pull`\); rm_head\.safetensors"):
+        check_scorer("hpsv3", path=str(tmp_path))

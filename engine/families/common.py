@@ -111,6 +111,11 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def unreadable_safetensors(files) -> list[str]:
+    """"name (why)" for each of `files` (.safetensors paths) that `safetensors_problem` finds unreadable."""
+    return [f"{Path(f).name} ({why})" for f in files if (why := safetensors_problem(Path(f))) is not None]
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 

@@ -227,6 +227,25 @@ def check_rewards(cfg, checks: ConfigChecks) -> None:
             continue
         if name.startswith(REMOTE):
             _probe_remote(cfg, name, kwargs, checks)
+        elif name == "vlm_judge" and not remote_workers:
+            _probe_vlm_server(cfg, kwargs, checks)
+
+
+def _probe_vlm_server(cfg, kwargs: dict, checks: ConfigChecks) -> None:
+    """The vlm_judge's OpenAI-compatible server lists its models within REMOTE_PROBE_S (the judge asks for them
+    when built without model=..., which used to fail after the run directory was written; with a model given,
+    an unreachable server masked every reward until reward.max_masked_steps stopped the run)."""
+    from rewards.vlm_judge import VlmJudge
+
+    probe_s = min(REMOTE_PROBE_S, cfg.reward.timeout_s) if cfg.reward.timeout_s > 0 else REMOTE_PROBE_S
+    try:
+        # model= given, so building asks nothing; the probe is the one listing below, bounded by probe_s.
+        judge = VlmJudge(**{**kwargs, "model": kwargs.get("model") or "probe", "timeout_s": probe_s})
+        judge._first_model()
+    except Exception as e:  # noqa: BLE001  (any failure of the probe is the same answer: not usable)
+        checks.fail(f"reward.scorers={cfg.reward.scorers!r}: vlm_judge's server is not reachable "
+                    f"({' '.join(str(e).split('; pass model=')[0].split())}); start it (vLLM or SGLang, OpenAI "
+                    "API) or fix base_url")
 
 
 def _probe_remote(cfg, name: str, kwargs: dict, checks: ConfigChecks) -> None:
