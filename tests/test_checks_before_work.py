@@ -81,6 +81,7 @@ CASES = {
     "video clip folder missing": (["reward.scorers=clip_score_video:1"], "reward.scorers",
                                   "clip_score_video: reward 'clip_score': folder"),
     "hpsv3 folder unset": (["reward.scorers=hpsv3:1"], "reward.scorers", "set FLYWHEEL_HPSV3_PATH"),
+    "hpsv3 judge folder unset": (["eval.judges=hpsv3"], "eval.judges", "hpsv3: reward 'hpsv3' needs"),
     "vlm judge without a server": (["reward.scorers=vlm_judge:1"], "reward.scorers",
                                    "vlm_judge needs the server's base URL"),
     "vlm judge server down": (["reward.scorers=vlm_judge:1", "reward.args={vlm_judge: {base_url: 'http://127.0.0.1:9/v1'}}"],

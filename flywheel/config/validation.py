@@ -356,6 +356,13 @@ def check_eval(cfg, checks: ConfigChecks) -> None:
         if name not in available():
             checks.fail(f"eval.judges names {name!r}, which is not a registered scorer; known: "
                         f"{', '.join(available())}")
+            continue
+        from rewards.registry import check_scorer
+
+        try:  # its folder or address (judges are built from the environment alone: no arguments)
+            check_scorer(name)
+        except (ValueError, OSError) as e:
+            checks.fail(f"eval.judges={cfg.eval.judges!r}: {name}: {e}")
 
 
 def check_rollout(cfg, checks: ConfigChecks) -> None:
