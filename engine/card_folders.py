@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from engine.cards import get_card, list_cards
-from engine.families.common import check_diffusers_folder
+from engine.families.common import diffusers_folder_problems
 
 
 def _read_json(path: Path) -> dict | None:
@@ -49,10 +49,8 @@ def check_card_path(card_id: str, path: str | None) -> None:
                              "weights)")
         problem = weights_file_problem(spec, file)
         if problem is not None:
-            message = (f"cannot be loaded: {file.name} is {problem}" if problem.startswith("not a ")
-                       else f"cannot be loaded: {file.name}: {problem}")
-            owner = [c for c, other in SPECS.items() if c != card_id and f"'{other.format}'" in problem]
-            raise ValueError(message + (f"; it is a weights file of card {owner[0]!r}" if owner else ""))
+            raise ValueError(f"cannot be loaded: {file.name} is {problem}" if problem.startswith("not a ")
+                             else f"cannot be loaded: {file.name}: {problem}")
         return
     if path is None:
         raise ValueError(f"is not set: card {card_id!r} loads a local diffusers folder of a {pipeline} "
@@ -82,15 +80,14 @@ def check_card_path(card_id: str, path: str | None) -> None:
     # `git clone` without LFS) would otherwise fail in diffusers after the other components have loaded.
     components = {name: component_kind(entry[-1]) for name, entry in index.items()
                   if not name.startswith("_") and isinstance(entry, list) and entry and entry[0] is not None}
-    try:
-        check_diffusers_folder(root, card_id, components)
-    except FileNotFoundError as e:
-        raise ValueError("is incomplete: " + str(e).split(" is incomplete; ", 1)[-1]) from None
+    problems = diffusers_folder_problems(root, components)
+    if problems:
+        raise ValueError("is incomplete: " + "; ".join(problems))
 
 
 def component_kind(class_name: str | None) -> str:
     """The kind of files a model_index.json entry's folder holds, from its class name (see
-    `engine.families.common.check_diffusers_folder`): a scheduler's config, a tokenizer's files, a processor's
+    `engine.families.common.diffusers_folder_problems`): a scheduler's config, a tokenizer's files, a processor's
     config, else a model's config and weights."""
     name = class_name or ""
     if name.endswith("Scheduler"):

@@ -221,8 +221,9 @@ def max_variance_subset(values: torch.Tensor, group_ids: torch.Tensor, fraction:
     """
     keep = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
     candidates = torch.ones_like(keep) if candidates is None else candidates.bool().to(values.device)
+    group_ids = group_ids.to(values.device)
     for g in torch.unique(group_ids):
-        rows = ((group_ids.to(values.device) == g) & candidates).nonzero().flatten()
+        rows = ((group_ids == g) & candidates).nonzero().flatten()
         if len(rows) == 0:
             continue
         m = kept_per_group(len(rows), fraction)

@@ -577,7 +577,7 @@ def check_scorer(name: str, **kwargs: Any) -> None:
 
 
 def _lazy_check(module: str, attr: str) -> Callable[..., None]:
-    """`module.attr.check_args(**kwargs)`, imported only when called."""
+    """`module.attr.check_args(**kwargs)` (a scorer class's, or a factory's attribute), imported only when called."""
     return lambda **kwargs: getattr(importlib.import_module(module), attr).check_args(**kwargs)
 
 
@@ -587,7 +587,5 @@ for _name_, _class_ in (("edit_consistency", "EditConsistency"), ("edit_instruct
     register_check(_name_, _lazy_check("rewards.edit", _class_))
 register_check("hpsv3", _lazy_check("rewards.hpsv3", "HPSv3"))
 register_check("vlm_judge", _lazy_check("rewards.vlm_judge", "VlmJudge"))
-for _name_, _class_ in (("clip_score_video", "ClipScore"), ("pickscore_video", "PickScore"),
-                        ("aesthetic_video", "Aesthetic")):
-    register_check(_name_, lambda _class_=_class_, **kwargs: importlib.import_module("rewards.video")._video_check(
-        "rewards.clip", _class_)(**kwargs))
+for _name_ in ("clip_score_video", "pickscore_video", "aesthetic_video"):
+    register_check(_name_, _lazy_check("rewards.video", _name_))

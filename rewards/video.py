@@ -80,20 +80,16 @@ def _video_of(module: str, attr: str, name: str):
         check_frames(frames)
         return FrameMean(getattr(importlib.import_module(module), attr)(**kwargs), name, frames)
 
-    factory.__qualname__ = f"video({module}.{attr})"
-    return factory
-
-
-def _video_check(module: str, attr: str):
-    """The check before work of `_video_of(module, attr)`: the frames, then the image scorer's own check."""
-
-    def check(frames: int = 4, **kwargs) -> None:
+    def check_args(frames: int = 4, **kwargs) -> None:
+        """The check before work (`rewards.registry.check_scorer`): the frames, then the image scorer's own."""
         import importlib
 
         check_frames(frames)
         getattr(importlib.import_module(module), attr).check_args(**kwargs)
 
-    return check
+    factory.__qualname__ = f"video({module}.{attr})"
+    factory.check_args = check_args
+    return factory
 
 
 clip_score_video = _video_of("rewards.clip", "ClipScore", "clip_score_video")

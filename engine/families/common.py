@@ -38,6 +38,15 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
     if not root.is_dir():
         raise FileNotFoundError(f"{card_id}: model.path={str(root)!r} is not a folder; expected a local diffusers "
                                 f"folder with model_index.json and {', '.join(components)}")
+    problems = diffusers_folder_problems(root, components)
+    if problems:
+        raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; {'; '.join(problems)}")
+    return root
+
+
+def diffusers_folder_problems(root: Path, components: dict[str, str]) -> list[str]:
+    """What `check_diffusers_folder` finds wrong with the folder `root`: "missing: a; b" and "unreadable: c (why)"
+    entries, each present only when it lists something; [] for a complete folder."""
     missing, unreadable = [], []
     if not (root / "model_index.json").is_file():
         missing.append("model_index.json")
@@ -59,10 +68,8 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
                     continue
                 missing.extend(f"{sub}/{shard} (listed in {index.name})" for shard in sorted(shards)
                                if not (folder / str(shard)).is_file())
-            for weights in sorted(folder.glob("*.safetensors")):
-                problem = safetensors_problem(weights)
-                if problem is not None:
-                    unreadable.append(f"{sub}/{weights.name} ({problem})")
+            weights = sorted(folder.glob("*.safetensors"))
+            unreadable.extend(f"{sub}/{entry}" for entry in unreadable_safetensors(weights))
         elif kind == "tokenizer":
             if not any((folder / f).is_file() for f in TOKENIZER_FILES):
                 missing.append(f"{sub}/ tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
@@ -72,11 +79,8 @@ def check_diffusers_folder(path: str | Path | None, card_id: str, components: di
         elif kind == "processor":
             if not any((folder / f).is_file() for f in PROCESSOR_FILES):
                 missing.append(f"{sub}/preprocessor_config.json")
-    if missing or unreadable:
-        parts = ([f"missing: {'; '.join(missing)}"] if missing else []) + (
-            [f"unreadable: {'; '.join(unreadable)}"] if unreadable else [])
-        raise FileNotFoundError(f"{card_id}: the diffusers folder {root} is incomplete; {'; '.join(parts)}")
-    return root
+    return ([f"missing: {'; '.join(missing)}"] if missing else []) + (
+        [f"unreadable: {'; '.join(unreadable)}"] if unreadable else [])
 
 
 def safetensors_problem(path: Path) -> str | None:

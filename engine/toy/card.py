@@ -160,7 +160,9 @@ def weights_file_problem(spec: ToyCardSpec, file: Path) -> str | None:
     with safe_open(str(file), framework="pt") as f:
         meta = f.metadata() or {}
     if meta.get("format") != spec.format:
-        return f"not a {spec.card_id} weights file (format={meta.get('format')!r}, expected {spec.format!r})"
+        owner = [other.card_id for other in SPECS.values() if other.format == meta.get("format")]
+        return (f"not a {spec.card_id} weights file (format={meta.get('format')!r}, expected {spec.format!r})"
+                + (f"; it is a weights file of card {owner[0]!r}" if owner else ""))
     return None
 
 

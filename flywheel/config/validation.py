@@ -351,14 +351,12 @@ def check_eval(cfg, checks: ConfigChecks) -> None:
                    "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
     checks.require("eval.stop_on_hacking", lambda v: v >= 0, "must be an integer >= 0 (0 = off)")
     for name in [n.strip() for n in cfg.eval.judges.split(",") if n.strip()]:
-        from rewards.registry import available
+        from rewards.registry import available, check_scorer
 
         if name not in available():
             checks.fail(f"eval.judges names {name!r}, which is not a registered scorer; known: "
                         f"{', '.join(available())}")
             continue
-        from rewards.registry import check_scorer
-
         try:  # its folder or address (judges are built from the environment alone: no arguments)
             check_scorer(name)
         except (ValueError, OSError) as e:

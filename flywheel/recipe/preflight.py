@@ -231,13 +231,18 @@ def check_rewards(cfg, checks: ConfigChecks) -> None:
             _probe_vlm_server(cfg, kwargs, checks)
 
 
+def probe_seconds(cfg) -> float:
+    """How long a probe of a reward's server may take: REMOTE_PROBE_S, or reward.timeout_s when that is shorter."""
+    return min(REMOTE_PROBE_S, cfg.reward.timeout_s) if cfg.reward.timeout_s > 0 else REMOTE_PROBE_S
+
+
 def _probe_vlm_server(cfg, kwargs: dict, checks: ConfigChecks) -> None:
     """The vlm_judge's OpenAI-compatible server lists its models within REMOTE_PROBE_S (the judge asks for them
     when built without model=..., which used to fail after the run directory was written; with a model given,
     an unreachable server masked every reward until reward.max_masked_steps stopped the run)."""
     from rewards.vlm_judge import VlmJudge
 
-    probe_s = min(REMOTE_PROBE_S, cfg.reward.timeout_s) if cfg.reward.timeout_s > 0 else REMOTE_PROBE_S
+    probe_s = probe_seconds(cfg)
     try:
         # model= given, so building asks nothing; the probe is the one listing below, bounded by probe_s.
         judge = VlmJudge(**{**kwargs, "model": kwargs.get("model") or "probe", "timeout_s": probe_s})
@@ -250,7 +255,7 @@ def _probe_vlm_server(cfg, kwargs: dict, checks: ConfigChecks) -> None:
 
 def _probe_remote(cfg, name: str, kwargs: dict, checks: ConfigChecks) -> None:
     """GET /health of a remote: reward once, within REMOTE_PROBE_S of wall clock (no retries)."""
-    probe_s = min(REMOTE_PROBE_S, cfg.reward.timeout_s) if cfg.reward.timeout_s > 0 else REMOTE_PROBE_S
+    probe_s = probe_seconds(cfg)
     try:
         get(name, **{**kwargs, "timeout_s": probe_s, "budget_s": probe_s, "retries": 0,
                      "health_timeout_s": probe_s})
