@@ -237,3 +237,30 @@ def test_image_grid_rgb_nrow_clamp():
 def test_image_grid_bad_shape():
     with pytest.raises(ValueError, match="C = 1 or 3"):
         make_image_grid(torch.zeros(2, 2, 8, 8))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("garbage", "line 1 is not valid JSON"),  # no row at all: not a killed writer's partial line
+    ('{"step": 0}\nnot a row', "line 2 is not valid JSON"),
+    ('{"step": 0}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
+    ('7\n', "line 1 is a JSON int, not an object"),
+])
+def test_metrics_that_are_not_rows_are_an_error_not_an_empty_run(tmp_path, text, message):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_metrics(path)
+
+
+def test_metrics_log_does_not_cut_a_last_line_it_did_not_begin(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\ngarbage')
+    with pytest.raises(ValueError, match="the last line is not a metrics row"):
+        MetricsLog(path)
+    assert path.read_text() == '{"step": 0}\ngarbage'  # nothing lost
+
+
+def test_metrics_partial_row_of_a_killed_writer_is_still_ignored(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1, "rew')
+    assert read_metrics(path) == [{"step": 0}]

@@ -157,6 +157,9 @@ def test_a_run_just_started_or_with_empty_metrics_shows_dashes(tmp_path, capsys)
     (lambda p: (p.mkdir(), (p / "notes.txt").write_text("x")), "is not a run directory"),
     (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')),
      "metrics.jsonl: cannot read the metrics"),
+    # one line of garbage: not a killed writer's partial row, so not a run with no rows (it showed as 0/2)
+    (lambda p: (p.mkdir(), (p / "config.yaml").write_text("steps: 2\n"), (p / "metrics.jsonl").write_text("garbage")),
+     "line 1 is not valid JSON"),
     (lambda p: (p.mkdir(), (p / "config.yaml").write_text("steps: 2\n"), (p / "run.json").write_text("[1]")),
      "run.json: expected a JSON object"),
 ])

@@ -140,8 +140,10 @@ def _metrics_file(path: str | os.PathLike) -> Path:
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Read metrics.jsonl (or a run dir's) into a list of dicts; [] if it does not exist.
 
-    A last line that does not parse is ignored: a process killed mid-write can
-    leave one. A bad line anywhere else is corruption and raises ValueError.
+    A last line that does not parse but begins as a row does ("{") is ignored:
+    a process killed mid-write can leave one. Any other line that is not a
+    JSON object is corruption (or not a metrics file) and raises ValueError,
+    so a garbage file is not read as a run with no rows.
     """
     path = _metrics_file(path)
     if not path.exists():
@@ -152,11 +154,15 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
-            if all(not rest.strip() for rest in lines[i + 1:]):
+            if line.lstrip().startswith("{") and all(not rest.strip() for rest in lines[i + 1:]):
                 break  # trailing partial line of a killed writer
             raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e}): {line[:200]!r}") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {i + 1} is a JSON {type(row).__name__}, not an object "
+                             f"(each line of metrics.jsonl is one row, {{\"step\": ..., ...}}): {line[:200]!r}")
+        rows.append(row)
     return rows
 
 
@@ -185,6 +191,8 @@ class MetricsLog:
         if not data or data.endswith(b"\n"):
             return
         cut = data.rfind(b"\n") + 1
+        if not data[cut:].lstrip().startswith(b"{"):  # not a row this writer began: cut nothing, say so
+            raise ValueError(f"{self.path}: the last line is not a metrics row: {data[cut:cut + 200]!r}")
         try:
             complete = isinstance(json.loads(data[cut:]), dict)
         except ValueError:
