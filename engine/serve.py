@@ -207,7 +207,9 @@ def parse_generate(body: object, default_card: str, max_images: int,
             raise BadRequest(f"field 'sde_window' must be a [start, end] pair of integers, got {window}")
     if body.get("sampler") == "ode":
         # The ODE draws no noise: a noise field sent with it would be ignored, so the caller hears of it here.
-        ignored = [name for name in ("noise_level", "audio_noise_level", "sde_window") if body.get(name) is not None]
+        # A level of 0 is what the ODE uses, and GenerationRequest accepts it, so the server does too.
+        ignored = [name for name in ("noise_level", "audio_noise_level") if body.get(name) not in (None, 0)]
+        ignored += ["sde_window"] if body.get("sde_window") is not None else []
         if ignored:
             raise BadRequest(f"field(s) {', '.join(ignored)} with sampler 'ode': the ODE draws no noise, so "
                              f"{'it' if len(ignored) == 1 else 'they'} would be ignored; drop "

@@ -116,6 +116,8 @@ BAD_INPUTS = [
      "field(s) noise_level with sampler 'ode': the ODE draws no noise, so it would be ignored"),
     ({"prompt": "x", "sampler": "ode", "sde_window": [0, 2], "audio_noise_level": 0.3}, 400,
      "field(s) audio_noise_level, sde_window with sampler 'ode'"),
+    ({"prompt": "x", "sampler": "ode", "noise_level": 0, "sde_window": [0, 2]}, 400,
+     "field(s) sde_window with sampler 'ode'"),
     ("null", 400, "JSON object"),
     ('{"prompt": "x", "noise_level": NaN}', 400, "must be finite"),
     ("\xff\xfe", 400, "not valid JSON"),
@@ -333,3 +335,15 @@ def test_post_weights_loads_a_safetensors_file_and_later_requests_use_it(tmp_pat
     expected = Engine(fresh).generate([GenerationRequest(prompt="the digit 4", seed=3, steps=4, sampler="ode")])
     latents = load_safetensors(base64.b64decode(after["tensors"]))["latents"]
     assert after["weight_version"] == 1 and torch.equal(latents, expected.latents)
+
+
+def test_an_ode_request_with_noise_level_zero_is_served_as_python_takes_it():
+    # GenerationRequest(sampler="ode", noise_level=0) is valid (0 is the ODE's level); the server refused it.
+    from engine.serve import parse_generate
+
+    requests, _ = parse_generate({"prompt": "a 3", "sampler": "ode", "noise_level": 0, "n": 2}, "toy-digits", 4)
+    assert [(r.prompt, r.seed, r.sampler, r.noise_level, r.card) for r in requests] == [
+        ("a 3", 0, "ode", 0, "toy-digits"), ("a 3", 1, "ode", 0, "toy-digits")]
+    (audio,), _ = parse_generate({"prompt": "a 3", "sampler": "ode", "audio": True, "audio_noise_level": 0.0},
+                                 "toy-digits", 4)
+    assert audio.audio_noise_level == 0.0
