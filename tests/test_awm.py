@@ -15,6 +15,7 @@ from flywheel.runs.config import ConfigError, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.awm import ANCHOR_PREFIX, Config, ema_anchor, main, validate_config
 
+from launched import run_process_group
 from recipe_kill import checkpoint, dotted_keys, negate_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def test_reward_and_judge_rise_and_negated_advantages_make_the_reward_fall(tmp_p
 
 def test_accelerate_launch_runs_and_writes_the_shared_metric_keys(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+    out = run_process_group([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/awm.py", "steps=2",
                           "eval.every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL, "eval.seeds=1",
                           "train.kl_beta=0.01"],

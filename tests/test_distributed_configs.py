@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from flywheel.runs.checkpoint import latest_checkpoint
 from flywheel.runs.rundir import read_metrics
+from launched import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,7 @@ def launch(config: Path, run_dir: Path, folder: Path, prompts: Path, *extra: str
             "sampling.height=32", "sampling.width=32", "reward.scorers=jpeg_compressibility:1.0", "eval.every=1000",
             "sample_every=1000", "train.learning_rate=1e-3", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    return run_process_group(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
 def check_run(result, run_dir: Path) -> dict:

@@ -14,6 +14,7 @@ from flywheel.runs.rundir import read_metrics
 from trainers.dpo import Config, main, validate_config
 
 from recipe_kill import checkpoint, dotted_keys
+from launched import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "eval.seeds=2", "save_every=1000", "sample_every=1000"]
@@ -54,7 +55,7 @@ def test_reward_and_judge_rise_and_swapped_pairs_make_the_reward_fall(tmp_path):
 @pytest.mark.slow
 def test_accelerate_launch_with_lora_writes_the_shared_metric_keys(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+    out = run_process_group([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/dpo.py", "steps=2",
                           "eval.every=2", "save_every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
                           "eval.seeds=1", "model.finetune=lora", "train.learning_rate=1e-3"],

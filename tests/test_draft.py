@@ -4,7 +4,6 @@ two ranks."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from trainers.draft import (Config, DraftConfig, draft_loss, grad_paths, one_ste
 from trainers.draft import main
 
 from recipe_kill import checkpoint, without_timings
+from launched import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["tracker=none", "eval.seeds=2", "save_every=1000", "sample_every=1000"]
@@ -314,7 +314,7 @@ def test_two_processes_train_as_one(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29537",
            str(ROOT / "trainers" / "draft.py"), f"run_dir={tmp_path / 'two'}", *QUICK, *args]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
+    out = run_process_group(cmd, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     double = read_metrics(tmp_path / "two" / "metrics.jsonl")
     # Step 1 rolls out the same weights on the same seeds; each rank's grad path reward is its half's.

@@ -23,6 +23,7 @@ from engine import Engine, GenerationRequest, get_card, list_cards, load_model
 from flywheel.lora import adapters_disabled, add_lora
 from flywheel.runs.checkpoint import latest_checkpoint
 from flywheel.runs.rundir import read_metrics
+from launched import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = ("flux2-klein", "z-image", "wan2.2-t2v")
@@ -435,7 +436,7 @@ def test_wan22_lora_trains_under_ddp_with_two_processes(folders, prompts_file, t
            str(ROOT / "trainers" / "grpo.py"),
            *grpo_args("wan2.2-t2v", folders["wan2.2-t2v"], run_dir, prompts_file, "train.kl_beta=0", "train.log_kl=false")]
     cmd[cmd.index("steps=3")] = "steps=2"
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    out = run_process_group(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.grpo import Config, main, validate_config
 
+from launched import run_process_group
 from recipe_kill import negate_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_two_processes_draw_the_same_samples_as_one(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531",
            str(ROOT / "trainers" / "grpo.py"), f"run_dir={tmp_path / 'two'}", *QUICK, *args]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
+    run_process_group(cmd, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
     double = read_metrics(tmp_path / "two" / "metrics.jsonl")
     # Step 1 rolls out the same weights on the same seeds: identical rewards.
     assert double[1]["reward/mean"] == pytest.approx(single[1]["reward/mean"], abs=1e-6)

@@ -15,6 +15,7 @@ from flywheel.runs.config import ConfigError, apply_overrides, parse_config
 from flywheel.runs.rundir import read_metrics
 from trainers.nft import Config, main, validate_config
 
+from launched import run_process_group
 from recipe_kill import checkpoint, dotted_keys, negate_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +186,7 @@ def test_lora_trains_only_the_adapter_and_its_sampling_policy_is_an_adapter_too(
 
 def test_accelerate_launch_runs_the_recipe(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+    out = run_process_group([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/nft.py", "steps=2",
                           "eval.every=2", f"run_dir={tmp_path / 'launched'}", *QUICK, *SMALL,
                           "train.timesteps_per_sample=2"],
@@ -232,7 +233,7 @@ def test_two_processes_that_keep_different_numbers_of_samples_take_the_same_opti
            "reward.scorers=half_masked:1.0", "train.downsample_fraction=0.5", "train.minibatch_size=2",
            "train.gradient_accumulation_steps=1", "train.timesteps_per_sample=1"]
     # The run takes about 10 s; the minibatches of the kept rows alone hung until this timeout.
-    out = subprocess.run(cmd, cwd=ROOT, env=env, timeout=180, capture_output=True, text=True)
+    out = run_process_group(cmd, cwd=ROOT, env=env, timeout=180, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]

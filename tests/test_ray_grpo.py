@@ -9,6 +9,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.
 from flywheel.runs.rundir import read_metrics  # noqa: E402
 from recipe_kill import without_timings  # noqa: E402
 from trainers.grpo import main  # noqa: E402
+from launched import run_process_group
 
 QUICK = ["tracker=none", "steps=3", "data.prompts_per_step=4", "data.group_size=8", "eval.seeds=1",
          "eval.every=1000", "save_every=1000", "sample_every=1000"]
@@ -79,7 +80,7 @@ def test_under_accelerate_launch_each_rank_drives_its_replicas_and_the_run_equal
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--main_process_port", "0", str(root / "trainers" / "grpo.py"), f"run_dir={tmp_path / name}",
                *args, *extra]
-        subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, cwd=root)
+        run_process_group(cmd, env=env, check=True, timeout=300, capture_output=True, cwd=root)
         return read_metrics(tmp_path / name / "metrics.jsonl")
 
     try:

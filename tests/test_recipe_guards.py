@@ -19,6 +19,7 @@ from flywheel.prompts import load_prompts
 from flywheel.runs.rundir import read_metrics
 from rewards import registry
 from trainers.grpo import Config, main, validate_config
+from launched import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["tracker=none", "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4",
@@ -100,7 +101,7 @@ def test_config_errors_stop_before_the_run_dir_is_touched(tmp_path):
 
 def test_under_accelerate_launch_the_config_error_is_the_last_thing_printed(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+    out = run_process_group([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
                           "trainers/grpo.py",
                           "save_every=0", "tracker=none", f"run_dir={tmp_path / 'r'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

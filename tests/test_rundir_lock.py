@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.runs.rundir import LOCK_FILENAME, RunDir, RunDirInUseError, RunDirLock
+from launched import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -102,7 +103,7 @@ def test_under_two_ranks_a_held_run_dir_stops_both_without_a_hang(tmp_path):
     at the next collective."""
     holder = hold_lock(tmp_path / "run")
     try:
-        out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+        out = run_process_group([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                               str(ROOT / "trainers" / "grpo.py"), f"run_dir={tmp_path / 'run'}", "tracker=none",
                               "steps=1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
