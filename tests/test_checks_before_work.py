@@ -87,6 +87,12 @@ CASES = {
     "vlm judge server down": (["reward.scorers=vlm_judge:1", "reward.args={vlm_judge: {base_url: 'http://127.0.0.1:9/v1'}}"],
                               "reward.scorers", "vlm_judge's server is not reachable (vlm_judge could not list the "
                                                 "models of http://127.0.0.1:9/v1"),
+    # A judge's server was not probed: the run dir was written and the base evaluation failed on it.
+    "vlm judge as a judge, server down": (["eval.judges=vlm_judge"], "eval.judges",
+                                          "vlm_judge's server is not reachable (vlm_judge could not list the models "
+                                          "of http://127.0.0.1:9/v1"),
+    "vlm judge as a judge without a server": (["eval.judges=vlm_judge"], "eval.judges",
+                                              "vlm_judge needs the server's base URL"),
     "model.path empty": (["model.path="], "model.path", "is empty"),
     "model.path missing": (["model.path=/nonexistent/toy.safetensors"], "model.path", "does not exist"),
     # Before: the toy loader's FileNotFoundError traceback; a message naming "[Errno 21] Is a directory: '.'".
@@ -215,6 +221,8 @@ def test_a_bad_input_is_refused_before_anything_is_written(case, tmp_path, capsy
     for unset in ("FLYWHEEL_PICKSCORE_PATH", "FLYWHEEL_HPSV3_PATH", "FLYWHEEL_VLM_URL", "FLYWHEEL_VLM_MODEL"):
         monkeypatch.delenv(unset, raising=False)
     monkeypatch.setenv("FLYWHEEL_CLIP_PATH", str(tmp_path / "no-clip"))
+    if case == "vlm judge as a judge, server down":  # judges are built from the environment alone
+        monkeypatch.setenv("FLYWHEEL_VLM_URL", "http://127.0.0.1:9/v1")
     run_dir = tmp_path / "run"
     message, _ = refused([f"run_dir={run_dir}", *FAST, *overrides], capsys)
     assert_nothing_written(run_dir)

@@ -17,8 +17,8 @@ from typing import Any
 from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
-from flywheel.recipe.preflight import (check_bounds, check_minibatches, check_model_path, check_reward_keys,
-                                       check_rewards, check_run_dir, warn, warn_prompts_per_step)
+from flywheel.recipe.preflight import (check_bounds, check_judge_servers, check_minibatches, check_model_path,
+                                       check_reward_keys, check_rewards, check_run_dir, warn, warn_prompts_per_step)
 from flywheel.runs.compare import format_config_value
 from rewards.registry import parse_spec_targets, prompt_coverage
 
@@ -413,6 +413,7 @@ def check_environment(cfg, checks: ConfigChecks) -> None:
     check_run_dir(cfg, checks)
     check_model_path(cfg, checks)
     check_rewards(cfg, checks)
+    check_judge_servers(cfg, checks)
 
 
 def card_flag(card: str, name: str) -> bool:

@@ -228,7 +228,20 @@ def check_rewards(cfg, checks: ConfigChecks) -> None:
         if name.startswith(REMOTE):
             _probe_remote(cfg, name, kwargs, checks)
         elif name == "vlm_judge" and not remote_workers:
-            _probe_vlm_server(cfg, kwargs, checks)
+            _probe_vlm_server(cfg, kwargs, checks, f"reward.scorers={cfg.reward.scorers!r}")
+
+
+def check_judge_servers(cfg, checks: ConfigChecks) -> None:
+    """A vlm_judge among eval.judges answers as a reward's does (`_probe_vlm_server`; its folder-free checks ran
+    with the eval keys). Before, a judge whose server was down passed, and the first evaluation failed on it."""
+    names = [n.strip() for n in cfg.eval.judges.split(",") if n.strip()]
+    if "vlm_judge" not in names:
+        return
+    try:
+        check_scorer("vlm_judge")
+    except (ValueError, OSError):
+        return  # no base URL: reported by the eval keys' check
+    _probe_vlm_server(cfg, {}, checks, f"eval.judges={cfg.eval.judges!r}")
 
 
 def probe_seconds(cfg) -> float:
@@ -236,7 +249,7 @@ def probe_seconds(cfg) -> float:
     return min(REMOTE_PROBE_S, cfg.reward.timeout_s) if cfg.reward.timeout_s > 0 else REMOTE_PROBE_S
 
 
-def _probe_vlm_server(cfg, kwargs: dict, checks: ConfigChecks) -> None:
+def _probe_vlm_server(cfg, kwargs: dict, checks: ConfigChecks, key: str) -> None:
     """The vlm_judge's OpenAI-compatible server lists its models within REMOTE_PROBE_S (the judge asks for them
     when built without model=..., which used to fail after the run directory was written; with a model given,
     an unreachable server masked every reward until reward.max_masked_steps stopped the run)."""
@@ -248,7 +261,7 @@ def _probe_vlm_server(cfg, kwargs: dict, checks: ConfigChecks) -> None:
         judge = VlmJudge(**{**kwargs, "model": kwargs.get("model") or "probe", "timeout_s": probe_s})
         judge._first_model()
     except Exception as e:  # noqa: BLE001  (any failure of the probe is the same answer: not usable)
-        checks.fail(f"reward.scorers={cfg.reward.scorers!r}: vlm_judge's server is not reachable "
+        checks.fail(f"{key}: vlm_judge's server is not reachable "
                     f"({' '.join(str(e).split('; pass model=')[0].split())}); start it (vLLM or SGLang, OpenAI "
                     "API) or fix base_url")
 
