@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import select
 import signal
@@ -236,6 +237,20 @@ def interrupted_message(how: str, run_dir: str | None, script: str) -> str:
             f"`python {script} resume={run_dir}`")
 
 
+def disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, is ENOSPC: an OSError with that errno, or safetensors'
+    SafetensorError, which carries the OS error only in its text ("No space left on device (os error 28)")."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if type(error).__name__ == "SafetensorError" and f"(os error {errno.ENOSPC})" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Call a recipe's `main()`; exit 2 with the message alone on a usage error (a bad config, a used run
     dir, a refused resume), 3 when the run trained nothing (everything saved); leave gloo ranks cleanly."""
@@ -258,7 +273,12 @@ def run_main(main: Callable[[], object]) -> None:
         if e.code != 128 + signal.SIGTERM:
             raise
         _end_interrupted("SIGTERM", e.code)
-    except Exception:
+    except Exception as e:
+        if disk_full(e):
+            # Every write of the run dir is atomic (temporary name, then rename): what was written before is
+            # whole, so the line says where space ran out and how to go on, not a traceback into safetensors.
+            _end_stopped(f"error: no space left on the device of the run directory ({_opened_run_dir}): "
+                         f"{' '.join(str(e).split())}; free space there or give another run_dir")
         if not _distributed_rank():
             raise
         traceback.print_exc()  # as the interpreter would, then leave without freeing the process group

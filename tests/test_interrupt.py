@@ -176,3 +176,46 @@ def test_a_multi_process_session_keeps_its_wrapped_transformer_until_exit(proces
     monkeypatch.setattr(cli, "_kept_until_exit", [])
     run.prepare(SimpleNamespace(transformer=object()), "optimizer")
     assert (cli._kept_until_exit == [wrapped]) is kept
+
+
+def _disk_full_safetensors():
+    from safetensors import SafetensorError
+
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _wrapped_enospc():
+    try:
+        raise OSError(28, "No space left on device", "metrics.jsonl")
+    except OSError as e:
+        try:
+            raise RuntimeError("could not append the row") from e
+        except RuntimeError as outer:
+            return outer
+
+
+@pytest.mark.parametrize("make", [lambda: OSError(28, "No space left on device", "best/weights.safetensors"),
+                                  _disk_full_safetensors, _wrapped_enospc])
+def test_a_full_disk_ends_on_one_line_with_what_was_kept(make, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_000004" / "manifest.json").write_text("{}")
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    monkeypatch.setattr(cli, "_opened_run_dir", str(run))
+    exc = make()
+    with pytest.raises(SystemExit) as stop:
+        cli.run_main(_raise(exc))
+    assert stop.value.code == cli.RUN_STOPPED_EXIT
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first.startswith(f"error: no space left on the device of the run directory ({run}): ")
+    assert first.endswith("free space there or give another run_dir")
+    assert second.startswith(f"the newest checkpoint is {run / 'checkpoints' / 'step_000004'}")
+
+
+@pytest.mark.parametrize("exc", [OSError(13, "Permission denied"), ValueError("os error 28"),
+                                 RuntimeError("No space left on device (os error 28)")])
+def test_other_errors_are_not_taken_for_a_full_disk(exc, monkeypatch):
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    assert not cli.disk_full(exc)
+    with pytest.raises(type(exc)):
+        cli.run_main(_raise(exc))
