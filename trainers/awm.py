@@ -63,7 +63,7 @@ from flywheel.recipe.ema import (ANCHOR_PREFIX, EMAAnchored, WeightEMA,  # noqa:
                                  checkpointed_anchor)
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy
+from flywheel.recipe.policy import Policy, fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig
@@ -162,6 +162,11 @@ def validate_config(cfg: Config) -> None:
     check_switched_keys(cfg, checks, AWM_SWITCHED_KEYS)
     check_layout_options(cfg, checks)  # async, Ray, workflow: the table of what combines
     tc = cfg.train
+    if fsdp_requested() and tc.anchor_beta > 0:
+        # The anchor's forward swaps whole EMA tensors into the trained parameters, which FSDP holds as shards.
+        checks.fail(f"train.anchor_beta={tc.anchor_beta} with an FSDP launch: the EMA anchor swaps whole weights "
+                    "into the trained module, which FSDP shards; set train.anchor_beta=0, or launch with DDP "
+                    "(or one process)")
     checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1")
     checks.require("train.timestep_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]")
     checks.require("train.uniform_t_min", lambda v: 0 <= v < 1, "must be in [0, 1)")
@@ -329,8 +334,8 @@ class EMAAnchor:
     `WeightEMA`, the one ema.enabled uses; the anchor adds its own decay schedule
     and its velocity: the trained module's with the EMA values swapped in for
     one no-grad forward (`Policy.weights_swapped`), so neither LoRA nor full
-    fine-tuning keeps a second copy of the model. (Not for FSDP-sharded
-    parameters.) Its tensors are checkpointed for an exact resume.
+    fine-tuning keeps a second copy of the model (so an FSDP launch refuses it:
+    the parameters are shards there). Its tensors are checkpointed for an exact resume.
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]):

@@ -48,7 +48,6 @@ Deviations from the papers, each on purpose:
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from engine.sampling import ode_step
 from flywheel.cli import run_main
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import EMAAnchored, WeightEMA, checkpointed_anchor
-from flywheel.recipe.policy import Policy
+from flywheel.recipe.policy import Policy, fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig
@@ -217,7 +216,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.workflow.name:
         checks.fail(f"workflow.name={cfg.workflow.name!r}: DRaFT differentiates the trained card's own sampler "
                     "and decoder only; unset workflow.name")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if fsdp_requested():
         checks.fail("FSDP launch: not supported by DRaFT here (not tested); launch with DDP (or one process)")
     check_differentiable_rewards(cfg, checks)
     checks.raise_if_any()

@@ -46,7 +46,6 @@ docs/recipes/nft.md; the toy default's tuning: docs/tuning_nft.md.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy
+from flywheel.recipe.policy import Policy, fsdp_requested
 from flywheel.recipe.preflight import optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
@@ -511,7 +510,7 @@ def validate_config(cfg: Config) -> None:
     check_switched_keys(cfg, checks, NFT_SWITCHED_KEYS)
     check_beta_acts(cfg, checks)
     check_layout_options(cfg, checks, serve="swapped")  # the engine serves theta_old: async, Ray, workflow refused
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if fsdp_requested():
         checks.fail("FSDP launch: DiffusionNFT's sampling policy is a whole copy of the trainable weights, which "
                     "FSDP shards; launch with DDP (or one process)")
     checks.require("sampling.guidance_scale", lambda v: v == 1.0,

@@ -162,9 +162,7 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
             torch.manual_seed(cfg.seed)
             add_lora(transformer, mc.lora_rank, mc.lora_alpha, lora_targets(cfg), init=mc.lora_init)
         if reference:
-            def ref_velocity(x, t, cond, uncond_cond=None, g=1.0):  # the base model = adapter switched off
-                with adapters_disabled(transformer):
-                    return guided_velocity(model, transformer, x, t, cond, uncond_cond, g)
+            ref_velocity = AdapterOffVelocity(model, transformer)
     else:
         transformer.requires_grad_(True)
         if reference:
@@ -177,6 +175,22 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
     # Still before the run directory exists.
     check_step_size(cfg.train.learning_rate, cfg.train.max_grad_norm, named_params)
     return Policy(model, named_params, ref_velocity, card_defaults)
+
+
+class AdapterOffVelocity:
+    """A LoRA run's reference velocity: the base model's, the trained module with its adapters switched off
+    (no second copy of the weights).
+
+    `forward_module` is what the forward calls: the trained module itself, or, under FSDP, its wrapper
+    (`RecipeRun.prepare` sets it), whose forward gathers the sharded base weights: outside the wrapper, and
+    outside the rollouts' gather, the module holds only this rank's flat shards."""
+
+    def __init__(self, model, transformer: torch.nn.Module):
+        self.model, self.transformer, self.forward_module = model, transformer, transformer
+
+    def __call__(self, x, t, cond, uncond_cond=None, g: float = 1.0) -> torch.Tensor:
+        with adapters_disabled(self.transformer):
+            return guided_velocity(self.model, self.forward_module, x, t, cond, uncond_cond, g)
 
 
 def train_chosen_experts(transformer, experts: str | None) -> None:
@@ -205,8 +219,7 @@ def fsdp_not_applied(accelerator) -> str | None:
     plain data parallelism, every rank holding the whole model. None when FSDP runs or was not asked for."""
     from accelerate.utils import DistributedType
 
-    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if not asked or accelerator.distributed_type == DistributedType.FSDP:
+    if not fsdp_requested() or accelerator.distributed_type == DistributedType.FSDP:
         return None
     return (f"the accelerate config asks for FSDP, but accelerate applies it on GPUs only: this run is "
             f"{accelerator.distributed_type.value} data parallelism, every rank holding the whole model and its "
@@ -230,3 +243,40 @@ def fsdp_full_params(accelerator, module):
         raise ValueError("the FSDP recipe path needs FSDP version 1 (fsdp_version: 1 in the accelerate config, "
                          "see configs/accelerate/fsdp.yaml)")
     return lambda: FullyShardedDataParallel.summon_full_params(module, writeback=False)
+
+
+def fsdp_requested() -> bool:
+    """Whether `accelerate launch` was given an FSDP config (it sets ACCELERATE_USE_FSDP): known before the
+    Accelerator exists, for the recipes' checks before work."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def uses_fsdp(accelerator) -> bool:
+    """Whether accelerate shards this run's model with FSDP (known before `prepare`)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def fsdp_optimizer_state(module, optimizer: torch.optim.Optimizer) -> dict:
+    """The full optimizer state of an FSDP-wrapped `module`, each parameter named by its FQN in the unwrapped
+    module (the names of `Policy.named_params`), gathered to the main process on the CPU (the other ranks get
+    {}). A collective: every rank calls it. Each rank's own optimizer state holds only its flat shards, which
+    a checkpoint of the main process's state would save as if they were the parameters (and a resume would
+    then fail on their sizes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    # Offloaded to the CPU on an accelerator (no rank holds the whole state in device memory). Not on a CPU
+    # run: there torch 2.13's offload keeps the gather's reused buffer, so every state tensor of a parameter
+    # (exp_avg, exp_avg_sq) comes back as the same tensor, the last one gathered.
+    on_cpu = next(module.parameters()).device.type == "cpu"
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=not on_cpu))
+
+
+def load_fsdp_optimizer_state(module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a full, named optimizer state (`fsdp_optimizer_state`'s, or a plain run's checkpoint) into the
+    shards of this rank. Every rank calls it with the whole state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))

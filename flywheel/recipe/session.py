@@ -44,10 +44,12 @@ from flywheel.recipe.best import LORA_DIRNAME, WEIGHTS_FILENAME, BestCheckpoint
 from flywheel.recipe.ema import WeightEMA, first_ema_move, train_ema_decay
 from flywheel.recipe.hacking_stop import HackingStop
 from flywheel.recipe.preflight import warn
-from flywheel.recipe.policy import Policy, build_policy, fsdp_full_params, fsdp_not_applied, make_optimizer
+from flywheel.recipe.policy import (AdapterOffVelocity, Policy, build_policy, fsdp_full_params, fsdp_not_applied,
+                                    fsdp_optimizer_state, load_fsdp_optimizer_state, make_optimizer, uses_fsdp)
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.sections import eval_request_kwargs
-from flywheel.runs.checkpoint import CheckpointError, load_checkpoint, load_trainable, save_checkpoint
+from flywheel.runs.checkpoint import (CheckpointError, check_optimizer_names, load_checkpoint, load_trainable,
+                                      read_optimizer_state, save_checkpoint)
 from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
@@ -92,6 +94,10 @@ class RecipeRun:
         self.best: BestCheckpoint | None = None  # best/, kept by the main process once train() starts
         self.hacking_stop = HackingStop(0)
         self.full_params = None
+        # Under FSDP the checkpoint's optimizer state is loaded into the shards once `prepare` has made them.
+        self._optimizer_state_to_shard: dict | None = None
+        self._resumed_lr: float | None = None  # a learning rate the resume changed (it outranks the checkpoint's)
+        self.train_transformer = None  # the prepared (DDP/FSDP-wrapped) transformer, once `prepare` ran
 
     @property
     def is_main(self) -> bool:
@@ -148,13 +154,18 @@ class RecipeRun:
                                   json.dumps({"recipe": self.recipe, "card": cfg.model.card}) + "\n")
             self.ema = self._start_ema(policy, None)
             return
+        sharded = uses_fsdp(self.accelerator)
         try:
             # resolve_resume verified its checksums a moment ago; load checks names, sizes and finiteness.
-            state, trainer_state = load_checkpoint(cfg.resume, optimizer=optimizer, named_params=policy.named_params,
-                                                   checksums=False)
+            state, trainer_state = load_checkpoint(cfg.resume, optimizer=None if sharded else optimizer,
+                                                   named_params=policy.named_params, checksums=False)
             trained = {k: v for k, v in state.items() if not k.startswith((RECIPE_TENSOR_PREFIX, EMA_TENSOR_PREFIX))}
             load_trainable(policy.named_params, trained, cfg.resume)  # strict: every trained tensor, nothing else
-        except CheckpointError as e:
+            if sharded:  # the whole state, by name, for `prepare` to load into this rank's shards
+                self._optimizer_state_to_shard = read_optimizer_state(cfg.resume)
+                check_optimizer_names(cfg.resume, self._optimizer_state_to_shard,
+                                      [[n for n, _ in policy.named_params]])
+        except (CheckpointError, ValueError) as e:
             raise ResumeError(" ".join(f"resume={cfg.resume}: {e}".split())) from None
         self.recipe_tensors = _with_prefix(state, RECIPE_TENSOR_PREFIX)
         ema_state = _with_prefix(state, EMA_TENSOR_PREFIX)
@@ -163,9 +174,8 @@ class RecipeRun:
         self.trainer_state = trainer_state
         # The keys the command line changed (resume_config allowed each): they take effect, and are recorded.
         changes = resume_changes(cfg)
-        if "train.learning_rate" in changes:  # the checkpoint's param_groups brought the run's learning rate back
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.train.learning_rate
+        self._resumed_lr = cfg.train.learning_rate if "train.learning_rate" in changes else None
+        self._set_resumed_lr(optimizer)
         if changes and self.is_main:
             record_resume(cfg, self.start_step, changes)
             listed = ", ".join(f"{key}={now!r} (was {was!r})" for key, (was, now) in changes.items())
@@ -202,6 +212,12 @@ class RecipeRun:
             ema.load_state_dict(checkpointed)
         return ema
 
+    def _set_resumed_lr(self, optimizer) -> None:
+        """A learning rate the resume changed replaces the one the checkpoint's param_groups brought back."""
+        if self._resumed_lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = self._resumed_lr
+
     def trained_policy(self, reference: bool):
         """The policy every recipe trains, ready for the launch: built on this run's device (with a frozen
         reference when `reference`), its optimizer from cfg.train, both resumed from the checkpoint (if any),
@@ -221,7 +237,15 @@ class RecipeRun:
         # FSDP shards model.transformer's parameters in place; the engine's rollouts (and checkpoints)
         # need them whole: gather them for the duration, on every rank (the gather is a collective).
         self.full_params = fsdp_full_params(self.accelerator, train_transformer)
+        if uses_fsdp(self.accelerator) and isinstance(policy.ref_velocity, AdapterOffVelocity):
+            policy.ref_velocity.forward_module = train_transformer  # the wrapper gathers the base weights
+        if self._optimizer_state_to_shard is not None:
+            raw = getattr(optimizer, "optimizer", optimizer)
+            load_fsdp_optimizer_state(train_transformer, raw, self._optimizer_state_to_shard)
+            self._set_resumed_lr(raw)
+            self._optimizer_state_to_shard = None
         self.policy, self.optimizer = policy, optimizer
+        self.train_transformer = train_transformer
         return train_transformer, optimizer
 
     # --- the blocks the training loop (flywheel/recipe/training_loop.py) uses ------------------------
@@ -400,16 +424,21 @@ class RecipeRun:
         the EMA average: the trained weights stay the ones a resume continues from)."""
         if self.cfg.eval.stop_on_hacking:  # the streak continues across a resume
             trainer_state = {**trainer_state, **self.hacking_stop.state()}
+        raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        # Under FSDP each rank's optimizer holds its flat shards: the checkpoint holds the gathered whole, named
+        # as a plain run's (a collective, outside the parameters' gather).
+        gathered = fsdp_optimizer_state(self.train_transformer, raw_optimizer) if uses_fsdp(self.accelerator) else None
         with self.full_params():
             if self.is_main:
                 tensors = {n: p.detach() for n, p in self.policy.named_params}
                 tensors.update({RECIPE_TENSOR_PREFIX + k: v.detach() for k, v in recipe_tensors.items()})
                 if self.ema is not None:
                     tensors.update({EMA_TENSOR_PREFIX + k: v for k, v in self.ema.state_dict().items()})
-                raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-                save_checkpoint(self.dir.checkpoints_dir, step, tensors, raw_optimizer, self.policy.named_params,
-                                {"step": step, **trainer_state},
-                                keep_last=self.hacking_stop.keep_last(self.cfg.keep_checkpoints))
+                save_checkpoint(self.dir.checkpoints_dir, step, tensors,
+                                None if gathered is not None else raw_optimizer,
+                                self.policy.named_params, {"step": step, **trainer_state},
+                                keep_last=self.hacking_stop.keep_last(self.cfg.keep_checkpoints),
+                                optimizer_state=gathered)
                 self.hacking_stop.saved(step)
         self.accelerator.wait_for_everyone()
 

@@ -230,25 +230,32 @@ def _group_param_names(optimizer: torch.optim.Optimizer,
     return groups
 
 
-def _optimizer_named_tensors(optimizer: torch.optim.Optimizer,
-                             names: list[list[str]]) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor of the optimizer's state, named as in optimizer.safetensors (not copied)."""
-    for group, group_names in zip(optimizer.param_groups, names):
-        for p, name in zip(group["params"], group_names):
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield f"{name}.{key}", value
-
-
-def _optimizer_files(optimizer: torch.optim.Optimizer,
-                     named_params: Iterable[tuple[str, nn.Parameter]] | None) -> tuple[dict, dict]:
-    """(tensors for optimizer.safetensors, JSON object for optimizer.json)."""
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer,
+                            named_params: Iterable[tuple[str, nn.Parameter]] | None = None) -> dict:
+    """`optimizer.state_dict()` with each parameter named instead of numbered: {"state": {name: {key: value}},
+    "param_groups": [{..., "params": [name, ...]}]}, the values not copied. It is the form
+    torch.distributed.checkpoint's full optimizer state dict takes (FQN keys), so an FSDP run's gathered state
+    is saved as a plain run's is (`save_checkpoint(optimizer_state=...)`)."""
     names = _group_param_names(optimizer, named_params)
     sd = optimizer.state_dict()
     index_to_name = {}
     for packed, group_names in zip(sd["param_groups"], names):
         index_to_name.update(zip(packed["params"], group_names))
+    return {"state": {index_to_name[index]: entries for index, entries in sd["state"].items()},
+            "param_groups": [{**{k: v for k, v in packed.items() if k != "params"}, "params": group_names}
+                             for packed, group_names in zip(sd["param_groups"], names)]}
 
+
+def _named_state_tensors(optimizer_state: dict) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of a named optimizer state, named as in optimizer.safetensors (not copied)."""
+    for name, entries in optimizer_state["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                yield f"{name}.{key}", value
+
+
+def _optimizer_files(optimizer_state: dict) -> tuple[dict, dict]:
+    """(tensors for optimizer.safetensors, JSON object for optimizer.json) of a named optimizer state."""
     tensors: dict[str, torch.Tensor] = {}
 
     def put(key: str, t: torch.Tensor) -> dict:
@@ -258,8 +265,7 @@ def _optimizer_files(optimizer: torch.optim.Optimizer,
         return {_TENSOR_MARK: key}
 
     state = {}
-    for index, entries in sd["state"].items():
-        name = index_to_name[index]
+    for name, entries in optimizer_state["state"].items():
         tensor_keys, values = [], {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
@@ -270,11 +276,11 @@ def _optimizer_files(optimizer: torch.optim.Optimizer,
         state[name] = {"tensors": tensor_keys, "values": values}
 
     param_groups = []
-    for gi, (packed, group_names) in enumerate(zip(sd["param_groups"], names)):
+    for gi, packed in enumerate(optimizer_state["param_groups"]):
         group: dict[str, Any] = {}
         for key, value in packed.items():
             if key == "params":
-                group[key] = group_names
+                group[key] = list(value)
             elif isinstance(value, torch.Tensor):  # e.g. a tensor lr
                 group[key] = put(f"param_groups.{gi}.{key}", value)
             else:
@@ -291,14 +297,26 @@ def _from_json(value: Any, tensors: dict[str, torch.Tensor], like: Any) -> Any:
     return value
 
 
-def _restore_optimizer(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
-                       named_params: Iterable[tuple[str, nn.Parameter]] | None) -> None:
+def read_optimizer_state(ckpt_dir: str | os.PathLike) -> dict:
+    """A checkpoint's optimizer state, named (`optimizer_state_by_name`'s form; JSON lists other than the
+    parameter names as tuples, as torch's betas are). Verify the checkpoint first (`load_checkpoint` does)."""
+    ckpt_dir = Path(ckpt_dir)
     hint = " (was it saved without an optimizer?)"
     meta = _read_json(ckpt_dir, OPTIMIZER_FILE, hint)
     tensors = _load_tensors(ckpt_dir, OPTIMIZER_TENSORS_FILE, hint)
-    current = _group_param_names(optimizer, named_params)
-    saved = [g["params"] for g in meta["param_groups"]]
+    state = {}
+    for name, entry in meta["state"].items():
+        state[name] = {key: tensors[f"{name}.{key}"] for key in entry["tensors"]}
+        state[name].update(entry["values"])
+    groups = [{k: (list(v) if k in ("params", "param_names") else _from_json(v, tensors, ()))
+               for k, v in group.items()} for group in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
+
+def check_optimizer_names(ckpt_dir: str | os.PathLike, optimizer_state: dict, current: list[list[str]]) -> None:
+    """ValueError, naming the parameters, unless the checkpoint's `optimizer_state` covers exactly the
+    parameters (and groups) `current` names."""
+    saved = [g["params"] for g in optimizer_state["param_groups"]]
     cur_names = {n for g in current for n in g}
     saved_names = {n for g in saved for n in g}
     if cur_names != saved_names:
@@ -315,22 +333,24 @@ def _restore_optimizer(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
             f"the optimizer has groups {current}, the checkpoint {saved}"
         )
 
+
+def _restore_optimizer(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
+                       named_params: Iterable[tuple[str, nn.Parameter]] | None) -> None:
+    named = read_optimizer_state(ckpt_dir)
+    current = _group_param_names(optimizer, named_params)
+    check_optimizer_names(ckpt_dir, named, current)
     # Rebuild a torch state dict whose indices follow the *current* optimizer's
     # order: load_state_dict pairs saved and current params by position.
     index = {name: i for i, name in enumerate(n for g in current for n in g)}
     param_groups = []
-    for gi, (group_meta, names) in enumerate(zip(meta["param_groups"], current)):
+    for gi, (saved, names) in enumerate(zip(named["param_groups"], current)):
         like = optimizer.param_groups[gi]
         # "param_names" (torch's own, in saved order) is dropped: the optimizer keeps its own.
-        group = {k: _from_json(v, tensors, like.get(k)) for k, v in group_meta.items()
-                 if k not in ("params", "param_names")}
+        group = {k: (tuple(v) if isinstance(like.get(k), tuple) else list(v) if isinstance(v, tuple) else v)
+                 for k, v in saved.items() if k not in ("params", "param_names")}
         group["params"] = [index[n] for n in names]
         param_groups.append(group)
-    state = {}
-    for name, entry in meta["state"].items():
-        s = {key: tensors[f"{name}.{key}"] for key in entry["tensors"]}
-        s.update(entry["values"])
-        state[index[name]] = s
+    state = {index[name]: entries for name, entries in named["state"].items()}
     # load_state_dict casts state to each parameter's device and dtype (keeping `step` as saved).
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
@@ -618,12 +638,15 @@ def _recover_orphans(checkpoints_dir: Path) -> None:
 def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None = None,
                     named_params: Iterable[tuple[str, nn.Parameter]] | None = None,
-                    trainer_state: dict | None = None, keep_last: int | None = 3) -> Path:
+                    trainer_state: dict | None = None, keep_last: int | None = 3,
+                    optimizer_state: dict | None = None) -> Path:
     """Write `checkpoints_dir/step_{step:06d}/` atomically and prune old checkpoints.
 
     `named_params` (e.g. `list(model.named_parameters())`) names the optimizer's
     parameters; without it, names come from the optimizer's `param_names` (torch
-    >= 2.6, when built from named parameters) or from positions. `trainer_state`
+    >= 2.6, when built from named parameters) or from positions. In place of
+    `optimizer`, `optimizer_state` is a named state (`optimizer_state_by_name`'s
+    form, e.g. the full state an FSDP run gathers). `trainer_state`
     must be JSON-serializable; "step" is added. A checkpoint of the same step is
     replaced. Afterwards only the `keep_last` highest-step checkpoints that pass
     the structural check are kept (the new one always; None keeps all); ones
@@ -635,10 +658,12 @@ def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: 
     checkpoints_dir = Path(checkpoints_dir)
     # Before anything touches the disk: a diverged run must not write, or prune for, a checkpoint.
     _refuse_non_finite(step, "model_state", model_state.items(), checkpoints_dir)
+    if optimizer is not None and optimizer_state is not None:
+        raise ValueError("save_checkpoint takes an optimizer or a named optimizer_state, not both")
     if optimizer is not None:
-        named_params = list(named_params) if named_params is not None else None
-        names = _group_param_names(optimizer, named_params)
-        _refuse_non_finite(step, "optimizer state", _optimizer_named_tensors(optimizer, names), checkpoints_dir)
+        optimizer_state = optimizer_state_by_name(optimizer, list(named_params) if named_params is not None else None)
+    if optimizer_state is not None:
+        _refuse_non_finite(step, "optimizer state", _named_state_tensors(optimizer_state), checkpoints_dir)
 
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     _recover_orphans(checkpoints_dir)
@@ -652,8 +677,8 @@ def save_checkpoint(checkpoints_dir: str | os.PathLike, step: int, model_state: 
     try:
         _write_tensors(tmp / MODEL_FILE, {k: _cpu_copy(v) for k, v in model_state.items()},
                        metadata={"step": str(step)})
-        if optimizer is not None:
-            opt_tensors, opt_meta = _optimizer_files(optimizer, named_params)
+        if optimizer_state is not None:
+            opt_tensors, opt_meta = _optimizer_files(optimizer_state)
             _write_tensors(tmp / OPTIMIZER_TENSORS_FILE, opt_tensors)
             _write_json(tmp / OPTIMIZER_FILE, opt_meta)
         rng_tensors, rng_meta = _rng_files()
