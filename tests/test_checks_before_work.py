@@ -726,3 +726,13 @@ def test_a_value_out_of_a_recipes_range_is_refused_before_anything_is_written(re
         main([f"run_dir={run_dir}", *FAST, *overrides])
     assert_nothing_written(run_dir)
     assert any(line.strip().startswith(phrase) for line in str(info.value).splitlines()), info.value
+
+
+def test_async_rollouts_on_several_trainer_processes_are_refused_before_the_run_dir(tmp_path, capsys, monkeypatch):
+    # The engine process refused a second trainer process only once it was built, after the run dir was written.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run_dir = tmp_path / "run"
+    message, _ = refused([f"run_dir={run_dir}", *FAST, "rollout.asynchronous=true"], capsys)
+    assert_nothing_written(run_dir)
+    assert_last_line_names(message, "rollout.asynchronous")
+    assert "needs a single trainer process (the engine process takes the other cores); this launch has 2" in message

@@ -18,7 +18,8 @@ from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_judge_servers, check_minibatches, check_model_path,
-                                       check_reward_keys, check_rewards, check_run_dir, warn, warn_prompts_per_step)
+                                       check_reward_keys, check_rewards, check_run_dir, launch_world_size, warn,
+                                       warn_prompts_per_step)
 from flywheel.runs.compare import format_config_value
 from rewards.registry import parse_spec_targets, prompt_coverage
 
@@ -367,6 +368,11 @@ def check_rollout(cfg, checks: ConfigChecks) -> None:
     """`rollout`: the keys its own __post_init__ does not check (the layout's and Ray's are checked there, as
     the section is built)."""
     checks.require("rollout.max_staleness", lambda v: v >= 0, "must be an integer >= 0")
+    world = launch_world_size()
+    if cfg.rollout.asynchronous and world > 1:
+        # The engine process takes the cores the other trainer processes would use (EngineProcess.build).
+        checks.fail(f"rollout.asynchronous=true needs a single trainer process (the engine process takes the "
+                    f"other cores); this launch has {world}: launch one process, or set rollout.asynchronous=false")
 
 
 def check_workflow(cfg, checks: ConfigChecks) -> None:
