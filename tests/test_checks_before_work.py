@@ -736,3 +736,23 @@ def test_async_rollouts_on_several_trainer_processes_are_refused_before_the_run_
     assert_nothing_written(run_dir)
     assert_last_line_names(message, "rollout.asynchronous")
     assert "needs a single trainer process (the engine process takes the other cores); this launch has 2" in message
+
+
+@pytest.mark.parametrize("env, overrides, key, reason", [
+    # Each was raised once the run dir was written (the Ray pool's build, the engine process's shared buffer).
+    ({"WORLD_SIZE": "2"}, ["rollout.backend=ray", "rollout.replicas=2"], "rollout.backend",
+     "rollout.backend=ray with 2 trainer processes needs one Ray cluster for all of them"),
+    ({"WORLD_SIZE": "2"}, ["rollout.backend=ray", "rollout.address=auto", "rollout.replicas=3"], "rollout.replicas",
+     "rollout.replicas=3 must be divisible by the number of trainer processes (2)"),
+    ({"ACCELERATE_USE_FSDP": "true"}, ["rollout.asynchronous=true"], "rollout.asynchronous",
+     "rollout.asynchronous=true with an FSDP launch"),
+])
+def test_layouts_that_need_the_launch_to_fit_are_refused_before_the_run_dir(env, overrides, key, reason, tmp_path,
+                                                                             capsys, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "run"
+    message, _ = refused([f"run_dir={run_dir}", *FAST, *overrides], capsys)
+    assert_nothing_written(run_dir)
+    assert_last_line_names(message, key)
+    assert reason in message.splitlines()[-1], message

@@ -76,20 +76,32 @@ def test_under_accelerate_launch_each_rank_drives_its_replicas_and_the_run_equal
     config.write_text(accelerate.read_text().replace("use_cpu: false", "use_cpu: true"))
     args = [*QUICK, "steps=2", "data.prompts_per_step=4", "data.group_size=4"]
 
-    def launch(name, *extra):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--main_process_port", "0", str(root / "trainers" / "grpo.py"), f"run_dir={tmp_path / name}",
-               *args, *extra]
+    fsdp_config = tmp_path / "fsdp_cpu.yaml"
+    fsdp_config.write_text((root / "configs" / "accelerate" / "fsdp.yaml").read_text().replace("use_cpu: false",
+                                                                                               "use_cpu: true"))
+
+    def launch(name, *extra, fsdp=False):
+        # fsdp: the FSDP config, made to shard on CPU processes by tests/cpu_fsdp.py (tests/test_fsdp_cpu.py)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(fsdp_config if fsdp else config),
+               "--main_process_port", "0", *([str(root / "tests" / "cpu_fsdp.py")] if fsdp else []),
+               str(root / "trainers" / "grpo.py"), f"run_dir={tmp_path / name}", *args, *extra]
         run_process_group(cmd, env=env, check=True, timeout=300, capture_output=True, cwd=root)
         return read_metrics(tmp_path / name / "metrics.jsonl")
 
+    ray_keys = ["rollout.backend=ray", "rollout.replicas=2", "rollout.cpus_per_replica=0.5",
+                f"rollout.address=127.0.0.1:{port}"]
     try:
         time.sleep(3)  # the head's GCS comes up
-        pooled = launch("ray", "rollout.backend=ray", "rollout.replicas=2", "rollout.cpus_per_replica=0.5",
-                        f"rollout.address=127.0.0.1:{port}")
+        pooled = launch("ray", *ray_keys)
+        # Under FSDP the replicas get whole weights (a copy made inside the gather; the bare shards before,
+        # and Ray's put of the gathered views left FSDP unable to free them).
+        sharded = launch("ray_fsdp", *ray_keys, "model.finetune=full", fsdp=True)
     finally:
         head.terminate()
         head.wait(timeout=60)
         shutil.rmtree(temp, ignore_errors=True)
     local = launch("local")
     assert len(pooled) == len(local) == 3 and comparable(pooled) == comparable(local)
+    local_full = launch("local_full", "model.finetune=full")
+    assert [r.get("reward/mean") for r in sharded] == pytest.approx([r.get("reward/mean") for r in local_full],
+                                                                    abs=1e-6, nan_ok=True)

@@ -63,7 +63,8 @@ from flywheel.recipe.ema import (ANCHOR_PREFIX, EMAAnchored, WeightEMA,  # noqa:
                                  checkpointed_anchor)
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy, fsdp_requested
+from flywheel.recipe.policy import Policy
+from flywheel.recipe.preflight import fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig

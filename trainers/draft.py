@@ -62,7 +62,8 @@ from engine.sampling import ode_step
 from flywheel.cli import run_main
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import EMAAnchored, WeightEMA, checkpointed_anchor
-from flywheel.recipe.policy import Policy, fsdp_requested
+from flywheel.recipe.policy import Policy
+from flywheel.recipe.preflight import fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig

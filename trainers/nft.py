@@ -62,8 +62,8 @@ from flywheel.rollout_collector import RolloutBatch
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.rollouts import check_layout_options
-from flywheel.recipe.policy import Policy, fsdp_requested
-from flywheel.recipe.preflight import optimizer_steps_per_update
+from flywheel.recipe.policy import Policy
+from flywheel.recipe.preflight import fsdp_requested, optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig

@@ -18,8 +18,8 @@ from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_judge_servers, check_minibatches, check_model_path,
-                                       check_reward_keys, check_rewards, check_run_dir, launch_world_size, warn,
-                                       warn_prompts_per_step)
+                                       check_reward_keys, check_rewards, check_run_dir, fsdp_requested,
+                                       launch_world_size, warn, warn_prompts_per_step)
 from flywheel.runs.compare import format_config_value
 from rewards.registry import parse_spec_targets, prompt_coverage
 
@@ -373,6 +373,18 @@ def check_rollout(cfg, checks: ConfigChecks) -> None:
         # The engine process takes the cores the other trainer processes would use (EngineProcess.build).
         checks.fail(f"rollout.asynchronous=true needs a single trainer process (the engine process takes the "
                     f"other cores); this launch has {world}: launch one process, or set rollout.asynchronous=false")
+    elif cfg.rollout.asynchronous and fsdp_requested():
+        # The engine process's shared buffer takes over the trained parameters, which FSDP holds as views.
+        checks.fail("rollout.asynchronous=true with an FSDP launch: the engine process shares the trained "
+                    "parameters' memory, which FSDP owns; launch without the FSDP config, or set "
+                    "rollout.asynchronous=false")
+    if cfg.rollout.backend == "ray" and world > 1:  # each trainer process drives replicas/world replicas
+        if cfg.rollout.address is None:
+            checks.fail(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
+                        "them: start it with `ray start --head` and set rollout.address=auto")
+        if isinstance(cfg.rollout.replicas, int) and cfg.rollout.replicas >= 1 and cfg.rollout.replicas % world:
+            checks.fail(f"rollout.replicas={cfg.rollout.replicas} must be divisible by the number of trainer "
+                        f"processes ({world}): each drives replicas/world of them")
 
 
 def check_workflow(cfg, checks: ConfigChecks) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import torch
 from engine import get_card, load_model
 from engine.denoise import guided_velocity
 from flywheel.lora import adapters_disabled, add_lora
-from flywheel.recipe.preflight import check_built_model, check_lora_targets
+from flywheel.recipe.preflight import check_built_model, check_lora_targets, fsdp_requested
 from flywheel.recipe.weight_motion import check_step_size
 from flywheel.config.parsing import ConfigError
 
@@ -45,6 +44,9 @@ class Policy:
     ref_velocity: FrozenVelocity | None
     """the reference policy's velocity (no grad), None when the recipe asked for none"""
     card_defaults: dict
+    whole_weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """a context in which `named_params` hold whole tensors: under FSDP the gather of its flat shards
+    (`RecipeRun.prepare` sets it), else nothing to do"""
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -57,6 +59,16 @@ class Policy:
     def velocity(self, transformer, x, t, cond, uncond_cond=None, guidance: float = 1.0) -> torch.Tensor:
         """The (guided) velocity of `transformer` (the trained module, or its DDP/FSDP wrapper) at x, t."""
         return guided_velocity(self.model, transformer, x, t, cond, uncond_cond, guidance)
+
+    def pushed_weights(self) -> dict[str, torch.Tensor]:
+        """The trainable weights as another process gets them (an engine process, Ray replicas): whole.
+        Under FSDP a copy made inside the gather: a transport may move a tensor's storage into shared memory
+        (Ray's put does), and FSDP must then still free the gathered storage ("storage that is not
+        resizable" otherwise)."""
+        if self.whole_weights is contextlib.nullcontext:
+            return {n: p.detach() for n, p in self.named_params}
+        with self.whole_weights():
+            return {n: p.detach().clone() for n, p in self.named_params}
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A detached copy of the trainable weights (e.g. a recipe's sampling policy)."""
@@ -243,12 +255,6 @@ def fsdp_full_params(accelerator, module):
         raise ValueError("the FSDP recipe path needs FSDP version 1 (fsdp_version: 1 in the accelerate config, "
                          "see configs/accelerate/fsdp.yaml)")
     return lambda: FullyShardedDataParallel.summon_full_params(module, writeback=False)
-
-
-def fsdp_requested() -> bool:
-    """Whether `accelerate launch` was given an FSDP config (it sets ACCELERATE_USE_FSDP): known before the
-    Accelerator exists, for the recipes' checks before work."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def uses_fsdp(accelerator) -> bool:

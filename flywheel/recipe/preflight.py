@@ -105,6 +105,12 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def fsdp_requested() -> bool:
+    """Whether `accelerate launch` was given an FSDP config (it sets ACCELERATE_USE_FSDP): known before the
+    Accelerator exists, for the checks before work."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def optimizer_steps_per_update(cfg, world: int | None = None) -> int | None:
     """Optimizer steps one update takes on each process: train.updates_per_rollout, else that process's
     minibatches over train.gradient_accumulation_steps, on `world` processes (default: the launcher's); None when

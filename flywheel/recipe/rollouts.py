@@ -174,7 +174,7 @@ class RayPool:
 
         return build_rollout_engine(
             cfg.rollout, cfg.model.card, path=cfg.model.path, weight_version=max(version - 1, 0), lora=_lora(cfg),
-            initial_weights={n: p.detach() for n, p in policy.named_params}, rank=accelerator.process_index,
+            initial_weights=policy.pushed_weights(), rank=accelerator.process_index,
             world=accelerator.num_processes, device=str(accelerator.device))
 
 
@@ -257,12 +257,14 @@ class Rollouts:
         return self.engine.weight_version
 
     def sync(self, weights: dict[str, torch.Tensor] | None = None) -> dict:
-        """Push weights into serving (default: the trainer's trainable weights) and bump the version."""
+        """Push weights into serving (default: the trainer's trainable weights) and bump the version.
+
+        The trainer's weights are copied out (to an engine process, Ray replicas) whole
+        (`Policy.pushed_weights`: FSDP holds them as flat shards); a colocated engine reads the module itself,
+        inside the rollouts' own gather."""
         if weights is None and self.controller.mode == "colocated":
             return self.controller.sync()
-        if weights is None:
-            weights = {n: p.detach() for n, p in self.policy.named_params}
-        return self.controller.sync(weights)
+        return self.controller.sync(self.policy.pushed_weights() if weights is None else weights)
 
     def collect(self, step: int, trainer_version: int) -> RolloutBatch:
         """The rollouts of `step`: generated now, or (async) while the previous step trained."""

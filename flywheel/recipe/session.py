@@ -237,6 +237,7 @@ class RecipeRun:
         # FSDP shards model.transformer's parameters in place; the engine's rollouts (and checkpoints)
         # need them whole: gather them for the duration, on every rank (the gather is a collective).
         self.full_params = fsdp_full_params(self.accelerator, train_transformer)
+        policy.whole_weights = self.full_params  # weight syncs that copy the weights out gather them first
         if uses_fsdp(self.accelerator) and isinstance(policy.ref_velocity, AdapterOffVelocity):
             policy.ref_velocity.forward_module = train_transformer  # the wrapper gathers the base weights
         if self._optimizer_state_to_shard is not None:
