@@ -92,8 +92,10 @@ def test_a_lora_run_under_fsdp_takes_its_kl_reference_through_the_wrapper(tmp_pa
     ("awm", [], "train.anchor_beta=1.0 with an FSDP launch: the EMA anchor swaps whole weights"),
     ("nft", [], "FSDP launch: DiffusionNFT's sampling policy is a whole copy"),
     ("draft", [], "FSDP launch: not supported by DRaFT"),
+    # Each rank runs a forward per step its rows' windows cover: different counts, and FSDP's forwards gather.
+    ("grpo", ["train.variant=fast"], "train.variant=fast with train.window_per=trajectory and an FSDP launch"),
 ])
-def test_recipes_whose_extra_weights_fsdp_would_shard_refuse_an_fsdp_launch(recipe, args, message, monkeypatch):
+def test_what_fsdp_cannot_shard_or_run_alike_on_every_rank_is_refused_before_work(recipe, args, message, monkeypatch):
     import importlib
 
     from flywheel.config.parsing import ConfigError

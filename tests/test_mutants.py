@@ -106,8 +106,9 @@ def test_best_worst_breaks_ties_at_both_ends_toward_the_first_row():
 
 
 class RecordingAccelerator:
-    """Stands in for accelerate's Accelerator: records, for every backward, whether it ran outside no_sync
-    (a DDP all-reduce)."""
+    """Stands in for accelerate's Accelerator and a DDP module: DDP decides at the forward whether the backward
+    that follows all-reduces (outside no_sync), so `forward` records that, and `backward` checks that it runs
+    in the same context as its forward."""
 
     def __init__(self):
         self.all_reduced: list[bool] = []
@@ -121,8 +122,12 @@ class RecordingAccelerator:
         finally:
             self._no_sync = False
 
-    def backward(self, loss):
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
         self.all_reduced.append(not self._no_sync)
+        return value
+
+    def backward(self, loss):
+        assert self.all_reduced[-1] == (not self._no_sync), "a backward outside its forward's sync context"
         loss.backward()
 
     def clip_grad_norm_(self, params, max_norm):
@@ -130,18 +135,22 @@ class RecordingAccelerator:
 
 
 def test_gradients_are_all_reduced_once_per_optimizer_step_under_accumulation():
-    """Mutant: no_sync dropped, so DDP all-reduces after every backward (a performance bug)."""
+    """Mutants: no_sync dropped, so DDP all-reduces after every backward (a performance bug); no_sync around the
+    backward alone, which DDP ignores (it decided at the forward), so every backward all-reduced too, and ranks
+    that ran different numbers of them mismatched their collectives."""
     weight = torch.nn.Parameter(torch.ones(3))
     accelerator = RecordingAccelerator()
     oc = SimpleNamespace(minibatch_size=2, gradient_accumulation_steps=2, updates_per_rollout=None,
                          max_grad_norm=1e9)
     grads = GradientSteps(accelerator, None, torch.optim.SGD([weight], lr=0.1), [("w", weight)], oc, step=0)
-    k = 3  # backwards per minibatch (timesteps, say)
+    k = 3  # loss terms per minibatch (timesteps, say)
     for m, rows in enumerate(grads.minibatches(8)):  # 4 minibatches, 2 per optimizer step
         for i in range(k):
-            grads.backward((weight * (m + i + 1)).sum() / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+            with grads.microstep(m, last_of_minibatch=i == k - 1):
+                loss = accelerator.forward((weight * (m + i + 1)).sum())
+                grads.backward(loss / grads.backwards_per_step(k))
         grads.maybe_step(m)
-    # 12 backwards; only the last of each optimizer step's 6 all-reduces.
+    # 12 forward-backwards; only the last of each optimizer step's 6 all-reduces.
     assert accelerator.all_reduced == [False] * 5 + [True] + [False] * 5 + [True]
     assert grads.metrics()["train/optimizer_steps"] == 2
 

@@ -178,7 +178,8 @@ def test_gradient_steps_count_the_optimizer_steps_they_take():
         oc = OptimConfig(minibatch_size=2, gradient_accumulation_steps=accumulation)
         grads = GradientSteps(Accelerator(cpu=True), model, optimizer, list(model.named_parameters()), oc, step=0)
         for m, rows in enumerate(grads.minibatches(8)):
-            grads.backward(model(torch.ones(len(rows), 2)).sum(), m, last_of_minibatch=True)
+            with grads.microstep(m, last_of_minibatch=True):
+                grads.backward(model(torch.ones(len(rows), 2)).sum())
             grads.maybe_step(m)
         assert grads.metrics()["train/optimizer_steps"] == expected
 

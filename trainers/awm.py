@@ -432,11 +432,12 @@ class AWM(EMAAnchored):
                              else policy.ref_velocity(x_t, t, cond, uncond_cond, traj.guidance_scale))
                     v_anchor = (None if anchor is None
                                 else anchor.velocity(policy, x_t, t, cond, uncond_cond, traj.guidance_scale))
-                v = policy.velocity(self.transformer, x_t, t, cond, uncond_cond, traj.guidance_scale)
-                loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=batch.usable[rows], weighting=tc.weighting,
-                                       ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta, v_anchor=v_anchor,
-                                       anchor_beta=tc.anchor_beta, average=tc.loss_average)
-                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=i == k - 1)
+                with grads.microstep(m, last_of_minibatch=i == k - 1):
+                    v = policy.velocity(self.transformer, x_t, t, cond, uncond_cond, traj.guidance_scale)
+                    loss, stats = awm_loss(v, x0, eps, t, adv, v_ref, usable=batch.usable[rows],
+                                           weighting=tc.weighting, ghuber_power=tc.ghuber_power, kl_beta=tc.kl_beta,
+                                           v_anchor=v_anchor, anchor_beta=tc.anchor_beta, average=tc.loss_average)
+                    grads.backward(loss / grads.backwards_per_step(k))
                 grads.record({**stats, "t/mean": t.float().mean()})
             grads.maybe_step(m)
         metrics = grads.metrics()

@@ -347,17 +347,19 @@ class DPO(ServesTrainedWeights):
                 x_t = noised(x0, eps, t)
                 with torch.no_grad():
                     v_ref = policy.ref_velocity(x_t, t, cond)
-                v = policy.velocity(self.transformer, x_t, t, cond)
-                loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta, weight,
-                                     0.0 if anchored else tc.kl_beta)
                 last = i == k - 1 and not (anchored and anchor_rows[m])
-                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=last)
+                with grads.microstep(m, last_of_minibatch=last):
+                    v = policy.velocity(self.transformer, x_t, t, cond)
+                    loss, stats = dpo_loss(v[:n], v[n:], v_ref[:n], v_ref[n:], x0[:n], x0[n:], eps[:n], tc.beta,
+                                           weight, 0.0 if anchored else tc.kl_beta)
+                    grads.backward(loss / grads.backwards_per_step(k))
                 grads.record({**stats, "t/mean": (weight * t[:n]).sum()})
             if anchored and anchor_rows[m]:
                 rows = anchor_rows[m]
-                loss, anchor_mse = self.anchor_loss(traj.select(rows), x0_all[rows], anchor_t[rows, 0].to(device),
-                                                    anchor_eps[rows, 0].to(device), tc.kl_beta, len(traj))
-                grads.backward(loss, m, last_of_minibatch=True)
+                with grads.microstep(m, last_of_minibatch=True):
+                    loss, anchor_mse = self.anchor_loss(traj.select(rows), x0_all[rows], anchor_t[rows, 0].to(device),
+                                                        anchor_eps[rows, 0].to(device), tc.kl_beta, len(traj))
+                    grads.backward(loss)
                 grads.record({"dpo/anchor_mse": anchor_mse})
             grads.maybe_step(m)
         return gradient_result({**grads.metrics(), **pair_metrics, "dpo/no_pair": 0.0})

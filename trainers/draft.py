@@ -451,22 +451,25 @@ def draft_update(batch: RolloutBatch, policy: Policy, transformer, optimizer, ac
         def velocity(x, t, cond=cond, uncond=uncond):
             return policy.velocity(transformer, x, t, cond, uncond, g)
 
-        paths = grad_paths(sub, velocity, tc, generator)
-        for i, (x_final, visited, t_mean) in enumerate(paths):
-            images = decoded_images(policy.model, x_final)
-            total, valid, per_scorer = reward(images, sub.prompts, sub.metadata)
-            kl = anchor_term = None
-            if policy.ref_velocity is not None:  # built only for kl_beta > 0
-                kl = velocity_distance(visited, lambda x, t: policy.ref_velocity(x, t, cond, uncond, g))
-            if anchor is not None:
-                anchor_term = velocity_distance(visited, lambda x, t: anchor.velocity(x, t, cond, uncond, g))
-            loss, stats = draft_loss(total, valid, tc.reward_scale, kl, tc.kl_beta, anchor_term, tc.anchor_beta)
-            grads.backward(loss / grads.backwards_per_step(len(paths)), m, last_of_minibatch=i == len(paths) - 1)
-            for name, scores in per_scorer.items():
-                ok = torch.isfinite(scores.detach())
-                if ok.any():  # a scorer that scored no row of this minibatch has no mean to record
-                    stats[f"draft/reward/{name}"] = scores.detach()[ok].mean()
-            grads.record({**stats, "t/mean": torch.tensor(t_mean)})
+        # The grad paths' forwards all run before their backwards, so the minibatch is one microstep: its
+        # backwards reduce only when it ends an optimizer step's accumulation (DDP decides at the forward).
+        with grads.microstep(m, last_of_minibatch=True):
+            paths = grad_paths(sub, velocity, tc, generator)
+            for i, (x_final, visited, t_mean) in enumerate(paths):
+                images = decoded_images(policy.model, x_final)
+                total, valid, per_scorer = reward(images, sub.prompts, sub.metadata)
+                kl = anchor_term = None
+                if policy.ref_velocity is not None:  # built only for kl_beta > 0
+                    kl = velocity_distance(visited, lambda x, t: policy.ref_velocity(x, t, cond, uncond, g))
+                if anchor is not None:
+                    anchor_term = velocity_distance(visited, lambda x, t: anchor.velocity(x, t, cond, uncond, g))
+                loss, stats = draft_loss(total, valid, tc.reward_scale, kl, tc.kl_beta, anchor_term, tc.anchor_beta)
+                grads.backward(loss / grads.backwards_per_step(len(paths)))
+                for name, scores in per_scorer.items():
+                    ok = torch.isfinite(scores.detach())
+                    if ok.any():  # a scorer that scored no row of this minibatch has no mean to record
+                        stats[f"draft/reward/{name}"] = scores.detach()[ok].mean()
+                grads.record({**stats, "t/mean": torch.tensor(t_mean)})
         grads.maybe_step(m)
     metrics = grads.metrics()
     if metrics.get("grad_norm") == 0.0 and accelerator.is_main_process:

@@ -66,7 +66,7 @@ from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradie
 from flywheel.recipe.dppo import dppo_loss
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.preflight import optimizer_steps_per_update
+from flywheel.recipe.preflight import fsdp_requested, optimizer_steps_per_update
 from flywheel.recipe.rollouts import Rollouts, cpu_core_sharing
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig
@@ -518,13 +518,14 @@ class GRPO(ServesTrainedWeights):
                 self.before_each_step()
                 local = rows_at(mask, j)
                 at = [rows[r] for r in local]
-                loss, stats = grpo_step_loss(model, transformer, self.policy.ref_velocity, step_rows(sub, local), j,
-                                             adv[local], usable[local], tc,
-                                             proximal=start[0][at, j] if decoupled and moved else None,
-                                             old_mean=start[1][at, j] if start is not None and moved else None,
-                                             weight=weight[local], decoupled=decoupled)
-                self.before_each_step()  # the backward is half a step's work: it too gets the cores a rollout freed
-                grads.backward(loss / grads.backwards_per_step(len(steps)), m, last_of_minibatch=i == len(here) - 1)
+                with grads.microstep(m, last_of_minibatch=i == len(here) - 1):
+                    loss, stats = grpo_step_loss(model, transformer, self.policy.ref_velocity, step_rows(sub, local),
+                                                 j, adv[local], usable[local], tc,
+                                                 proximal=start[0][at, j] if decoupled and moved else None,
+                                                 old_mean=start[1][at, j] if start is not None and moved else None,
+                                                 weight=weight[local], decoupled=decoupled)
+                    self.before_each_step()  # the backward is half a step's work: it too gets the cores freed
+                    grads.backward(loss / grads.backwards_per_step(len(steps)))
                 grads.record(stats)
             grads.maybe_step(m)
         # Which steps were trained (the SDE windows of mixgrpo / fast): the first of any row, the mean first
@@ -676,6 +677,12 @@ def check_window_keys(cfg: Config, checks) -> None:
             checks.fail("train.flash_compress with train.variant=fast and train.window_per=trajectory: Flash "
                         "compresses the steps after each window, so trajectories of different windows have "
                         "different schedules and cannot be trained as one batch; set train.window_per=step")
+        if tc.window_per == "trajectory" and fsdp_requested():
+            # Each rank runs a forward per step its rows' windows cover, a different count on each rank, and
+            # every FSDP forward gathers the weights with the other ranks (DDP's forwards need no partner).
+            checks.fail("train.variant=fast with train.window_per=trajectory and an FSDP launch: each rank trains "
+                        "a different number of denoising steps, and FSDP's forwards are collectives that every "
+                        "rank must run alike; set train.window_per=step, or launch with DDP")
         if tc.window_per == "trajectory" and tc.timestep_fraction not in (None, 1.0):
             checks.fail(f"train.timestep_fraction={tc.timestep_fraction} with train.variant=fast and "
                         "train.window_per=trajectory: each trajectory trains every step of its own window (use "

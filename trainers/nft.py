@@ -443,12 +443,13 @@ class NFT:
                 # v_old before v_theta: its forward swaps theta_old into the parameters v_theta's graph will need.
                 v_old = None if reuse_v_theta else self.old_velocity(x_t, t, cond)
                 v_ref = ref_velocity(x_t, t, cond) if ref_velocity is not None else None
-                v_theta = model.velocity(transformer, x_t, t, cond)
-                if reuse_v_theta:
-                    v_old, reused = v_theta.detach(), reused + 1
-                loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
-                                       scale=cfg.advantage.clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
-                grads.backward(loss / grads.backwards_per_step(k), m, last_of_minibatch=j == k - 1)
+                with grads.microstep(m, last_of_minibatch=j == k - 1):
+                    v_theta = model.velocity(transformer, x_t, t, cond)
+                    if reuse_v_theta:
+                        v_old, reused = v_theta.detach(), reused + 1
+                    loss, stats = nft_loss(v_theta, v_old, x0, eps, t, r, tc.beta, tc.loss_weighting, weight,
+                                           scale=cfg.advantage.clip_max, v_ref=v_ref, kl_beta=tc.kl_beta)
+                    grads.backward(loss / grads.backwards_per_step(k))
                 grads.record(stats)
             if grads.maybe_step(m):
                 reuse_v_theta = False  # theta moved, theta_old did not

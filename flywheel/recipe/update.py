@@ -7,8 +7,9 @@ A recipe's update reads:
     grads = GradientSteps(accelerator, transformer, optimizer, named_params, cfg.train, step)
     for m, rows in enumerate(grads.minibatches(len(batch))):
         for k in range(K):                                   # K loss terms per minibatch (timesteps...)
-            loss, stats = my_loss(...)
-            grads.backward(loss / grads.backwards_per_step(K), m, last_of_minibatch=k == K - 1)
+            with grads.microstep(m, last_of_minibatch=k == K - 1):   # the forward too: see `microstep`
+                loss, stats = my_loss(...)
+                grads.backward(loss / grads.backwards_per_step(K))
             grads.record(stats)
         grads.maybe_step(m)
     return gradient_result(grads.metrics())            # flywheel.recipe.algorithm.UpdateResult
@@ -66,7 +67,7 @@ class GradientSteps:
 
     Stops with NonFiniteError before an optimizer step whose gradient norm is
     not finite, and right after one that leaves a non-finite weight. Gradients
-    are all-reduced once per optimizer step (no_sync on the other backwards).
+    are all-reduced once per optimizer step (`microstep`: no_sync on the other forward-backwards).
     Metrics are averaged over the recorded minibatch terms; keys ending in
     "max_dev" or "/max" keep their maximum.
     """
@@ -93,12 +94,19 @@ class GradientSteps:
         """How many backward passes one optimizer step sums: divide each loss by it to average them."""
         return per_minibatch * self.accumulation
 
-    def backward(self, loss: torch.Tensor, minibatch: int, last_of_minibatch: bool) -> None:
-        """loss.backward(), all-reducing gradients only on the last backward before an optimizer step."""
+    def microstep(self, minibatch: int, last_of_minibatch: bool) -> contextlib.AbstractContextManager:
+        """The context of one loss term's forward and backward: gradients are all-reduced only by the last
+        backward before an optimizer step (no_sync around the others).
+
+        The forward must be inside: DDP and FSDP decide at the forward whether its backward reduces. With the
+        backward alone in no_sync, every backward reduced, and ranks that ran different numbers of them in a
+        minibatch (Flow-GRPO-Fast's per-trajectory windows) mismatched their collectives and stopped."""
         syncs = last_of_minibatch and (minibatch + 1) % self.accumulation == 0
-        context = contextlib.nullcontext() if syncs else self.accelerator.no_sync(self.transformer)
-        with context:
-            self.accelerator.backward(loss)
+        return contextlib.nullcontext() if syncs else self.accelerator.no_sync(self.transformer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() (inside `microstep`, which decides whether it all-reduces)."""
+        self.accelerator.backward(loss)
 
     def record(self, stats: dict[str, torch.Tensor]) -> None:
         for k, v in stats.items():
