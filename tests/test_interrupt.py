@@ -172,9 +172,9 @@ def test_a_multi_process_session_keeps_its_wrapped_transformer_until_exit(proces
     accelerator = SimpleNamespace(num_processes=processes, distributed_type=DistributedType.MULTI_CPU,
                                   prepare=lambda model, optimizer: (wrapped, optimizer))
     run = RecipeRun.__new__(RecipeRun)
-    run.accelerator = accelerator
+    run.accelerator, run._optimizer_state_to_shard = accelerator, None
     monkeypatch.setattr(cli, "_kept_until_exit", [])
-    run.prepare(SimpleNamespace(transformer=object()), "optimizer")
+    run.prepare(SimpleNamespace(transformer=object(), ref_velocity=None), "optimizer")
     assert (cli._kept_until_exit == [wrapped]) is kept
 
 
