@@ -277,8 +277,10 @@ def run_main(main: Callable[[], object]) -> None:
         if disk_full(e):
             # Every write of the run dir is atomic (temporary name, then rename): what was written before is
             # whole, so the line says where space ran out and how to go on, not a traceback into safetensors.
-            _end_stopped(f"error: no space left on the device of the run directory ({_opened_run_dir}): "
-                         f"{' '.join(str(e).split())}; free space there or give another run_dir")
+            where = (f"the device of the run directory ({_opened_run_dir})" if _opened_run_dir is not None
+                     else "a device this run writes to")
+            _end_stopped(f"error: no space left on {where}: {' '.join(str(e).split())}; free space there or "
+                         "give another run_dir")
         if not _distributed_rank():
             raise
         traceback.print_exc()  # as the interpreter would, then leave without freeing the process group

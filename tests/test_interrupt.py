@@ -219,3 +219,13 @@ def test_other_errors_are_not_taken_for_a_full_disk(exc, monkeypatch):
     assert not cli.disk_full(exc)
     with pytest.raises(type(exc)):
         cli.run_main(_raise(exc))
+
+
+def test_a_full_disk_before_the_run_dir_exists_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_kept_until_exit", [])
+    monkeypatch.setattr(cli, "_opened_run_dir", None)
+    with pytest.raises(SystemExit):
+        cli.run_main(_raise(OSError(28, "No space left on device")))
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first.startswith("error: no space left on a device this run writes to: ")
+    assert second == "the run directory was not created: nothing was written"

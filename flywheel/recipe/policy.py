@@ -266,10 +266,10 @@ def uses_fsdp(accelerator) -> bool:
 
 def fsdp_optimizer_state(module, optimizer: torch.optim.Optimizer) -> dict:
     """The full optimizer state of an FSDP-wrapped `module`, each parameter named by its FQN in the unwrapped
-    module (the names of `Policy.named_params`), gathered to the main process on the CPU (the other ranks get
-    {}). A collective: every rank calls it. Each rank's own optimizer state holds only its flat shards, which
-    a checkpoint of the main process's state would save as if they were the parameters (and a resume would
-    then fail on their sizes)."""
+    module (the names of `Policy.named_params`): on an accelerator gathered to the main process's CPU memory
+    (the other ranks get {}), on a CPU run to every rank. A collective: every rank calls it. Each rank's own
+    optimizer state holds only its flat shards, which a checkpoint of the main process's state would save as
+    if they were the parameters (and a resume would then fail on their sizes)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     # Offloaded to the CPU on an accelerator (no rank holds the whole state in device memory). Not on a CPU
