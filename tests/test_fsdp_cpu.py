@@ -32,10 +32,10 @@ def cpu_config(name: str, tmp_path: Path) -> Path:
     return path
 
 
-def launch(tmp_path: Path, kind: str, recipe: str, *args: str, port: int) -> None:
+def launch(tmp_path: Path, kind: str, recipe: str, *args: str) -> None:
     shim = [str(ROOT / "tests" / "cpu_fsdp.py")] if kind == "fsdp" else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu_config(kind, tmp_path)),
-           "--main_process_port", str(port), *shim, str(ROOT / "trainers" / f"{recipe}.py"), *SMALL, *args]
+           "--main_process_port", "0", *shim, str(ROOT / "trainers" / f"{recipe}.py"), *SMALL, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     out = run_process_group(cmd, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -54,8 +54,8 @@ def close(a: dict, b: dict, atol: float) -> bool:
 
 def test_a_full_fine_tune_under_fsdp_trains_as_ddp_and_resumes_exactly(tmp_path):
     ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
-    launch(tmp_path, "ddp", "grpo", f"run_dir={ddp}", "steps=3", "model.finetune=full", port=29551)
-    launch(tmp_path, "fsdp", "grpo", f"run_dir={fsdp}", "steps=3", "model.finetune=full", port=29552)
+    launch(tmp_path, "ddp", "grpo", f"run_dir={ddp}", "steps=3", "model.finetune=full")
+    launch(tmp_path, "fsdp", "grpo", f"run_dir={fsdp}", "steps=3", "model.finetune=full")
     rows_ddp, rows_fsdp = read_metrics(ddp / "metrics.jsonl"), read_metrics(fsdp / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows_fsdp[1:]] == pytest.approx([r["reward/mean"] for r in rows_ddp[1:]],
                                                                       abs=1e-6)
@@ -70,7 +70,7 @@ def test_a_full_fine_tune_under_fsdp_trains_as_ddp_and_resumes_exactly(tmp_path)
     shutil.copytree(fsdp, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000003")
     (resumed / ".flywheel.lock").unlink(missing_ok=True)
-    launch(tmp_path, "fsdp", "grpo", f"resume={resumed}", port=29553)
+    launch(tmp_path, "fsdp", "grpo", f"resume={resumed}")
     assert latest_checkpoint(resumed).name == "step_000003"
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert close(tensors(resumed, 3, name), tensors(fsdp, 3, name), atol=0.0), name
@@ -78,9 +78,8 @@ def test_a_full_fine_tune_under_fsdp_trains_as_ddp_and_resumes_exactly(tmp_path)
 
 def test_a_lora_run_under_fsdp_takes_its_kl_reference_through_the_wrapper(tmp_path):
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    for kind, run, port in (("ddp", ddp, 29554), ("fsdp", fsdp, 29555)):
-        launch(tmp_path, kind, "grpo", f"run_dir={run}", "steps=3", "model.finetune=lora", "train.kl_beta=0.1",
-               port=port)
+    for kind, run in (("ddp", ddp), ("fsdp", fsdp)):
+        launch(tmp_path, kind, "grpo", f"run_dir={run}", "steps=3", "model.finetune=lora", "train.kl_beta=0.1")
     rows = read_metrics(fsdp / "metrics.jsonl")
     assert rows[2]["kl"] > 0  # the adapter moved at step 1: the reference (adapter off) differs from it
     assert [r["kl"] for r in rows[1:]] == pytest.approx([r["kl"] for r in read_metrics(ddp / "metrics.jsonl")[1:]],
