@@ -756,3 +756,29 @@ def test_layouts_that_need_the_launch_to_fit_are_refused_before_the_run_dir(env,
     assert_nothing_written(run_dir)
     assert_last_line_names(message, key)
     assert reason in message.splitlines()[-1], message
+
+
+@pytest.mark.parametrize("recipe, args, said", [
+    ("dpo", [], "DPO pairs each group within each process's share"),
+    ("nft", ["train.downsample_fraction=0.75"], "train.downsample_fraction keeps the max-variance subset of each "
+                                                "process's share of a group"),
+])
+def test_a_launch_that_splits_groups_across_processes_is_said_before_work(recipe, args, said, capsys, monkeypatch):
+    from flywheel.runs.config import parse_config
+    # A recipe that works on a process's share of a group (DPO's pairs, NFT's down-sampling) said nothing when a
+    # launch split the groups (4 x 6 rows on 3 processes: 8 rows each).
+    import importlib
+
+    module = importlib.import_module(f"trainers.{recipe}")
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    split = ["data.prompts_per_step=4", "data.group_size=6", *args]
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    module.validate_config(parse_config(module.Config, split))
+    err = capsys.readouterr().err
+    assert "warning: data.group_size=6 on 3 processes of 8 rows each: groups are split across processes" in err
+    assert said in err
+    for world, overrides in (("2", split), ("1", split), ("3", ["data.prompts_per_step=6", "data.group_size=4", *args])):
+        monkeypatch.setenv("WORLD_SIZE", world)  # 12 rows of 2 groups; one process; 8 rows of 2 groups
+        module.validate_config(parse_config(module.Config, overrides))
+        assert "groups are split" not in capsys.readouterr().err

@@ -180,17 +180,3 @@ def test_shipped_dpo_configs_are_valid(path):
 
 def test_toy_config_is_the_default_run_written_out():
     assert parse_config(Config, ["--config", str(ROOT / "configs" / "toy_dpo.yaml")]) == parse_config(Config, [])
-
-
-def test_a_launch_that_splits_groups_across_processes_is_said_before_work(capsys, monkeypatch):
-    from trainers.dpo import warn_groups_split_across_processes
-
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    split = parse_config(Config, ["data.prompts_per_step=4", "data.group_size=6"])  # 24 rows: 8 a process on 3
-    warn_groups_split_across_processes(split, world=3)
-    assert ("warning: data.group_size=6 on 3 processes of 8 rows each: groups are split across processes"
-            in capsys.readouterr().err)
-    for cfg, world in ((split, 1), (split, 2), (parse_config(Config, ["data.prompts_per_step=6", "data.group_size=4"]), 3)):
-        warn_groups_split_across_processes(cfg, world=world)  # one process; 12 rows of 2 groups; 8 rows of 2 groups
-        assert capsys.readouterr().err == ""

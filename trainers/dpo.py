@@ -71,7 +71,7 @@ from flywheel.recipe.algorithm import ServesTrainedWeights, UpdateResult, gradie
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.preflight import launch_world_size, warn
+from flywheel.recipe.preflight import warn_split_groups
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import EMAConfig, OptimConfig, RunConfig, SamplingConfig
@@ -430,20 +430,8 @@ def validate_config(cfg: Config) -> None:
     if cfg.rollout.asynchronous:
         checks.fail("rollout.asynchronous=true: this recipe trains on the current policy's samples; set rollout.asynchronous=false")
     checks.raise_if_any()
-    warn_groups_split_across_processes(cfg)
-
-
-def warn_groups_split_across_processes(cfg: Config, world: int | None = None) -> None:
-    """Say so when a launch splits groups across processes: each process pairs only its own share of a group,
-    so a group's best and worst samples may never meet (allowed, and a deviation in the module docstring)."""
-    world = launch_world_size() if world is None else world
-    rows = cfg.data.prompts_per_step * cfg.data.group_size
-    if world <= 1 or rows % world:
-        return  # one process, or rows the processes do not divide (refused by the shared checks)
-    if (rows // world) % cfg.data.group_size:
-        warn(f"data.group_size={cfg.data.group_size} on {world} processes of {rows // world} rows each: groups are "
-             "split across processes, and DPO pairs each group within each process's share, so a group's best and "
-             "worst samples may never be paired; use a group size that divides each process's rows")
+    warn_split_groups(cfg, "DPO pairs each group within each process's share, so a group's best and worst samples "
+                      "may never be paired")
 
 
 # ---------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.flow_matching import noised
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.preflight import fsdp_requested, optimizer_steps_per_update
+from flywheel.recipe.preflight import fsdp_requested, optimizer_steps_per_update, warn_split_groups
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig
@@ -538,6 +538,9 @@ def validate_config(cfg: Config) -> None:
         checks.require("train.timesteps_per_sample", lambda v: v >= 1, "must be an integer >= 1 or null",
                        allow_none=True)
     checks.raise_if_any()
+    if fraction < 1:
+        warn_split_groups(cfg, "train.downsample_fraction keeps the max-variance subset of each process's share of "
+                               "a group, not of the whole group")
 
 
 # ---------------------------------------------------------------------------------------

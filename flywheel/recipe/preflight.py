@@ -169,6 +169,21 @@ def warn_prompts_per_step(cfg, prompts: int) -> None:
              f"normalised apart); lower data.prompts_per_step to at most {prompts} for distinct prompts")
 
 
+def warn_split_groups(cfg, consequence: str, world: int | None = None) -> None:
+    """Say so, before work, when the launch splits groups across processes (a process rolls out the rows
+    [r·n, (r+1)·n), so a group spans two when n is not a multiple of the group size) and the recipe works on
+    a process's share of a group alone: `consequence` says what that changes. Allowed: advantages are computed
+    over whole groups (every process gathers the rewards), only the recipe's own per-group choice is local."""
+    world = launch_world_size() if world is None else world
+    size, per_step = cfg.data.group_size, cfg.data.prompts_per_step
+    if world <= 1 or not (_positive_int(size) and _positive_int(per_step)) or (size * per_step) % world:
+        return  # one process, or rows the processes do not divide (refused by check_minibatches)
+    rows = size * per_step // world
+    if rows % size:
+        warn(f"data.group_size={size} on {world} processes of {rows} rows each: groups are split across "
+             f"processes, and {consequence}; use a group size that divides each process's rows")
+
+
 def check_run_dir(cfg, checks: ConfigChecks) -> None:
     """`run_dir` is (or can become) a writable directory: probed with a temporary folder that is removed, so
     the run directory itself is not created here."""
