@@ -7,7 +7,6 @@ import contextlib
 import importlib
 
 import pytest
-import torch
 from accelerate import Accelerator
 
 from engine.toy.model import ToyDiT
