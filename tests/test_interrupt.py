@@ -99,13 +99,19 @@ def test_a_rank_holding_its_process_group_leaves_by_os_exit_without_freeing_it(m
     assert printed in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("exc", [NonFiniteError("step 3: the loss is nan"), NoSignalError("step 3: flat")])
-def test_a_run_that_stopped_itself_ends_on_its_message_and_what_it_kept(exc, tmp_path, capsys, monkeypatch):
+def opened_run_with_checkpoint(tmp_path, step: int, monkeypatch):
+    """A run dir holding a checkpoint of `step`, noted as the one the recipe opened (what run_main reports)."""
     run = tmp_path / "run"
-    (run / "checkpoints" / "step_000002").mkdir(parents=True)
-    (run / "checkpoints" / "step_000002" / "manifest.json").write_text("{}")
+    (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    (run / "checkpoints" / f"step_{step:06d}" / "manifest.json").write_text("{}")
     monkeypatch.setattr(cli, "_kept_until_exit", [])
     monkeypatch.setattr(cli, "_opened_run_dir", str(run))
+    return run
+
+
+@pytest.mark.parametrize("exc", [NonFiniteError("step 3: the loss is nan"), NoSignalError("step 3: flat")])
+def test_a_run_that_stopped_itself_ends_on_its_message_and_what_it_kept(exc, tmp_path, capsys, monkeypatch):
+    run = opened_run_with_checkpoint(tmp_path, 2, monkeypatch)
     with pytest.raises(SystemExit) as stop:
         cli.run_main(_raise(exc))
     assert stop.value.code == cli.RUN_STOPPED_EXIT == 1
@@ -197,11 +203,7 @@ def _wrapped_enospc():
 @pytest.mark.parametrize("make", [lambda: OSError(28, "No space left on device", "best/weights.safetensors"),
                                   _disk_full_safetensors, _wrapped_enospc])
 def test_a_full_disk_ends_on_one_line_with_what_was_kept(make, tmp_path, capsys, monkeypatch):
-    run = tmp_path / "run"
-    (run / "checkpoints" / "step_000004").mkdir(parents=True)
-    (run / "checkpoints" / "step_000004" / "manifest.json").write_text("{}")
-    monkeypatch.setattr(cli, "_kept_until_exit", [])
-    monkeypatch.setattr(cli, "_opened_run_dir", str(run))
+    run = opened_run_with_checkpoint(tmp_path, 4, monkeypatch)
     exc = make()
     with pytest.raises(SystemExit) as stop:
         cli.run_main(_raise(exc))

@@ -378,13 +378,11 @@ def check_rollout(cfg, checks: ConfigChecks) -> None:
         checks.fail("rollout.asynchronous=true with an FSDP launch: the engine process shares the trained "
                     "parameters' memory, which FSDP owns; launch without the FSDP config, or set "
                     "rollout.asynchronous=false")
-    if cfg.rollout.backend == "ray" and world > 1:  # each trainer process drives replicas/world replicas
-        if cfg.rollout.address is None:
-            checks.fail(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
-                        "them: start it with `ray start --head` and set rollout.address=auto")
-        if isinstance(cfg.rollout.replicas, int) and cfg.rollout.replicas >= 1 and cfg.rollout.replicas % world:
-            checks.fail(f"rollout.replicas={cfg.rollout.replicas} must be divisible by the number of trainer "
-                        f"processes ({world}): each drives replicas/world of them")
+    if cfg.rollout.backend == "ray":
+        from flywheel.scale.config import ray_launch_problems
+
+        for problem in ray_launch_problems(cfg.rollout, world):
+            checks.fail(problem)
 
 
 def check_workflow(cfg, checks: ConfigChecks) -> None:

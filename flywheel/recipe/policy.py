@@ -229,9 +229,7 @@ def fsdp_not_applied(accelerator) -> str | None:
     """The warning for a launch whose accelerate config asks for FSDP (ACCELERATE_USE_FSDP, set by `accelerate
     launch` from `distributed_type: FSDP`) where accelerate does not apply it: on CPUs it silently falls back to
     plain data parallelism, every rank holding the whole model. None when FSDP runs or was not asked for."""
-    from accelerate.utils import DistributedType
-
-    if not fsdp_requested() or accelerator.distributed_type == DistributedType.FSDP:
+    if not fsdp_requested() or uses_fsdp(accelerator):
         return None
     return (f"the accelerate config asks for FSDP, but accelerate applies it on GPUs only: this run is "
             f"{accelerator.distributed_type.value} data parallelism, every rank holding the whole model and its "
@@ -245,9 +243,7 @@ def fsdp_full_params(accelerator, module):
     become shards; inside `summon_full_params` they are whole again, so the
     engine can call the plain module for rollouts without per-forward collectives.
     """
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type != DistributedType.FSDP:
+    if not uses_fsdp(accelerator):
         return contextlib.nullcontext
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -50,11 +50,24 @@ def build_rewards(cfg: RolloutConfig, spec, reward_args: dict | None = None, mod
                          modules=list(modules), **reward_kwargs)
 
 
+def ray_launch_problems(cfg: RolloutConfig, world: int) -> list[str]:
+    """What keeps a Ray replica pool from serving `world` trainer processes (each drives replicas/world of
+    them, in one cluster): checked before work (flywheel.config.validation) and again at the pool's build."""
+    problems = []
+    if world > 1 and cfg.address is None:
+        problems.append(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
+                        "them: start it with `ray start --head` and set rollout.address=auto")
+    if isinstance(cfg.replicas, int) and cfg.replicas >= 1 and cfg.replicas % world:
+        problems.append(f"rollout.replicas={cfg.replicas} must be divisible by the number of trainer processes "
+                        f"({world}): each rank drives replicas/world of them")
+    return problems
+
+
 def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:
     """How many replicas each trainer rank drives (rank r generates its own rows on its own replicas)."""
-    if cfg.replicas % world:
-        raise ValueError(f"rollout.replicas={cfg.replicas} must be divisible by the number of trainer processes "
-                         f"({world}): each rank drives replicas/world of them")
+    divisible = [p for p in ray_launch_problems(cfg, world) if p.startswith("rollout.replicas")]
+    if divisible:
+        raise ValueError(divisible[0])
     return cfg.replicas // world
 
 
@@ -79,9 +92,9 @@ def build_rollout_engine(cfg: RolloutConfig, card: str, *, path: str | None = No
         engine = Engine(model, device=device, weight_version=weight_version)
         controller = WeightSyncController(engine, transport=CopyTransport())
     else:
-        if world > 1 and cfg.address is None:
-            raise ValueError(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
-                             "them: start it with `ray start --head` and set rollout.address=auto")
+        problems = ray_launch_problems(cfg, world)
+        if problems:
+            raise ValueError("; ".join(problems))
         _ray(cfg)
         from flywheel.scale.ray_pool import RayEnginePool
         from flywheel.scale.ray_sync import CollectiveTransport, RayObjectStoreTransport
