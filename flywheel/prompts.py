@@ -26,6 +26,8 @@ from pathlib import Path
 
 
 MISSING_IMAGES_SHOWN = 10  # a dataset's missing images named in its error (the count covers all of them)
+PROMPT_FILE_SUFFIXES = (".txt", ".jsonl")  # any other file would be read as lines of text: a .json array's
+# brackets, a .csv's header, each a "prompt"; so it is refused by name
 
 
 @dataclass(frozen=True)
@@ -64,29 +66,37 @@ def load_prompts(source: str) -> list[PromptItem]:
     if not str(source).strip() or not path.is_file():  # '' would be Path('.'), a directory
         raise FileNotFoundError(
             f"prompt dataset {source!r} is neither a built-in ({', '.join(BUILTIN_DATASETS)}) nor an existing file")
+    if path.suffix.lower() not in PROMPT_FILE_SUFFIXES:
+        raise ValueError(f"prompt file {path} has the suffix {path.suffix or '(none)'!r}; a prompt file is .txt (one "
+                         f"prompt per line) or .jsonl (one JSON object per line with a \"prompt\" string)")
     items: list[PromptItem] = []
     missing_images: list[str] = []  # every missing image is named in one error, after the whole file is read
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); each line must be a JSON object "
-                                     f"with a \"prompt\" string") from None
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                    got = type(row).__name__ if not isinstance(row, dict) else f"prompt={row.get('prompt')!r}"
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a non-empty \"prompt\" string, "
-                                     f"got {got}")
-                prompt = row.pop("prompt")
-                if "image" in row:
-                    row["image"] = _image_path(path, line_no, row["image"], missing_images)
-                items.append(PromptItem(prompt, row))
-            else:
-                items.append(PromptItem(line))
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a BOM is dropped; universal newlines: \r\n, \r end lines too
+    except UnicodeDecodeError as e:
+        line_no = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte {e.object[e.start]:#04x}); a prompt file is "
+                         f"UTF-8 .txt or .jsonl") from None
+    for line_no, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if path.suffix.lower() == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); each line must be a JSON object "
+                                 f"with a \"prompt\" string") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                got = type(row).__name__ if not isinstance(row, dict) else f"prompt={row.get('prompt')!r}"
+                raise ValueError(f"{path}:{line_no}: expected a JSON object with a non-empty \"prompt\" string, "
+                                 f"got {got}")
+            prompt = row.pop("prompt")
+            if "image" in row:
+                row["image"] = _image_path(path, line_no, row["image"], missing_images)
+            items.append(PromptItem(prompt, row))
+        else:
+            items.append(PromptItem(line))
     if missing_images:
         shown = "; ".join(missing_images[:MISSING_IMAGES_SHOWN])
         more = len(missing_images) - MISSING_IMAGES_SHOWN

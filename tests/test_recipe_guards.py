@@ -15,7 +15,7 @@ from engine import load_model
 from flywheel.runs.config import ConfigError, parse_config
 from flywheel.guards import NonFiniteError
 from flywheel.rollout_collector import sample_seed
-from flywheel.prompts import load_prompts
+from flywheel.prompts import PromptItem, load_prompts
 from flywheel.runs.rundir import read_metrics
 from rewards import registry
 from trainers.grpo import Config, main, validate_config
@@ -91,6 +91,25 @@ def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"p.jsonl:2: expected a JSON object .* got list"):
         load_prompts(str(bad))
     assert f"data.prompts='{bad}'" in config_problems(f"data.prompts={bad}")
+
+
+def test_a_prompt_file_is_txt_or_jsonl_in_utf8(tmp_path):
+    array = tmp_path / "p.json"  # read line by line, its brackets and quotes would each be a "prompt"
+    array.write_text('["a handwritten 3",\n "a handwritten 7"]\n')
+    with pytest.raises(ValueError, match=r"p.json has the suffix '.json'; a prompt file is .txt .* or .jsonl"):
+        load_prompts(str(array))
+    assert f"data.eval_prompts='{array}'" in config_problems(f"data.eval_prompts={array}")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("a handwritten 3\nun caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt:2: not UTF-8 text \(byte 0xe9\)"):
+        load_prompts(str(latin1))
+    windows = tmp_path / "windows.jsonl"  # a BOM and CRLF line ends, as Windows editors write
+    windows.write_bytes(b'\xef\xbb\xbf{"prompt": "a handwritten 3"}\r\n{"prompt": "a 7", "digit": 7}\r\n')
+    assert load_prompts(str(windows)) == [PromptItem("a handwritten 3"), PromptItem("a 7")]
+    assert load_prompts(str(windows))[1].metadata == {"digit": 7}
+    text = tmp_path / "windows.TXT"
+    text.write_bytes(b"\xef\xbb\xbfa handwritten 3\r\na 7\r\n")
+    assert [item.prompt for item in load_prompts(str(text))] == ["a handwritten 3", "a 7"]
 
 
 def test_config_errors_stop_before_the_run_dir_is_touched(tmp_path):
