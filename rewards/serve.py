@@ -10,7 +10,8 @@ another address without one logs a warning. Scoring runs on a worker thread,
 one batch at a time, so the event loop keeps answering health checks.
 
 Limits, so that slow or many clients cannot exhaust the server: one body is at
-most `max_body_bytes` (413); the bodies of all requests being read, decoded or
+most `max_body_bytes` (413), an image or video frame at most `max_image_pixels`
+(413, read from a PNG's header before it is decompressed); the bodies of all requests being read, decoded or
 waiting for the scorer together at most `max_inflight_bytes` (503 while full:
 the client retries later); a connection must deliver its request headers within
 `header_timeout_s` (closed otherwise) and its body within `body_timeout_s` (408).
@@ -30,23 +31,30 @@ from aiohttp import web
 
 from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, read_body,
                                 warn_if_exposed)
-from engine.server_flags import FlagParser, check_limits_and_address, flag_error
+from engine.server_flags import FlagParser, check_limits_and_address, check_positive, flag_error
 from rewards.registry import REMOTE, available, check_scorer, get, import_modules
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
-from rewards.wire import decode_request, encode_scores
+from rewards.wire import RequestTooLarge, decode_request, encode_scores
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 1024**3  # 1 GiB: a large batch of float32 images fits
 MAX_INFLIGHT = 2 * MAX_BODY  # one big batch being scored and the next one arriving
 HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 120.0  # 1 GiB at ~70 Mbit/s
+# An image or video frame: the engine server's limit on its conditioning images (2048 x 2048). A scorer's
+# working memory grows with the pixels it is given, and a 300 kB PNG can hold 9000 x 9000 of them.
+MAX_IMAGE_PIXELS = 2048 * 2048
 
 
 def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes: int = MAX_BODY,
              max_inflight_bytes: int = MAX_INFLIGHT, header_timeout_s: float = HEADER_TIMEOUT_S,
-             body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
-    """The aiohttp application serving `scorer` under the reward name `name` (limits: see engine.http_limits)."""
+             body_timeout_s: float = BODY_TIMEOUT_S, max_image_pixels: int = MAX_IMAGE_PIXELS) -> web.Application:
+    """The aiohttp application serving `scorer` under the reward name `name` (limits: see engine.http_limits;
+    `max_image_pixels` bounds each image and video frame, 413 above, and PNG images may decode to at most
+    `max_body_bytes` of float32, what a safetensors body may carry)."""
+    if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or max_image_pixels < 1:
+        raise ValueError(f"max_image_pixels must be an int >= 1, got {max_image_pixels!r}")
     limits = ServerLimits(max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s)
     lock = asyncio.Lock()
     inflight = InflightBudget(limits)
@@ -75,8 +83,14 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
     async def _score(request: web.Request) -> web.Response:
         body = await read_body(request, limits)
         try:
-            batch = decode_request(body, request.content_type)
+            batch = decode_request(body, request.content_type, max_image_pixels, max_body_bytes)
             extra = scorer_inputs(name, scorer, batch.images, batch.audio, batch.sample_rate, batch.videos)
+            unused = [key for key in ("audio", "videos") if getattr(batch, key) is not None and key not in extra]
+            if unused:  # scored without them, the client would believe they counted
+                raise ValueError(f"reward {name!r} scores no {' or '.join(unused)} (its /health says wants_audio "
+                                 f"{wants_audio(scorer)}, wants_video {wants_video(scorer)}); send the images alone")
+        except RequestTooLarge as exc:
+            return web.json_response({"error": str(exc)}, status=413)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         del body  # the decoded tensors are what the rest of the request holds
@@ -99,7 +113,8 @@ class ServerThread:
 
     def __init__(self, scorer: Scorer, name: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  **limits):
-        """`limits`: max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s (see make_app)."""
+        """`limits`: max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s, max_image_pixels
+        (see make_app)."""
         app = make_app(scorer, name, token, **limits)
         warn_if_exposed(host, token, f"reward server for {name!r}", f"--token or ${TOKEN_ENV}")
         self._loop = asyncio.new_event_loop()
@@ -163,6 +178,7 @@ def check_flags(args: argparse.Namespace) -> tuple[ServerLimits, dict]:
         check_scorer(args.reward, **kwargs)
     except (ValueError, OSError) as e:
         flag_error(f"--reward {args.reward} --kwargs {args.kwargs}: {e}")
+    check_positive(args.max_image_pixels, "--max-image-pixels")
     limits = check_limits_and_address(args)
     return limits, kwargs
 
@@ -181,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
                              "which keeps the token out of the process list)")
     parser.add_argument("--kwargs", default="{}", help='JSON kwargs for the scorer, e.g. \'{"path": "/models/clip"}\'')
     add_limit_args(parser, ServerLimits(MAX_BODY, MAX_INFLIGHT, HEADER_TIMEOUT_S, BODY_TIMEOUT_S))
+    parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                        help=f"largest image or video frame, in pixels (413 above; default {MAX_IMAGE_PIXELS}, "
+                             "2048 x 2048)")
     args = parser.parse_args(argv)
     try:
         import_modules(args.module, key="--module")  # before the checks: a module's scorers become known names
@@ -189,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     limits, kwargs = check_flags(args)  # every flag checked before the scorer loads
     logging.basicConfig(level=logging.INFO)
     scorer = get(args.reward, **kwargs)
-    server = ServerThread(scorer, args.reward, args.host, args.port, args.token, **limits.as_kwargs())
+    server = ServerThread(scorer, args.reward, args.host, args.port, args.token, **limits.as_kwargs(),
+                          max_image_pixels=args.max_image_pixels)
     print(f"serving reward {args.reward!r} at {server.url}", flush=True)
     try:
         server._thread.join()

@@ -19,6 +19,7 @@ import base64
 import io
 import json
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,14 +79,16 @@ def _list_of(value, kind: type, key: str) -> list:
     return value
 
 
-def _decode_json(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """images, prompts and metadata of a JSON/PNG request; ValueError naming the first key that is wrong."""
+def _decode_json(body: bytes, max_image_pixels: int | None,
+                 max_decoded_bytes: int | None) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """images, prompts and metadata of a JSON/PNG request; ValueError naming the first key that is wrong, and
+    RequestTooLarge, from the PNG headers before any pixel is decompressed, for an image over the limits."""
     def bad(what: str) -> ValueError:
         return ValueError(f"bad JSON/PNG scoring request: {what}; a request is {JSON_SHAPE}")
 
     try:
         data = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise bad(f"not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise bad(f"the body is a JSON {type(data).__name__}, not an object")
@@ -102,12 +105,23 @@ def _decode_json(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
         raise bad(f"'channels' is {channels!r}, not 1 or 3")
     if not pngs:
         raise bad("'images' is empty")
-    decoded = []
+    decoded, decoded_bytes = [], 0
     for i, text in enumerate(pngs):
         try:
-            decoded.append(from_png(base64.b64decode(text, validate=True), channels))
+            png = open_png(base64.b64decode(text, validate=True))
         except Exception as exc:
             raise bad(f"images[{i}] is not a base64 PNG ({exc})") from None
+        width, height = png.size
+        check_image_pixels(f"images[{i}]", height, width, max_image_pixels)
+        decoded_bytes += width * height * channels * 4  # as the float32 tensor it becomes
+        if max_decoded_bytes is not None and decoded_bytes > max_decoded_bytes:
+            raise RequestTooLarge(f"images[0..{i}] decode to {decoded_bytes} bytes of float32 pixels, over the "
+                                  f"server's {max_decoded_bytes} (its --max-body-bytes, the most a safetensors "
+                                  f"request may carry): send fewer images per request")
+        try:
+            decoded.append(png_pixels(png, channels))
+        except Exception as exc:  # a truncated or corrupt PNG fails when its pixels are read
+            raise bad(f"images[{i}]: the PNG cannot be decoded ({type(exc).__name__}: {exc})") from None
     if len({tuple(img.shape) for img in decoded}) > 1:
         raise bad(f"the images differ in size ({sorted({tuple(img.shape) for img in decoded})})")
     return torch.stack(decoded), prompts, metadata
@@ -123,9 +137,14 @@ SAFETENSORS_SHAPE = ('a tensor "images" [B, C, H, W] (and "audio", "videos" when
                      'with "prompts" and "metadata" as JSON text in the header')
 
 
-def decode_request(body: bytes, content_type: str) -> ScoringRequest:
+def decode_request(body: bytes, content_type: str, max_image_pixels: int | None = None,
+                   max_decoded_bytes: int | None = None) -> ScoringRequest:
     """The `ScoringRequest` in a request body; ValueError on anything malformed, naming what was wrong and the
-    shape a request has."""
+    shape a request has.
+
+    RequestTooLarge (a ValueError) for an image or video frame of more than `max_image_pixels` pixels, or PNG
+    images that decode to more than `max_decoded_bytes` of float32: a small PNG can inflate into gigabytes, so
+    both are read from the PNG headers before any pixel is decompressed. None: no limit."""
     audio = videos = sample_rate = None
     if content_type == SAFETENSORS:
         try:
@@ -145,15 +164,25 @@ def decode_request(body: bytes, content_type: str) -> ScoringRequest:
             audio, videos = tensors.get("audio"), tensors.get("videos")
             if audio is not None:
                 sample_rate = int(header.get("sample_rate", "0"))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise ValueError(f"bad safetensors scoring request: {exc}; a request is {SAFETENSORS_SHAPE}") from None
+        for key, tensor in (("images", images), ("audio", audio), ("videos", videos)):
+            if tensor is not None and not tensor.is_floating_point():
+                raise ValueError(f"bad safetensors scoring request: {key!r} is {tensor.dtype}; send float pixels "
+                                 f"in [0, 1] (audio: in [-1, 1])")
     elif content_type == JSON:
-        images, prompts, metadata = _decode_json(body)
+        images, prompts, metadata = _decode_json(body, max_image_pixels, max_decoded_bytes)
     else:
         raise ValueError(f"content type {content_type!r} is not accepted; send {SAFETENSORS} or {JSON}")
     if images.ndim != 4 or len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:
         raise ValueError(f"scoring request has images {tuple(images.shape)}, {len(prompts)} prompts and "
                          f"{len(metadata)} metadata dicts; expected [B, C, H, W] and B of each")
+    if images.shape[1] not in (1, 3) or images.shape[0] < 1 or images.shape[2] < 1 or images.shape[3] < 1:
+        raise ValueError(f"scoring request has images {tuple(images.shape)}; expected [B, C, H, W] with B, H, "
+                         f"W >= 1 and C 1 or 3")
+    check_image_pixels("images", images.shape[2], images.shape[3], max_image_pixels)
+    if videos is not None and videos.ndim == 5:
+        check_image_pixels("videos' frames", videos.shape[3], videos.shape[4], max_image_pixels)
     check_pixel_range("scoring request's images", images)
     if audio is not None:
         sample_rate = check_audio(audio, sample_rate, images.shape[0])
@@ -182,13 +211,40 @@ def png_bytes(image: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-def from_png(data: bytes, channels: int) -> torch.Tensor:
-    """PNG bytes -> [C, H, W] float in [0, 1]."""
-    image = Image.open(io.BytesIO(data)).convert("L" if channels == 1 else "RGB")
+class RequestTooLarge(ValueError):
+    """A scoring request over the server's size limits (answered 413, not 400)."""
+
+
+def check_image_pixels(what: str, height: int, width: int, max_pixels: int | None) -> None:
+    """RequestTooLarge when an image of height x width has more than `max_pixels` pixels (None: no limit)."""
+    if max_pixels is not None and height * width > max_pixels:
+        raise RequestTooLarge(f"{what} are {width}x{height} = {height * width} pixels, over the server's "
+                              f"--max-image-pixels {max_pixels}")
+
+
+def open_png(data: bytes) -> Image.Image:
+    """The PNG in `data`, opened lazily: its size is known, no pixel is decompressed yet. ValueError for bytes
+    that are not a PNG (a JPEG too: it would be scored with its compression artefacts)."""
+    image = Image.open(io.BytesIO(data))
+    if image.format != "PNG":
+        raise ValueError(f"a {image.format} image, not a PNG")
+    return image
+
+
+def png_pixels(image: Image.Image, channels: int) -> torch.Tensor:
+    """An opened PNG -> [C, H, W] float in [0, 1]."""
+    with warnings.catch_warnings():  # the caller has bounded the size: PIL's bomb warning would only be noise
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = image.convert("L" if channels == 1 else "RGB")
     array = np.asarray(image, dtype=np.uint8)
     if array.ndim == 2:
         array = array[..., None]
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
+
+
+def from_png(data: bytes, channels: int) -> torch.Tensor:
+    """PNG bytes -> [C, H, W] float in [0, 1]."""
+    return png_pixels(open_png(data), channels)
 
 
 def encode_scores(scores: torch.Tensor) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -221,6 +222,29 @@ def test_binding_another_address_without_a_token_warns(caplog):
     assert "192.0.2.1 without a token" in record.getMessage() and "FLYWHEEL_REWARD_TOKEN" in record.getMessage()
 
 
+def _jpeg_base64() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (8, 8)).save(buffer, format="JPEG")  # scored, its compression artefacts would count
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _big_png_base64(width: int, height: int) -> str:
+    """A black grayscale PNG: a few kB of file for width x height pixels."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (width, height)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def _png_body(**change) -> bytes:
     import json
 
@@ -243,6 +267,8 @@ BAD_JSON = {
     "an image not base64": (_png_body(images=["%%%", "%%%"]), "images[0] is not a base64 PNG"),
     "an image not a PNG": (_png_body(images=["aGVsbG8=", "aGVsbG8="]), "images[0] is not a base64 PNG"),
     "no images at all": (_png_body(images=[], prompts=[], metadata=[]), "'images' is empty"),
+    "a JPEG for a PNG": (_png_body(images=[_jpeg_base64()] * 2), "images[0] is not a base64 PNG (a JPEG image"),
+    "nested 100000 deep": (b'{"images": ' + b"[" * 100000 + b"]" * 100000 + b"}", "not JSON (maximum recursion"),
 }
 
 
@@ -272,6 +298,59 @@ def test_a_malformed_safetensors_request_names_what_was_wrong():
         with pytest.raises(ValueError, match="a request is a tensor \"images\" \\[B, C, H, W\\]") as info:
             decode_request(body, SAFETENSORS)
         assert what in str(info.value), info.value
+
+
+def test_image_size_limits_are_read_from_the_png_header_before_any_pixel_is_decompressed(monkeypatch):
+    import rewards.wire as wire
+
+    big = _png_body(images=[_big_png_base64(3000, 2000)] * 2)  # 6 M pixels in a few kB each
+    assert len(big) < 60_000
+    decompressed = []
+    real = wire.png_pixels
+    monkeypatch.setattr(wire, "png_pixels", lambda image, channels: decompressed.append(image.size)
+                        or real(image, channels))
+    with pytest.raises(wire.RequestTooLarge, match=r"images\[0\] are 3000x2000 = 6000000 pixels, over the "
+                                                   r"server's --max-image-pixels 4194304"):
+        decode_request(big, JSON, max_image_pixels=2048 * 2048)
+    # The decoded float32 pixels of all images together stay within what a safetensors body may carry.
+    with pytest.raises(wire.RequestTooLarge, match=r"images\[0..1\] decode to 48000000 bytes of float32 pixels, "
+                                                   r"over the server's 40000000"):
+        decode_request(big, JSON, max_image_pixels=10**7, max_decoded_bytes=40_000_000)
+    assert decompressed == [(3000, 2000)]  # the first image only: the second was refused from its header
+    assert decode_request(big, JSON).images.shape == (2, 1, 2000, 3000)  # no limits: decoded as before
+    with pytest.raises(wire.RequestTooLarge, match=r"images are 8x8 = 64 pixels, over the server's "
+                                                   r"--max-image-pixels 63"):
+        decode_request(encode_request(torch.rand(2, 1, 8, 8), ["a", "b"], [{}, {}])[0], SAFETENSORS,
+                       max_image_pixels=63)
+
+
+def _post(url: str, body: bytes, content_type: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/score", data=body, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_the_server_answers_an_oversized_or_mistyped_batch_with_a_4xx_naming_it(digit_server):
+    from safetensors.torch import save
+
+    header = {"prompts": '["a", "b"]', "metadata": "[{}, {}]"}
+    status, text = _post(digit_server.url, _png_body(images=[_big_png_base64(3000, 2000)] * 2), JSON)
+    assert status == 413 and "--max-image-pixels 4194304" in text, text
+    for tensors, shown in [({"images": torch.ones(2, 1, 8, 8, dtype=torch.uint8)}, "'images' is torch.uint8"),
+                           ({"images": torch.zeros(2, 1, 0, 8)}, "with B, H, W >= 1 and C 1 or 3"),
+                           ({"images": torch.zeros(2, 4, 8, 8)}, "with B, H, W >= 1 and C 1 or 3"),
+                           ({"images": torch.zeros(2, 1, 8, 8), "videos": torch.zeros(2, 1, 3, 8, 8)},
+                            "reward 'digit_alignment' scores no videos")]:
+        status, text = _post(digit_server.url, save(tensors, metadata=header), SAFETENSORS)
+        assert status == 400 and shown in text, (shown, status, text)
+    status, text = _post(digit_server.url, save({"images": torch.zeros(2, 1, 8, 8)}, metadata=header), SAFETENSORS)
+    assert status == 200 and len(json.loads(text)["scores"]) == 2
 
 
 @pytest.mark.parametrize("pixels, shown", [(torch.rand(2, 1, 8, 8) * 2 - 1, "got values in [-"),
