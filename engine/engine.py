@@ -445,8 +445,9 @@ class Engine:
         encoder invalidates the prompt-embedding cache.
         """
         module = self.component(component)
-        tensors = _named_tensors(tensors, (component, self._component_attr(component)))
-        _check_tensors(module.state_dict(keep_vars=True), tensors, component)
+        state = module.state_dict(keep_vars=True)
+        tensors = _named_tensors(tensors, (component, self._component_attr(component)), state)
+        _check_tensors(state, tensors, component)
         if version <= self._weight_version:
             raise ValueError(f"weight version must increase: {version} <= current {self._weight_version}")
         was_paused = self._paused
@@ -475,8 +476,9 @@ class Engine:
                 raise RuntimeError("write_weights needs a paused, drained engine "
                                    f"(paused={self._paused}, generate() calls running={self._in_flight})")
         module = self.component(component)
-        tensors = _named_tensors(tensors, (component, self._component_attr(component)))
-        targets = _check_tensors(module.state_dict(keep_vars=True), tensors, component)
+        state = module.state_dict(keep_vars=True)
+        tensors = _named_tensors(tensors, (component, self._component_attr(component)), state)
+        targets = _check_tensors(state, tensors, component)
         with torch.no_grad():
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
@@ -495,8 +497,12 @@ class Engine:
         return module
 
 
-def _named_tensors(tensors: dict[str, torch.Tensor] | str | Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """A name -> tensor dict from a dict or a .safetensors path, with a "<component>." prefix stripped."""
+def _named_tensors(tensors: dict[str, torch.Tensor] | str | Path, names: tuple[str, ...],
+                   state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A name -> tensor dict from a dict or a .safetensors path, with a "<component>." prefix stripped.
+
+    Once a name carries the prefix, the unprefixed names are another component's and are passed over, except
+    names of this component's own weights (`state`): a file mixing both forms would lose those silently."""
     if isinstance(tensors, (str, Path)):
         from safetensors.torch import load_file
 
@@ -508,6 +514,11 @@ def _named_tensors(tensors: dict[str, torch.Tensor] | str | Path, names: tuple[s
         raise ValueError("load_weights needs a non-empty dict of name -> tensor or a .safetensors path")
     for prefix in dict.fromkeys(n + "." for n in names):
         if any(k.startswith(prefix) for k in tensors):
+            plain = [k for k in tensors if not k.startswith(prefix) and k in state]
+            if plain:
+                raise ValueError(f"the tensors mix names with the {prefix!r} prefix and without it: "
+                                 f"{len(plain)} unprefixed name(s) of this component ({plain[:3]}) would be "
+                                 f"ignored; name every tensor one way")
             return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     return tensors
 

@@ -260,7 +260,8 @@ async def _read_json(request: web.Request) -> object:
         raw = await read_body(request, inflight.limits)
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, an integer of over 4300 digits, nesting
+        # thousands deep
         raise BadRequest(f"body is not valid JSON: {exc}") from None
 
 
@@ -353,6 +354,9 @@ async def weights(request: web.Request) -> web.Response:
                                           if m["kind"] != "workflow"}})
 
 
+WEIGHTS_FIELDS = ("card", "component", "path", "version")
+
+
 async def load_weights(request: web.Request) -> web.Response:
     """Disk weight sync: load a safetensors file the trainer wrote (atomically) into a hosted card.
 
@@ -367,6 +371,9 @@ async def load_weights(request: web.Request) -> web.Response:
     body = await _read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object with 'path' and 'version'")
+    unknown = sorted(set(body) - set(WEIGHTS_FIELDS))
+    if unknown:  # a misspelt 'component' or 'card' would load into the default one
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(WEIGHTS_FIELDS)}")
     path, version = body.get("path"), body.get("version")
     if isinstance(path, str) and os.path.isdir(path):
         path = _safetensors_in(path)
@@ -466,6 +473,13 @@ def read_weights(path: str, state: dict[str, torch.Tensor], component: str) -> d
             count = int((~torch.isfinite(tensor)).sum())
             raise BadRequest(f"tensor {name!r} in {path} has {count} non-finite value(s) (NaN or inf); "
                              "refusing to load it")
+        if target is not None and tensor.is_floating_point() and tensor.dtype != target.dtype:
+            # Finite in the file's dtype is not enough: float64 1e300 is inf once copied into a float32 weight.
+            overflow = int((~torch.isfinite(tensor.to(target.dtype))).sum())
+            if overflow:
+                raise BadRequest(f"tensor {name!r} in {path} has {overflow} value(s) that overflow the {component} "
+                                 f"weight's dtype {target.dtype} (largest magnitude "
+                                 f"{float(tensor.abs().max()):.3g}); refusing to load it")
     return tensors
 
 

@@ -144,6 +144,8 @@ BAD_INPUTS = [
     ({"prompt": "x", "sampler": "ode", "cache_order": 2}, 400, "cache_order=2 is out of range"),
     ({"prompt": "x", "sampler": "ode", "early_exit": "soon"}, 400, "'early_exit' must be a number > 0 or null"),
     ({"prompt": "x", "cache_threshold": 0.2}, 400, "skip model calls only on the ODE steps"),
+    ('{"prompt": "x", "steps": ' + "[" * 5000 + "]" * 5000 + "}", 400, "not valid JSON: maximum recursion depth"),
+    ('{"prompt": "x", "seed": 1' + "0" * 5000 + "}", 400, "not valid JSON: Exceeds the limit (4300 digits)"),
 ]
 
 
@@ -196,8 +198,12 @@ def test_post_weights_refuses_bad_files_naming_the_file_or_tensor(tmp_path):
     name, first = next((k, v) for k, v in state.items() if v.is_floating_point() and v.numel() > 1)
     nan = {**state, name: first.clone().index_fill_(0, torch.tensor([0]), float("nan"))}
     ints = {**state, name: first.round().to(torch.int32)}
+    # Finite as float64, inf once copied into the float32 weight.
+    overflow = {**state, name: first.double().index_fill_(0, torch.tensor([0]), 1e300)}
+    second = next(k for k in state if k != name)  # one name without the prefix among prefixed ones
+    mixed = {**{f"transformer.{k}": v for k, v in state.items() if k != second}, second: state[second]}
     files = {}
-    for label, tensors in (("nan", nan), ("ints", ints), ("good", state)):
+    for label, tensors in (("nan", nan), ("ints", ints), ("overflow", overflow), ("mixed", mixed), ("good", state)):
         files[label] = tmp_path / f"{label}.safetensors"
         save_file(tensors, str(files[label]))
     truncated = tmp_path / "truncated.safetensors"
@@ -206,6 +212,13 @@ def test_post_weights_refuses_bad_files_naming_the_file_or_tensor(tmp_path):
     garbage.write_bytes(b"\xff" * 64)
     bodies = [({"path": str(files["nan"]), "version": 1}, 400, [f"tensor '{name}'", "non-finite"]),
               ({"path": str(files["ints"]), "version": 1}, 400, [f"tensor '{name}'", "torch.int32", "torch.float32"]),
+              ({"path": str(files["overflow"]), "version": 1}, 400,
+               [f"tensor '{name}'", f"{first[0].numel()} value(s) that overflow the transformer weight's dtype torch.float32",
+                "largest magnitude 1e+300"]),
+              ({"path": str(files["mixed"]), "version": 1}, 400,
+               ["mix names with the 'transformer.' prefix and without it", f"['{second}']", "would be ignored"]),
+              ({"path": str(files["good"]), "version": 1, "compnent": "transformer"}, 400,
+               ["unknown field(s) compnent; valid fields: card, component, path, version"]),
               ({"path": str(truncated), "version": 1}, 400, [f"cannot read safetensors file {truncated}"]),
               ({"path": str(garbage), "version": 1}, 400, [f"cannot read safetensors file {garbage}"]),
               ('{"path": "%s", "version": 1%s}' % (files["good"], "0" * 400), 400,
