@@ -273,3 +273,44 @@ def test_a_resumed_async_run_with_max_staleness_0_is_the_uninterrupted_run(tmp_p
     assert [same_part(r) for r in resumed] == [same_part(r) for r in straight]
     assert [r.get("staleness/regenerated") for r in straight] == [None, 0.0, 1.0, 2.0]
     assert [r.get("staleness/regenerated") for r in resumed] == [None, 0.0, 1.0, 1.0]
+
+
+def test_a_call_that_timed_out_does_not_hand_its_late_answer_to_the_next_call():
+    from dataclasses import asdict
+
+    with EngineProcess.start("toy-digits", threads=1) as engine:
+        slow = [GenerationRequest(prompt="a seven", seed=i, steps=50) for i in range(64)]
+        with pytest.raises(TimeoutError, match=r"did not answer 'generate' within 0.05s"):
+            engine.call("generate", timeout_s=0.05, requests=[asdict(r) for r in slow])
+        # The 64-row answer still arrives, on the timed-out call's connection, which was closed.
+        traj = engine.generate([GenerationRequest(prompt="a three", seed=1234, steps=2)])
+        assert traj.prompts == ["a three"] and traj.seeds == [1234] and traj.latents.shape[0] == 1
+
+
+def fake_engine(tmp_path: Path, script: str) -> str:
+    """An executable standing in for the interpreter that runs the engine process."""
+    path = tmp_path / "fake_python"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_an_engine_process_that_never_starts_serving_is_stopped_within_start_timeout_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", fake_engine(tmp_path, "echo 'loading: 3 of 40 shards'\nexec sleep 60\n"))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"engine process \(pid \d+\) for card 'toy-digits' did not start serving "
+                                           r"within 1.5s \(start_timeout_s"):
+        EngineProcess.start("toy-digits", start_timeout_s=1.5)
+    assert time.monotonic() - start < 15
+
+
+def test_lines_an_engine_process_prints_before_its_port_are_passed_to_stderr(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(sys, "executable", fake_engine(
+        tmp_path, "echo 'FutureWarning: a library speaks on stdout'\necho '{\"port\": 40321}'\nexec sleep 60\n"))
+    engine = EngineProcess.start("toy-digits", start_timeout_s=30)
+    try:
+        assert engine.address == ("127.0.0.1", 40321)
+        assert "FutureWarning: a library speaks on stdout" in capfd.readouterr().err
+    finally:
+        engine.close()
+    assert engine.proc.poll() is not None

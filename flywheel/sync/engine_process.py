@@ -61,6 +61,7 @@ EXTRA_PREFIX = "condition_extra."  # Trajectory.condition_extra's tensors travel
 MODALITY_PREFIX = "modality_log_probs."  # and Trajectory.modality_log_probs' under this one
 PARENT_POLL_S = 0.2  # how often the engine process checks that its trainer is alive
 EXIT_ORPHANED = 3  # exit status of an engine process whose trainer died
+START_TIMEOUT_S = 1800.0  # spawn to serving: tens of GB of weights from a slow disk take minutes
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
@@ -300,9 +301,10 @@ class EngineProcess:
     @classmethod
     def start(cls, card: str, path: str | None = None, device: str = "cpu", threads: int | None = None,
               timeout_s: float = 120.0, lora: dict | None = None, weight_version: int = 0,
-              compile: bool = False) -> "EngineProcess":
+              compile: bool = False, start_timeout_s: float = START_TIMEOUT_S) -> "EngineProcess":
         """Spawn the engine process; `lora` = {"rank", "alpha", "targets"} injects the trainer's adapter layout,
-        `compile` compiles its rollout forward (`Engine(compile=True)`).
+        `compile` compiles its rollout forward (`Engine(compile=True)`). `timeout_s` bounds each call;
+        `start_timeout_s` the start, model load included (TimeoutError, the process stopped).
 
         `threads`: its torch threads; by default this process's count, so that it rolls out bit for bit as an
         Engine here would (CPU kernels round differently at another thread count)."""
@@ -317,11 +319,8 @@ class EngineProcess:
         env = {**os.environ, "FLYWHEEL_ENGINE_AUTHKEY": authkey.hex()}
         passive_wait_by_default(env)  # its OpenMP threads sleep when idle, unless the user chose (flywheel.openmp_env)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(timeout=timeout_s)
-            raise RuntimeError(f"engine process for card {card!r} exited with code {proc.returncode} before serving")
-        return cls(proc, ("127.0.0.1", json.loads(line)["port"]), authkey, timeout_s, card)
+        port = _serving_port(proc, card, start_timeout_s)
+        return cls(proc, ("127.0.0.1", port), authkey, timeout_s, card)
 
     def _conn(self):
         # One connection per calling thread: a control call never queues behind a generation.
@@ -347,8 +346,11 @@ class EngineProcess:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             if not conn.poll(timeout):
+                # The answer may still come, on this connection: a later call would read it as its own.
+                self._connections.conn = None
+                conn.close()
                 raise TimeoutError(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
-                                   f"{op!r} within {timeout:.0f}s")
+                                   f"{op!r} within {timeout:.3g}s")
             reply = json.loads(conn.recv_bytes())
             payload = conn.recv_bytes() if reply.get("has_payload") else None
         except (EOFError, ConnectionError) as exc:
@@ -445,6 +447,37 @@ class EngineProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _serving_port(proc: subprocess.Popen, card: str, timeout_s: float) -> int:
+    """The port an engine process prints once it serves, read within `timeout_s` (the model loads first).
+
+    Lines it prints before that (a library's warning on stdout) are passed on to stderr. An exit before
+    serving is a RuntimeError; no port within the time a TimeoutError, after the process is stopped."""
+    found: list[int] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = None
+            if isinstance(message, dict) and isinstance(message.get("port"), int):
+                found.append(message["port"])
+                return
+            sys.stderr.write(line)
+
+    reader = threading.Thread(target=read, name="engine-process-start", daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if found:
+        return found[0]
+    if reader.is_alive():
+        _stop_process(proc)
+        raise TimeoutError(f"engine process (pid {proc.pid}) for card {card!r} did not start serving within "
+                           f"{timeout_s:g}s (start_timeout_s; the model loads in that time); it was stopped")
+    proc.wait(timeout=10)
+    raise RuntimeError(f"engine process for card {card!r} exited with code {proc.returncode} before serving")
 
 
 def _stop_process(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
