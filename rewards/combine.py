@@ -131,6 +131,11 @@ class RewardSet:
             valid_per_scorer[name] = ok
             valid &= ok
             total += self.weights[name] * torch.where(ok, raw, torch.zeros_like(raw))
+        overflow = valid & ~torch.isfinite(total)  # finite scores whose weighted sum passes float32's range
+        if overflow.any():
+            logger.warning("reward total of row(s) %s is not finite (scores near float32's limit, 3.4e38, times "
+                           "their weights); masking them", overflow.nonzero().flatten().tolist())
+            valid &= ~overflow
         # NaN, not 0, on invalid rows: a consumer that ignores the mask fails loudly.
         total = torch.where(valid, total, torch.full_like(total, float("nan")))
         return RewardBatch(scores=scores, valid_per_scorer=valid_per_scorer, valid=valid, total=total,

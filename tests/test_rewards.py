@@ -157,6 +157,20 @@ def test_nan_and_inf_rows_are_masked_and_total_is_exact(fakes):
     assert set(batch.metrics(prefix="eval")) == {k.replace("reward/", "eval/", 1) for k in expected}
 
 
+def test_finite_scores_whose_weighted_total_overflows_are_masked(fakes, caplog):
+    register("test_huge", lambda: FakeScorer("test_huge", lambda b: torch.tensor([3e38, 1.0, -3e38, 2.0])[:b]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="rewards.combine"):
+            batch = RewardSet("test_huge:2, test_ramp:1").score(_images(), ["p"] * 4, None, weight_version=0)
+    finally:
+        unregister("test_huge")
+    assert batch.valid_per_scorer["test_huge"].all()  # each score is finite; 2 x 3e38 is not
+    assert batch.valid.tolist() == [False, True, False, True]
+    assert torch.isnan(batch.total[[0, 2]]).all() and batch.total[[1, 3]].tolist() == [4.0, 8.0]
+    assert batch.metrics()["reward/invalid"] == 2 and batch.metrics()["reward/mean"] == 6.0
+    assert "reward total of row(s) [0, 2] is not finite" in caplog.text
+
+
 def test_raising_scorer_masks_its_rows_and_keeps_the_error(fakes, caplog):
     rs = RewardSet({"test_ramp": 1.0, "test_raises": 0.1})
     with caplog.at_level(logging.WARNING, logger="rewards.combine"):
