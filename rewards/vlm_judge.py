@@ -68,8 +68,12 @@ EDIT_TEMPLATES = {
              'form {{"score": x}}.'),
 }
 RANGES = {"score": (1.0, 5.0), "json": (0.0, 10.0)}
-SCORE_PATTERN = r"Final Score:\s*\**\s*([-+]?\d+(?:\.\d+)?)"
+# The number must end there: "Final Score: 1e3" or "4.5.6" is no score (a bare \d+ would read 1 and 4.5).
+SCORE_PATTERN = r"Final Score:\s*\**\s*([-+]?\d+(?:\.\d+)?)(?!\d|\.\d|[eE][-+]?\d)"
 _JSON_OBJECT = re.compile(r"\{.*?\}", re.S)
+
+
+LOGPROB_SLACK = 1e-4  # rounding room above 0 for a server's log-probabilities
 
 
 class Unparsable(ValueError):
@@ -105,6 +109,10 @@ def yes_no_score(top_logprobs: list[tuple[str, float]]) -> float:
     """
     if not top_logprobs:
         raise Unparsable("the reply has no top_logprobs (does the server support logprobs?)")
+    positive = [(t, lp) for t, lp in top_logprobs if lp > LOGPROB_SLACK]
+    if positive:  # a log-probability is <= 0; read as one, it would be a confident score
+        raise Unparsable(f"the reply's top_logprobs hold positive values {positive[:3]}, which are no "
+                         f"log-probabilities")
     sides: dict[str, list[float]] = {"yes": [], "no": []}
     for token, logprob in top_logprobs:
         if _fold(token) in sides and math.isfinite(logprob):
@@ -214,8 +222,14 @@ class VlmJudge:
         if mode == "yes_no" and top_logprobs < 20:
             raise ValueError(f"vlm_judge top_logprobs={top_logprobs}: yes_no needs >= 20 so that both answers "
                              "are usually listed (vLLM allows up to 20 by default)")
-        if not (isinstance(backoff_s, (int, float)) and 0 <= backoff_s < math.inf):
+        if isinstance(backoff_s, bool) or not (isinstance(backoff_s, (int, float)) and 0 <= backoff_s < math.inf):
             raise ValueError(f"vlm_judge backoff_s must be a finite number of seconds >= 0, got {backoff_s!r}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise ValueError(f"vlm_judge max_tokens must be an integer >= 1 or null (the mode's default), got "
+                             f"{max_tokens!r}")
+        if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+            raise ValueError(f"vlm_judge temperature must be a finite number >= 0, got {temperature!r}")
         self.timeout_s, self.budget_s = check_seconds("timeout_s", timeout_s), check_seconds("budget_s", budget_s)
         self.max_concurrency, self.retries, self.backoff_s = max_concurrency, retries, float(backoff_s)
         self.top_logprobs, self.temperature = top_logprobs, float(temperature)

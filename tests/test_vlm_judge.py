@@ -43,13 +43,20 @@ def test_vlm_yes_no_folds_case_variants_and_bounds_a_missing_side():
     assert yes_no_score(top) == pytest.approx(0.5 / 0.55, abs=1e-12)
     with pytest.raises(ValueError, match="neither Yes nor No"):
         yes_no_score([("Maybe", -0.1), ("Perhaps", -3.0)])
+    # Positive "log-probabilities" are garbage: read as ones they made a confident 0.9975.
+    with pytest.raises(ValueError, match=r"positive values \[\('Yes', 5\)\], which are no log-probabilities"):
+        yes_no_score([("Yes", 5), ("No", -1)])
+    assert yes_no_score([("Yes", 1e-6), ("No", -30.0)]) == pytest.approx(1.0)  # rounding above 0 is no error
 
 
 def test_vlm_score_and_json_replies_map_their_range_onto_0_1():
     pattern = re.compile(SCORE_PATTERN)
     assert rubric_score("good.\nFinal Score: 4", pattern, (1, 5)) == 0.75
     assert rubric_score("Final Score: 2\n... revised. Final Score: **5**", pattern, (1, 5)) == 1.0  # the last one
-    for bad in ("no number here", "Final Score: 7"):  # none, or outside the rubric: unparsable, not clamped
+    assert rubric_score("Final Score: 4.", pattern, (1, 5)) == 0.75  # a sentence's full stop ends the number
+    assert rubric_score("Final Score: 4.5/5", pattern, (1, 5)) == 0.875
+    # none, outside the rubric, or a number the pattern would cut short (1e3 read as 1): unparsable, not clamped
+    for bad in ("no number here", "Final Score: 7", "Final Score: 1e3", "Final Score: 2.5.1", "Final Score: 1E-2"):
         with pytest.raises(ValueError):
             rubric_score(bad, pattern, (1, 5))
     assert json_score('{"score": 2.5}', (0, 10)) == 0.25
@@ -71,6 +78,12 @@ def test_vlm_bad_settings_are_one_line_errors(server, monkeypatch):
         VlmJudge(base_url=server.base_url, prompt="rate {image}")
     with pytest.raises(ValueError, match="score_range"):
         VlmJudge(base_url=server.base_url, mode="score", score_range=(5, 1))
+    for key, value, valid in [("max_tokens", -5, "an integer >= 1 or null"), ("max_tokens", "x", "an integer >= 1"),
+                              ("max_tokens", 2.0, "an integer >= 1"), ("backoff_s", True, "a finite number of "
+                              "seconds >= 0"), ("temperature", -1, "a finite number >= 0"),
+                              ("temperature", "hot", "a finite number >= 0")]:
+        with pytest.raises(ValueError, match=f"vlm_judge {key} must be {valid}.*, got {re.escape(repr(value))}$"):
+            VlmJudge.check_args(base_url=server.base_url, **{key: value})  # as the checks before a run call it
     with pytest.raises(RuntimeError, match="could not list the models"):
         VlmJudge(base_url="http://127.0.0.1:9/v1", timeout_s=2)
 
