@@ -163,6 +163,16 @@ CASES = {
                             "is started, so it would be ignored"),
     "ray retries, no ray": (["rollout.max_failures=5"], "rollout.max_failures",
                             "rollout.max_failures=5 with rollout.backend=local and rollout.reward_actors=0"),
+    "call timeout, all in process": (["rollout.call_timeout_s=1200"], "rollout.call_timeout_s",
+                                     "rollout.call_timeout_s=1200.0 with rollout.backend=local, "
+                                     "rollout.asynchronous=false and rollout.reward_actors=0: everything runs in "
+                                     "the trainer's process, so it would be ignored"),
+    "start timeout, all in process": (["rollout.start_timeout_s=60"], "rollout.start_timeout_s",
+                                      "rollout.start_timeout_s=60.0 with rollout.backend=local"),
+    "call timeout 0": (["rollout.asynchronous=true", "rollout.call_timeout_s=0"], "rollout.call_timeout_s",
+                       "rollout.call_timeout_s=0.0: must be a finite number of seconds > 0"),
+    "start timeout inf": (["rollout.asynchronous=true", "rollout.start_timeout_s=inf"], "rollout.start_timeout_s",
+                          "rollout.start_timeout_s=inf"),
     # GRPO's own switches (trainers/grpo.py GRPO_SWITCHED_KEYS)
     "window size, flow_grpo": (["train.window_size=3"], "train.window_size",
                                "train.window_size=3 with train.variant=flow_grpo: it acts only with "

@@ -314,3 +314,27 @@ def test_lines_an_engine_process_prints_before_its_port_are_passed_to_stderr(tmp
     finally:
         engine.close()
     assert engine.proc.poll() is not None
+
+
+def test_the_engine_process_of_an_async_run_takes_the_rollout_timeouts(monkeypatch):
+    """rollout.call_timeout_s / start_timeout_s reach the engine process (its per-call 120 s default once cut off
+    a video model's chunk of rollouts); Ray's pools are given the same two (flywheel/scale/config.py)."""
+    from types import SimpleNamespace
+
+    import flywheel.sync.engine_process as engine_process
+    from flywheel.recipe.rollouts import EngineProcess as Layout
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    started = {}
+
+    def start(card, **kwargs):
+        started.update(kwargs, card=card)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_process.EngineProcess, "start", staticmethod(start))
+    cfg = parse_config(Config, ["rollout.asynchronous=true", "rollout.call_timeout_s=900",
+                                "rollout.start_timeout_s=45"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        Layout().build(cfg, SimpleNamespace(num_processes=1, device="cpu"), policy=None, version=0)
+    assert (started["card"], started["timeout_s"], started["start_timeout_s"]) == ("toy-digits", 900.0, 45.0)

@@ -53,6 +53,12 @@ class RolloutConfig:
     regenerated"""
     overlap_scoring: bool = False
     """score each rollout chunk on a background thread while the engine generates the next one"""
+    call_timeout_s: float = 600.0
+    """engine process and Ray actors: the longest wait for one answer (a chunk of rollouts, a batch to score, a
+    weight push) before the step stops with an error; raise it for video models whose chunk takes longer"""
+    start_timeout_s: float = 600.0
+    """engine process and Ray actors: the longest wait for them to start (Ray: to be placed as well), the
+    model's load included; raise it for tens of GB of weights on a slow disk"""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

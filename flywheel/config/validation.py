@@ -130,6 +130,8 @@ SWITCHED_KEYS = (
 )
 # Ray's own keys, read by the replica pool and by the reward actors alike.
 RAY_KEYS = ("rollout.address", "rollout.max_failures")
+# Read wherever rollouts or rewards run outside the trainer's process: an engine process or Ray actors.
+OUT_OF_PROCESS_KEYS = ("rollout.call_timeout_s", "rollout.start_timeout_s")
 
 
 def set_away_from_default(cfg, keys, defaults=None) -> list[tuple[str, object]]:
@@ -178,6 +180,13 @@ def check_ray_keys(cfg, checks: ConfigChecks) -> None:
         checks.fail(f"{key}={_yaml_word(value)} with rollout.backend={cfg.rollout.backend} and "
                     "rollout.reward_actors=0: no Ray is started, so it would be ignored; set "
                     "rollout.backend=ray or rollout.reward_actors > 0, or leave it out")
+    if cfg.rollout.asynchronous:
+        return
+    for key, value in set_away_from_default(cfg, OUT_OF_PROCESS_KEYS):
+        checks.fail(f"{key}={_yaml_word(value)} with rollout.backend={cfg.rollout.backend}, "
+                    "rollout.asynchronous=false and rollout.reward_actors=0: everything runs in the trainer's "
+                    "process, so it would be ignored; it bounds an engine process (rollout.asynchronous=true) or "
+                    "Ray actors, so leave it out")
 
 
 def _yaml_word(value) -> str:
@@ -368,6 +377,8 @@ def check_rollout(cfg, checks: ConfigChecks) -> None:
     """`rollout`: the keys its own __post_init__ does not check (the layout's and Ray's are checked there, as
     the section is built)."""
     checks.require("rollout.max_staleness", lambda v: v >= 0, "must be an integer >= 0")
+    for key in OUT_OF_PROCESS_KEYS:
+        checks.require(key, lambda v: 0 < v < math.inf, "must be a finite number of seconds > 0")
     world = launch_world_size()
     if cfg.rollout.asynchronous and world > 1:
         # The engine process takes the cores the other trainer processes would use (EngineProcess.build).

@@ -148,7 +148,8 @@ class EngineProcess:
         # trainer's weights, lands on the trainer's version, so that a version names the same weights in a
         # resumed run as in one that never stopped (a fresh run: the card's weights 0, the trainer's 1).
         engine = Process.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
-                               lora=_lora(cfg), weight_version=max(version - 1, 0), compile=cfg.model.compile)
+                               lora=_lora(cfg), weight_version=max(version - 1, 0), compile=cfg.model.compile,
+                               timeout_s=cfg.rollout.call_timeout_s, start_timeout_s=cfg.rollout.start_timeout_s)
         controller = WeightSyncController(engine, transport=SharedMemoryTransport())
         # The engine process starts from the card's weights: give it the trainer's (LoRA init, resume), checked once.
         controller.verify = True

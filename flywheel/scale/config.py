@@ -47,6 +47,7 @@ def build_rewards(cfg: RolloutConfig, spec, reward_args: dict | None = None, mod
 
     return RayRewardPool(spec, actors=cfg.reward_actors, cpus_per_actor=cfg.cpus_per_reward_actor,
                          gpus_per_actor=cfg.gpus_per_reward_actor, max_failures=cfg.max_failures,
+                         call_timeout_s=cfg.call_timeout_s, start_timeout_s=cfg.start_timeout_s,
                          modules=list(modules), **reward_kwargs)
 
 
@@ -102,7 +103,8 @@ def build_rollout_engine(cfg: RolloutConfig, card: str, *, path: str | None = No
         engine = RayEnginePool(card, replicas=replicas_of_rank(cfg, world), path=path,
                                cpus_per_replica=cfg.cpus_per_replica, gpus_per_replica=cfg.gpus_per_replica,
                                weight_version=weight_version, lora=lora, model_factory=model_factory,
-                               max_failures=cfg.max_failures)
+                               max_failures=cfg.max_failures, call_timeout_s=cfg.call_timeout_s,
+                               start_timeout_s=cfg.start_timeout_s)
         if cfg.sync_backend == "object_store":
             transport = RayObjectStoreTransport()
         else:
