@@ -133,6 +133,11 @@ def test_defaults_are_valid_and_sample_with_the_ode():
     ("train.anchor_beta=-1", "train.anchor_beta=-1"),
     ("train.anchor_decay=1.0", "train.anchor_decay=1.0: must be in [0, 1)"),
     ("train.anchor_decay_ramp=-0.5", "train.anchor_decay_ramp=-0.5"),
+    # A decay of 0 at every step resets the anchor to the weights after each: with one optimizer step a
+    # step its term was exactly 0 (anchor_mse 0.0 at every step), and the run reported success.
+    ("train.anchor_decay=0", "train.anchor_decay=0 with train.anchor_beta=1 and one optimizer step a rollout: the "
+                             "anchor's decay is 0 at every step"),
+    ("train.anchor_decay_ramp=0", "train.anchor_decay_ramp=0 with train.anchor_beta=1 and one optimizer step"),
     ("train.ghuber_power=0", "train.ghuber_power=0"),
     ("train.timesteps_per_sample=0", "train.timesteps_per_sample=0"),
     ("train.timestep_fraction=0", "train.timestep_fraction=0"),
@@ -154,6 +159,8 @@ def test_all_problems_are_reported_at_once_and_feasible_strata_pass():
     validate_config(parse_config(Config, ["sampling.steps=3", "train.time_sampling=uniform",
                                           "train.advantage_max=null"]))
     validate_config(parse_config(Config, ["sampling.steps=7", "train.skip_first_step=false"]))  # indices 0..5
+    # With several optimizer steps a rollout the later ones see the weights move away from a decay-0 anchor.
+    validate_config(parse_config(Config, ["train.anchor_decay=0", "train.minibatch_size=32"]))
 
 
 def test_a_checkpoint_without_an_anchor_is_refused_when_the_anchor_is_on():

@@ -204,6 +204,8 @@ def test_loss_is_minus_the_scaled_mean_valid_reward_plus_the_regularisers():
     ("train.reward_scale=0", "train.reward_scale=0.0: must be a finite number other than 0"),
     ("train.kl_beta=-1", "train.kl_beta=-1.0: must be >= 0"),
     ("train.anchor_decay=1", "train.anchor_decay=1.0: must be in [0, 1)"),
+    ("train.anchor_beta=0.5 train.anchor_decay_ramp=0", "train.anchor_decay_ramp=0 with train.anchor_beta=0.5 and "
+                                                        "one optimizer step a rollout"),
     ("train.mode=refl train.refl_window=[0.95,0.99]", "holds no step of a 10-step rollout"),
     ("sampling.sampler=sde", "sampling.sampler='sde': must be ode"),
     ("reward.aggregation=gdpo", "reward.aggregation='gdpo': must be weighted_sum"),

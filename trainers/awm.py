@@ -64,7 +64,7 @@ from flywheel.recipe.ema import (ANCHOR_PREFIX, EMAAnchored, WeightEMA,  # noqa:
 from flywheel.recipe.flow_matching import matching_error, noised, velocity_mse
 from flywheel.recipe.rollouts import check_layout_options
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.preflight import fsdp_requested
+from flywheel.recipe.preflight import check_anchor_lags, fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import AdvantageConfig, OptimConfig, RunConfig, SamplingConfig
@@ -178,6 +178,7 @@ def validate_config(cfg: Config) -> None:
     for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
         checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
     checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    check_anchor_lags(cfg, checks)
     if (tc.time_sampling == "schedule" and cfg.sampling.steps >= 1 and tc.timesteps_per_sample >= 1
             and 0 < tc.timestep_fraction <= 1):  # a fraction out of range is reported above, not planned with
         try:

@@ -63,7 +63,7 @@ from flywheel.cli import run_main
 from flywheel.recipe.algorithm import UpdateResult, gradient_result
 from flywheel.recipe.ema import EMAAnchored, WeightEMA, checkpointed_anchor
 from flywheel.recipe.policy import Policy
-from flywheel.recipe.preflight import fsdp_requested
+from flywheel.recipe.preflight import check_anchor_lags, fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig
@@ -203,6 +203,7 @@ def validate_config(cfg: Config) -> None:
     for key in ("train.kl_beta", "train.anchor_beta", "train.anchor_decay_ramp"):
         checks.require(key, lambda v: v >= 0, "must be >= 0 (0 = off)")
     checks.require("train.anchor_decay", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    check_anchor_lags(cfg, checks)
     checks.require("sampling.sampler", lambda v: v == "ode",
                    "must be ode: the gradient path re-runs the rollout's deterministic sampler from its stored states")
     checks.require("reward.aggregation", lambda v: v == "weighted_sum",

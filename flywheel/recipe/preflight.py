@@ -127,6 +127,21 @@ def optimizer_steps_per_update(cfg, world: int | None = None) -> int | None:
     return max(1, minibatches // tc.gradient_accumulation_steps)
 
 
+def check_anchor_lags(cfg, checks) -> None:
+    """An EMA anchor (train.anchor_beta > 0, DRaFT and AWM) whose decay is 0 at every step, train.anchor_decay 0
+    or train.anchor_decay_ramp 0, is reset to the trained weights after each step. With one optimizer step a
+    step, every loss term then sees the anchor equal to the weights it trains: the term and its gradient are
+    exactly 0 and the anchor does nothing. Refused (a resume is left alone: its keys passed at the start)."""
+    tc = cfg.train
+    if cfg.resume or not tc.anchor_beta > 0 or optimizer_steps_per_update(cfg) != 1:
+        return
+    for key in ("train.anchor_decay", "train.anchor_decay_ramp"):
+        if getattr(tc, key.removeprefix("train.")) == 0:
+            checks.fail(f"{key}=0 with train.anchor_beta={tc.anchor_beta:g} and one optimizer step a rollout: the "
+                        f"anchor's decay is 0 at every step, so it is reset to the trained weights after each and "
+                        f"its term is exactly 0; give {key} a value > 0, or set train.anchor_beta=0")
+
+
 def check_minibatches(cfg, checks: ConfigChecks) -> None:
     """The rows of a step split into whole minibatches and optimizer steps on every process: what
     `flywheel.recipe.update.accumulation_steps` would refuse at the first update."""
