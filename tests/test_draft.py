@@ -197,6 +197,35 @@ def test_loss_is_minus_the_scaled_mean_valid_reward_plus_the_regularisers():
 # ---- config -------------------------------------------------------------------------------------------
 
 
+class SqrtOfMinusForSevens:
+    """A differentiable scorer NaN, with a NaN derivative, on the rows that prompt a 7: sqrt of a negative."""
+
+    differentiable = True
+
+    def __call__(self, images, prompts, metadata):
+        s = images.flatten(1).mean(1)
+        sevens = torch.tensor(["7" in p for p in prompts])
+        return torch.sqrt(torch.where(sevens, -1 - s, s))
+
+
+def test_a_row_scored_nan_gives_no_gradient_and_the_others_train_as_without_it():
+    from trainers.draft import DifferentiableReward
+
+    reward = DifferentiableReward({"sqrt": SqrtOfMinusForSevens()}, {"sqrt": 2.0})
+    base = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)) + 0.1
+    images = base.clone().requires_grad_(True)
+    total, valid, _ = reward(images, ["a 1", "a 7", "a 3", "a 7"], [{}] * 4)
+    loss, stats = draft_loss(total, valid, reward_scale=1.0)
+    loss.backward()
+    assert valid.tolist() == [True, False, True, False] and stats["draft/valid_samples"] == 2
+    assert torch.isfinite(images.grad).all()  # was NaN on the sevens' rows: a NaN gradient norm stopped the run
+    assert not images.grad[[1, 3]].any()
+    kept = base[[0, 2]].clone().requires_grad_(True)  # the valid rows alone
+    total, valid, _ = reward(kept, ["a 1", "a 3"], [{}] * 2)
+    draft_loss(total, valid, reward_scale=1.0)[0].backward()
+    torch.testing.assert_close(images.grad[[0, 2]], kept.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("override, named", [
     ("train.truncation_steps=0", "train.truncation_steps=0: must be in [1, sampling.steps=10]"),
     ("train.truncation_steps=11", "train.truncation_steps=11"),

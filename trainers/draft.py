@@ -263,8 +263,12 @@ class DifferentiableReward:
         total = torch.zeros(images.shape[0], device=images.device)
         valid = torch.ones(images.shape[0], dtype=torch.bool, device=images.device)
         per_scorer = {}
+        # The scorers see a view of the images whose gradient is zeroed on the invalid rows: where a score is
+        # NaN its local derivative is NaN too, and the 0 the masked mean gives it times NaN is NaN, which would
+        # reach the weights (a NaN gradient norm) although the row is left out of the loss.
+        scored = images.view_as(images) if images.requires_grad else images
         for name, scorer in self.scorers.items():
-            scores = scorer(images, prompts, metadata).to(images.device).float()
+            scores = scorer(scored, prompts, metadata).to(images.device).float()
             if images.requires_grad and not scores.requires_grad:
                 raise RuntimeError(f"reward {name!r} declares differentiable = True but its scores carry no gradient "
                                    "to the images (a no_grad, detach, uint8 or numpy step in its __call__?): fix the "
@@ -273,6 +277,9 @@ class DifferentiableReward:
             valid &= ok
             per_scorer[name] = scores
             total = total + self.weights[name] * torch.where(ok, scores, torch.zeros_like(scores))
+        if scored.requires_grad and not bool(valid.all()):
+            keep = valid.view(-1, *([1] * (images.dim() - 1)))
+            scored.register_hook(lambda grad: torch.where(keep, grad, torch.zeros_like(grad)))
         return total, valid, per_scorer
 
 
