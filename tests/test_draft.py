@@ -278,6 +278,37 @@ def test_a_scorer_that_claims_gradients_and_detaches_is_named(tmp_path):
         unregister("claims_grad")
 
 
+class FlatValuedScorer:
+    """0.5 for every sample, with digit_alignment's gradient: every group is flat, every sample has a gradient."""
+
+    name = "flat_value"
+    differentiable = True
+
+    def __init__(self):
+        from rewards import get
+
+        self.alignment = get("digit_alignment")
+
+    def __call__(self, images, prompts, metadata):
+        s = self.alignment(images, prompts, metadata)
+        return s - s.detach() + 0.5
+
+
+def test_flat_groups_train_since_draft_uses_no_advantages(tmp_path):
+    from rewards.registry import register, unregister
+
+    register("flat_value", FlatValuedScorer)
+    try:  # skipped as "flat groups: no advantage to learn from" before, and reward.max_flat_steps ended the run
+        result, rows = run(tmp_path, "flat", *SMALL, "steps=2", "eval.every=1000", "reward.scorers=flat_value:1.0",
+                           "reward.max_flat_steps=1")
+    finally:
+        unregister("flat_value")
+    steps = [r for r in rows if "train/optimizer_steps" in r]
+    assert [r["train/optimizer_steps"] for r in steps] == [1.0, 1.0]
+    assert all(r["reward/zero_std_groups"] == 4 and r["train/update_rel"] > 0 for r in steps)
+    assert steps[-1]["train/skipped_steps"] == 0
+
+
 def test_the_shipped_configs_parse_and_the_default_run_is_configs_toy_draft():
     defaults = parse_config(Config, [])
     assert parse_config(Config, ["--config", str(ROOT / "configs" / "toy_draft.yaml")]) == defaults

@@ -502,6 +502,7 @@ class Draft(EMAAnchored):
     the recipe's own. The engine samples the trained weights."""
 
     build_anchor = staticmethod(ema_anchor)  # EMAAnchored: serving_weights, state_dict, load_state_dict
+    trains_on_advantages = False  # every valid sample trains, a flat group's too (the training loop's signal)
 
     def __init__(self, policy: Policy, optimizer, transformer, cfg, accelerator, reward: DifferentiableReward):
         self.policy, self.optimizer, self.transformer, self.cfg = policy, optimizer, transformer, cfg

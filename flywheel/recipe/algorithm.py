@@ -77,6 +77,15 @@ class Algorithm(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
+    # Optional: False for a recipe that trains every valid sample, not advantages (DRaFT): the loop then calls
+    # `update` on a step whose groups are all flat, and counts no flat streak (`trains_on_advantages` below).
+
+
+def trains_on_advantages(algorithm) -> bool:
+    """Whether a step needs a usable sample (a group with spread) to carry a signal: True unless the recipe
+    says otherwise with a class attribute `trains_on_advantages = False`."""
+    return getattr(algorithm, "trains_on_advantages", True)
+
 
 class ServesTrainedWeights:
     """The three protocol calls of a recipe that samples with the trained weights and keeps no tensors of its

@@ -23,7 +23,7 @@ import time
 
 from flywheel.distributed import all_reduce_mean
 from flywheel.guards import NoSignalError
-from flywheel.recipe.algorithm import Algorithm, UpdateResult
+from flywheel.recipe.algorithm import Algorithm, UpdateResult, trains_on_advantages
 from flywheel.recipe.weight_motion import WeightMotion
 
 # Why a step took no optimizer step, when no update was called (an update that takes none gives its own reason).
@@ -57,7 +57,8 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
                 batch = rollouts.collect(step, trainer_version=version)
             # 2. Score and advantages: the collector did both, over every rank; is there anything to learn?
             t0 = time.perf_counter()
-            signal = all_reduce_mean({"usable": float(batch.usable.sum()), "valid": float(batch.rewards.valid.sum()),
+            carries = batch.usable if trains_on_advantages(algorithm) else batch.rewards.valid  # DRaFT: any valid one
+            signal = all_reduce_mean({"usable": float(carries.sum()), "valid": float(batch.rewards.valid.sum()),
                                       "reward": float(batch.metrics.get("reward/mean", float("nan")))})
             # 3. Update: the algorithm's optimizer steps (none when no sample carries a signal), and how far
             # they moved the weights (train/update_rel).
