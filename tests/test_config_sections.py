@@ -254,7 +254,9 @@ def test_runs_compare_diffs_a_run_from_before_the_rename_key_by_key(old_config):
     added = [key for key, (was, _) in diff if was == "(absent)"]
     assert sorted(diff) == sorted([("eval.every", ["500", "7"]), *[(k, v) for k, v in diff if k in added]])
     if old_config == MAIN_RUN_CONFIG:
-        assert diff == [("eval.every", ["500", "7"]), ("reward.max_flat_steps", ["(absent)", "10"])]
+        assert diff == [("eval.every", ["500", "7"]), ("reward.max_flat_steps", ["(absent)", "10"]),
+                        ("rollout.call_timeout_s", ["(absent)", "600.0"]),
+                        ("rollout.start_timeout_s", ["(absent)", "600.0"])]
     else:
         assert {"model.experts", "sampling.cache_threshold", "sampling.early_exit"} <= set(added)
 
