@@ -288,6 +288,25 @@ def test_malformed_arguments():
         parse_config(TrainConfig, ["--config", "/nonexistent/x.yaml"])
 
 
+def test_a_key_given_twice_in_one_file_is_refused_naming_its_lines(tmp_path):
+    # PyYAML keeps the last: the second optim block replaced the first, whose lr fell back to the default.
+    twice = write_yaml(tmp_path / "twice.yaml", "optim:\n  lr: 0.2\nseed: 1\noptim:\n  betas: [0.8, 0.9]\n")
+    with pytest.raises(ConfigError, match=r"^config file .*twice.yaml: the key 'optim' is given twice in one "
+                                          r"mapping, on lines 1 and 4 \(the second would replace the first\); "
+                                          r"give it once$"):
+        load_config(TrainConfig, twice)
+    inner = write_yaml(tmp_path / "inner.yaml", "optim:\n  lr: 0.2\n  lr: 0.3\n")
+    with pytest.raises(ConfigError, match="the key 'lr' is given twice in one mapping, on lines 2 and 3"):
+        load_config(TrainConfig, inner)
+    both = write_yaml(tmp_path / "both.yaml", "optim:\n  lr: 0.2\noptim.lr: 0.3\n")  # nested and dotted
+    with pytest.raises(ConfigError, match=r"config key 'optim.lr' is set twice in .*both.yaml, to 0.2 and 0.3"):
+        load_config(TrainConfig, both)
+    same = write_yaml(tmp_path / "same.yaml", "optim:\n  lr: 0.2\noptim.lr: 0.2\n")  # agreeing: harmless
+    assert load_config(TrainConfig, same).optim.lr == 0.2
+    # On the command line the last one wins, as with any CLI.
+    assert parse_config(TrainConfig, ["optim.lr=0.2", "optim.lr=0.3"]).optim.lr == 0.3
+
+
 def test_yaml_must_be_a_mapping(tmp_path):
     path = write_yaml(tmp_path / "list.yaml", "- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):

@@ -76,8 +76,10 @@ class KeySource:
     """The keys one source (a file, the command line, one apply_overrides call) has set, by their real key:
     an old name and its new one set to different values there is a ConfigError naming both."""
 
-    def __init__(self, source: str):
-        self.source = source
+    def __init__(self, source: str, once: bool = False):
+        """`once`: the source is a file, where a key set twice to different values (nested and dotted,
+        `train: {lr: ..}` and `train.lr: ..`) is an error too; on a command line the last one wins."""
+        self.source, self.once = source, once
         self.given: dict[str, tuple[str, object]] = {}  # real key -> (the name it was given as, value)
 
     def record(self, key: str, name: str, value: object) -> None:
@@ -88,6 +90,9 @@ class KeySource:
             raise ConfigError(f"config keys {earlier[0]!r} and {name!r} ({self.source}) set the same key, {key!r} "
                               f"(one is its old name), to different values: {earlier[1]!r} and {value!r}; give it "
                               f"once, as {key!r}")
+        if earlier is not None and self.once and earlier[1] != value:
+            raise ConfigError(f"config key {key!r} is set twice {self.source}, to {earlier[1]!r} and {value!r} "
+                              f"(nested under its section and as a dotted key?); give it once")
         self.given[key] = (name, value)
 
 

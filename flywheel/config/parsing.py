@@ -312,8 +312,8 @@ def _has_key(cls: type, dotted: str) -> bool:
 class _Keys(KeySource):
     """One source's keys, and the config class whose old key names (flywheel/config/aliases.py) it renames."""
 
-    def __init__(self, cls: type, source: str):
-        super().__init__(source)
+    def __init__(self, cls: type, source: str, once: bool = False):
+        super().__init__(source, once=once)
         self.cls = cls
 
 
@@ -399,17 +399,43 @@ def _finish(root: DictConfig) -> Any:
                       "(set them in a --config YAML file or as key=value)")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the last,
+    so a second `train:` block would replace the first whole and its keys fall back to their defaults."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # an unhashable key: PyYAML's own error says so below
+                    continue
+                if first != key_node.start_mark.line:
+                    raise _DuplicateKey(f"the key {key!r} is given twice in one mapping, on lines {first + 1} and "
+                                        f"{key_node.start_mark.line + 1} (the second would replace the first); give "
+                                        f"it once")
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping of a config file (a one-line message, without PyYAML's marks)."""
+
+
 def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-    keys = _Keys(cls, f"in {path}")
+    keys = _Keys(cls, f"in {path}", once=True)
     for k, v in (data or {}).items():  # `optim.lr: 1e-3` at the top of a file works like the nested form
         if k == RESUME_HISTORY_KEY:  # a run's record of what its resumes changed, not a setting
             continue
