@@ -163,6 +163,11 @@ CASES = {
                             "is started, so it would be ignored"),
     "ray retries, no ray": (["rollout.max_failures=5"], "rollout.max_failures",
                             "rollout.max_failures=5 with rollout.backend=local and rollout.reward_actors=0"),
+    # model.card=toy-numbers alone kept the toy-digits prompts and reward: the run trained on the wrong task.
+    "toy-numbers card, toy-digits task": (["model.card=toy-numbers"], "data.eval_prompts",
+                                          "data.eval_prompts=toy-digits-heldout is the toy-digits card's task, but "
+                                          "model.card=toy-numbers; for toy-numbers set data.prompts=toy-numbers "
+                                          "data.eval_prompts=toy-numbers-heldout reward.scorers=number_alignment:1.0"),
     "call timeout, all in process": (["rollout.call_timeout_s=1200"], "rollout.call_timeout_s",
                                      "rollout.call_timeout_s=1200.0 with rollout.backend=local, "
                                      "rollout.asynchronous=false and rollout.reward_actors=0: everything runs in "

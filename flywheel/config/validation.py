@@ -232,11 +232,35 @@ def check_model(cfg, checks: ConfigChecks) -> None:
                         f"{', '.join(c for c in list_cards() if 'experts' in get_card(c).defaults)}); leave it unset")
 
 
+# The built-in toy datasets and the toy card each is the task of: the other card's prompts and reward train
+# nothing useful (digit_alignment squashes an 8x16 canvas of two digits to 8x8).
+TOY_DATASET_CARDS = {"toy-digits": "toy-digits", "toy-digits-heldout": "toy-digits",
+                     "toy-numbers": "toy-numbers", "toy-numbers-heldout": "toy-numbers"}
+TOY_TASKS = {"toy-digits": "data.prompts=toy-digits data.eval_prompts=toy-digits-heldout "
+                           "reward.scorers=digit_alignment:1.0",
+             "toy-numbers": "data.prompts=toy-numbers data.eval_prompts=toy-numbers-heldout "
+                            "reward.scorers=number_alignment:1.0 (as configs/toy_numbers_<recipe>.yaml do)"}
+
+
+def check_toy_task(cfg, checks: ConfigChecks) -> None:
+    """A toy card given the other toy card's built-in prompts (model.card=toy-numbers alone keeps the defaults'
+    toy-digits prompts): refused, naming the card's own task."""
+    card = cfg.model.card
+    if card not in TOY_TASKS:
+        return
+    for key in ("data.prompts", "data.eval_prompts"):
+        owner = TOY_DATASET_CARDS.get(config_value(cfg, key))
+        if owner is not None and owner != card:
+            checks.fail(f"{key}={config_value(cfg, key)} is the {owner} card's task, but model.card={card}; "
+                        f"for {card} set {TOY_TASKS[card]}, or give prompts of your own")
+
+
 def check_data(cfg, checks: ConfigChecks) -> None:
     """`data`: the batch shape, and both datasets load (with an image per row exactly for image-conditioned
     cards)."""
     checks.require("data.prompts_per_step", lambda v: v >= 1, POSITIVE)
     checks.require("data.group_size", lambda v: v >= 2, "must be >= 2: advantages compare the samples of a group")
+    check_toy_task(cfg, checks)
     for key in ("data.prompts", "data.eval_prompts"):
         try:
             items = load_prompts(config_value(cfg, key))
