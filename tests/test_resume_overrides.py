@@ -5,6 +5,7 @@ config.yaml, or is refused naming it; another recipe's run is refused naming bot
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,15 @@ def test_config_changes_name_each_dotted_key_with_both_values():
     assert config_changes(before, after) == {"steps": (3, 5), "train.betas": ([0.9, 0.99], [0.9, 0.9])}
     assert {"steps", "train.learning_rate", "eval.every"} <= RESUMABLE_KEYS.keys()
     assert not {"seed", "reward.scorers", "data.prompts_per_step", "train.clip_range"} & RESUMABLE_KEYS.keys()
+    # A run whose video rollouts timed out resumes with a longer wait.
+    assert {"rollout.call_timeout_s", "rollout.start_timeout_s"} <= RESUMABLE_KEYS.keys()
+
+
+def test_the_getting_started_page_lists_every_key_a_resume_may_change():
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    table = page[page.index("| key | why it may change |"):].split("\n\n")[0]
+    listed = {key for line in table.splitlines()[2:] for key in re.findall(r"`([\w.]+)`", line.split("|")[1])}
+    assert listed == set(RESUMABLE_KEYS)
 
 
 @pytest.mark.slow

@@ -48,6 +48,9 @@ RESUMABLE_KEYS = {
     "project": "the tracker's project name",
     "reward.timeout_s": "remote rewards' bound of one call: how long to wait, not what is scored",
     "reward.budget_s": "remote rewards' bound of all retries of one batch",
+    "rollout.call_timeout_s": "how long an engine process or a Ray actor is waited for, not what it computes: "
+                              "the remedy for a run its video model's rollouts timed out",
+    "rollout.start_timeout_s": "how long an engine process or Ray actors are waited for at the start",
     "train.learning_rate": "set on the optimizer after the checkpoint's AdamW state is loaded (its moments kept); "
                            "the usual remedy for a run that grows unstable",
     "ema.enabled": "false drops the checkpoint's average, with a warning; true needs a checkpoint that holds one",
