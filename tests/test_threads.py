@@ -4,6 +4,7 @@ A run on a shared machine that asked for one thread (OMP_NUM_THREADS=1, or
 `threads=1`) must not be given every core behind its back.
 """
 
+import io
 import os
 from unittest import mock
 
@@ -97,7 +98,7 @@ def test_an_engine_process_starts_on_the_thread_count_of_its_parent(torch_thread
     class NotServing:  # the process exits before its port line: start() raises after recording the command
         def __init__(self, cmd, **kwargs):
             started.append(cmd)
-            self.stdout, self.returncode = mock.Mock(readline=lambda: ""), 1
+            self.stdout, self.returncode = io.StringIO(""), 1  # no line at all
 
         def wait(self, timeout=None):
             return 1
