@@ -446,8 +446,11 @@ class Engine:
         """
         module = self.component(component)
         state = module.state_dict(keep_vars=True)
+        from_file = isinstance(tensors, (str, Path))
         tensors = _named_tensors(tensors, (component, self._component_attr(component)), state)
         _check_tensors(state, tensors, component)
+        if from_file:  # a file may come from anywhere; a sender's own tensors are the sender's to check
+            _check_finite_as(state, tensors, component)
         if version <= self._weight_version:
             raise ValueError(f"weight version must increase: {version} <= current {self._weight_version}")
         was_paused = self._paused
@@ -521,6 +524,15 @@ def _named_tensors(tensors: dict[str, torch.Tensor] | str | Path, names: tuple[s
                                  f"ignored; name every tensor one way")
             return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     return tensors
+
+
+def _check_finite_as(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], component: str) -> None:
+    """ValueError naming the first floating-point tensor that is not finite once cast to the dtype of the weight
+    it replaces (float64 1e300 is inf in float32): copied, it would make every output NaN."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor.to(state[name].dtype)).all()):
+            raise ValueError(f"tensor {name!r} holds values that are NaN or inf as {state[name].dtype} (the "
+                             f"{component} weight's dtype); refusing to load it")
 
 
 def _check_tensors(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],

@@ -185,6 +185,22 @@ def test_versions_only_increase(toy_engine):
         toy_engine.set_weight_version(0)
 
 
+def test_a_weights_file_with_values_not_finite_in_the_served_dtype_is_refused_and_nothing_changes(tmp_path):
+    from safetensors.torch import save_file
+
+    engine = Engine.from_card("toy-digits")
+    before = {k: v.clone() for k, v in engine.model.transformer.state_dict().items()}
+    name = next(k for k, v in before.items() if v.is_floating_point() and v.numel() > 1)
+    for label, value in (("nan", float("nan")), ("overflow", 1e300)):  # 1e300: finite as float64, inf as float32
+        weights = {k: v.double() if k == name else v for k, v in before.items()}
+        weights[name] = weights[name].flatten().index_fill(0, torch.tensor([0]), value).view_as(before[name])
+        save_file(weights, str(tmp_path / f"{label}.safetensors"))
+        with pytest.raises(ValueError, match=f"tensor '{name}' holds values that are NaN or inf as torch.float32"):
+            engine.load_weights(str(tmp_path / f"{label}.safetensors"), version=1)
+    assert engine.weight_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.transformer.state_dict().items())
+
+
 def test_pause_drain_resume_keeps_inflight_on_their_version(toy_engine):
     results = {}
 
