@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -101,10 +102,14 @@ class AsyncEngine:
                  max_wait_ms: float = 5.0, max_concurrency: int = 2,
                  admission: AdmissionController | None = None,
                  estimate: Callable[[GenerationRequest, Engine], int] | None = None,
-                 workflows: list[str] | None = None, workflow_registry: WorkflowRegistry | None = None):
-        if max_batch < 1 or max_concurrency < 1 or max_wait_ms < 0:
-            raise ValueError(f"need max_batch >= 1, max_concurrency >= 1, max_wait_ms >= 0; got "
-                             f"{max_batch}, {max_concurrency}, {max_wait_ms}")
+                 workflows: list[str] | None = None, workflow_registry: WorkflowRegistry | None = None,
+                 drain_timeout_s: float = 600.0):
+        if not (max_batch >= 1 and max_concurrency >= 1 and 0 <= max_wait_ms < math.inf
+                and 0 < drain_timeout_s < math.inf):  # written so that NaN fails too
+            raise ValueError(f"need max_batch >= 1, max_concurrency >= 1, finite max_wait_ms >= 0 and finite "
+                             f"drain_timeout_s > 0; got {max_batch}, {max_concurrency}, {max_wait_ms}, "
+                             f"{drain_timeout_s}")
+        self.drain_timeout_s = float(drain_timeout_s)
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_concurrency = max_concurrency
@@ -363,20 +368,30 @@ class AsyncEngine:
     def paused(self) -> bool:
         return self._paused
 
-    async def pause(self, mode: str = "drain", timeout_s: float = 600.0) -> float:
-        """Stop starting batches and wait for the running ones; returns the seconds waited."""
+    async def pause(self, mode: str = "drain", timeout_s: float | None = None) -> float:
+        """Stop starting batches and wait for the running ones; returns the seconds waited.
+
+        `timeout_s` defaults to the engine's drain_timeout_s. On a timeout the pause is undone and
+        TimeoutError says so.
+        """
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not supported; valid modes: {', '.join(PAUSE_MODES)}")
         self._bind_loop()
         loop = asyncio.get_running_loop()
         start = loop.time()
-        self._paused = True
+        was_paused, self._paused = self._paused, True
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self._running == 0), timeout_s)
             except asyncio.TimeoutError:
+                # A pause that failed must not stay in force: waiting requests would hang with no error.
+                self._paused = was_paused
+                self._changed.notify_all()
                 raise TimeoutError(f"AsyncEngine did not drain within {timeout_s:.1f}s: "
-                                   f"{self._running} batch(es) still running") from None
+                                   f"{self._running} batch(es) still running; "
+                                   f"{'still paused as before' if was_paused else 'not paused, serving goes on'}"
+                                   ) from None
         return loop.time() - start
 
     async def resume(self) -> None:

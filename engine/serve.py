@@ -401,6 +401,9 @@ async def load_weights(request: web.Request) -> web.Response:
             result = await engine.load_weights(tensors, version, component=component, card=card)
         except KeyError as exc:  # tensor names that are not in the component
             raise BadRequest(str(exc.args[0] if exc.args else exc)) from None
+        except TimeoutError as exc:  # a batch outlived the drain: nothing was loaded, serving goes on
+            raise BadRequest(f"weights not loaded (still version {engine.weight_version(card)}): {exc}; "
+                             "retry when the running batches are done", status=503) from None
         if lora is None:
             for name in tensors:  # full weights: the new values are the pre-LoRA ones
                 bases.pop(name.removeprefix(component + "."), None)

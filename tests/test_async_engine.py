@@ -170,3 +170,61 @@ def test_scorers_are_hosted_batched_and_replaceable(toy_model):
     assert torch.equal(torch.cat(parts), images.flatten(1).mean(1))
     assert torch.equal(swapped, images.flatten(1).amax(1))
     assert kinds == {"toy-digits": "generator", "mean": "scorer"}
+
+
+def test_a_load_whose_drain_times_out_undoes_its_pause_and_later_requests_run():
+    """A batch that outlives the drain: load_weights raises naming the drain, nothing is loaded, and the
+    engine is not left paused (before the fix every later request waited forever)."""
+    import threading
+
+    engine = Engine(load_model("toy-digits"))
+    release = threading.Event()
+    generate = engine.generate
+    engine.generate = lambda requests: (release.wait(10), generate(requests))[1]
+    bias = {k: v + 1.0 for k, v in engine.model.transformer.state_dict().items() if k.endswith("proj_out.bias")}
+
+    async def main():
+        ae = AsyncEngine(engine, max_wait_ms=0, drain_timeout_s=0.1)
+        running = asyncio.ensure_future(ae.submit(reqs(1)[0]))
+        while ae.stats()["pool/running"] == 0:
+            await asyncio.sleep(0.001)
+        with pytest.raises(TimeoutError, match=r"did not drain within 0\.1s.*not paused, serving goes on"):
+            await ae.load_weights(bias, version=1)
+        paused_after = ae.paused
+        release.set()
+        first = await running
+        later = await asyncio.wait_for(ae.submit(reqs(2)[1]), 10)
+        version = ae.weight_version("toy-digits")
+        await ae.aclose()
+        return paused_after, first, later, version
+
+    paused_after, first, later, version = asyncio.run(main())
+    assert not paused_after and version == 0
+    assert first.weight_version == 0 and later.weight_version == 0
+
+
+def test_a_caller_held_pause_survives_a_second_pause_that_times_out():
+    """pause() restores the state it found: a pause the caller already holds stays in force."""
+    engine = Engine(load_model("toy-digits"))
+
+    async def main():
+        ae = AsyncEngine(engine, max_wait_ms=0)
+        await ae.pause()
+        ae._running += 1  # a batch that never ends
+        try:
+            with pytest.raises(TimeoutError, match="still paused as before"):
+                await ae.pause(timeout_s=0.05)
+            return ae.paused
+        finally:
+            ae._running -= 1
+            await ae.aclose()
+
+    assert asyncio.run(main()) is True
+
+
+@pytest.mark.parametrize("kwargs", [{"max_wait_ms": float("nan")}, {"max_wait_ms": float("inf")},
+                                    {"drain_timeout_s": 0}, {"drain_timeout_s": float("nan")},
+                                    {"max_batch": 0}])
+def test_async_engine_settings_out_of_range_are_refused(kwargs):
+    with pytest.raises(ValueError, match="need max_batch >= 1"):
+        AsyncEngine(None, **kwargs)

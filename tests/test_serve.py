@@ -360,3 +360,36 @@ def test_an_ode_request_with_noise_level_zero_is_served_as_python_takes_it():
     (audio,), _ = parse_generate({"prompt": "a 3", "sampler": "ode", "audio": True, "audio_noise_level": 0.0},
                                  "toy-digits", 4)
     assert audio.audio_noise_level == 0.0
+
+
+def test_post_weights_while_a_batch_outlives_the_drain_is_503_and_serving_goes_on(tmp_path):
+    """The weights are not loaded, the reply says why and that the version stayed, and /v1/generate still
+    answers afterwards (the failed pause used to stay in force)."""
+    import threading
+
+    from engine import load_model
+    from flywheel.sync.transport import save_weights_atomic
+
+    served_model = load_model("toy-digits")
+    new = {k: v + 0.02 for k, v in served_model.transformer.state_dict().items()}
+    path = save_weights_atomic(new, tmp_path / "transformer.safetensors", version=1)
+    release = threading.Event()
+
+    async def main():
+        engine = Engine(served_model)
+        generate = engine.generate
+        engine.generate = lambda requests: (release.wait(10), generate(requests))[1]
+        ae = AsyncEngine(engine, max_wait_ms=0, drain_timeout_s=0.2)
+        async with TestClient(TestServer(build_app(ae), host="127.0.0.1", port=0)) as client:
+            slow = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "a 1", "steps": 2}))
+            while ae.stats()["pool/running"] == 0:
+                await asyncio.sleep(0.001)
+            refused = await client.post("/v1/weights", json={"path": str(path), "version": 1})
+            release.set()
+            first = await slow
+            later = await asyncio.wait_for(client.post("/v1/generate", json={"prompt": "a 2", "steps": 2}), 10)
+            return refused.status, await refused.json(), first.status, later.status, await later.json()
+
+    status, body, first, later, reply = asyncio.run(main())
+    assert status == 503 and "still version 0" in body["error"] and "did not drain within 0.2s" in body["error"]
+    assert first == 200 and later == 200 and reply["weight_version"] == 0
