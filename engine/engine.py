@@ -47,7 +47,9 @@ from engine.sampling import compressed_tail, flow_timesteps, step_noise_levels
 from engine.types import GenerationRequest, Trajectory
 
 PAUSE_MODES = ("drain",)
-# Components whose weights feed the prompt-embedding cache: loading them invalidates it.
+# Components whose weights feed the prompt-embedding cache: loading them invalidates it. A model whose
+# encode_prompts runs other weighted modules (LTX-2's text connectors) names them in its own
+# `prompt_encoder_components`, read by Engine.feeds_prompt_cache.
 PROMPT_ENCODER_COMPONENTS = ("prompt_encoder", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -69,6 +71,7 @@ class Engine:
         self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
         self._weight_version = weight_version
         self._encoder_version = 0
+        self._prompt_encoder_written = False  # write_weights touched an encoder since the last version
         self._state = threading.Condition()
         self._paused = False
         self._in_flight = 0
@@ -367,7 +370,10 @@ class Engine:
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """Prompt embeddings through the LRU cache (one encoder call for all misses)."""
-        keys = [(self.card_id, p, self._encoder_version) for p in prompts]
+        # The encoder's length limit is part of the key: a model whose limit is changed must not get
+        # embeddings of the old length back.
+        limit = getattr(self.model, "max_sequence_length", getattr(self.model, "max_length", None))
+        keys = [(self.card_id, p, self._encoder_version, limit) for p in prompts]
         found = {k: self.prompt_cache.get(k) for k in dict.fromkeys(keys)}
         missing = [k for k, v in found.items() if v is None]
         if missing:
@@ -376,7 +382,8 @@ class Engine:
             for i, k in enumerate(missing):
                 entry = (fresh.embeds[i], fresh.pooled[i], None if fresh.mask is None else fresh.mask[i])
                 found[k] = entry
-                self.prompt_cache.put(k, entry)
+                # A clone per row: a view would keep the whole miss batch's tensors alive in the cache.
+                self.prompt_cache.put(k, tuple(None if t is None else t.clone() for t in entry))
         rows = [found[k] for k in keys]
         mask = None if rows[0][2] is None else torch.stack([r[2] for r in rows])
         return PromptEmbeds(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), mask)
@@ -413,13 +420,21 @@ class Engine:
                                    f"{self._in_flight} generate() call(s) still running")
         return time.perf_counter() - start
 
+    def feeds_prompt_cache(self, component: str) -> bool:
+        """Whether `component`'s weights shape the cached prompt embeddings."""
+        return component in getattr(self.model, "prompt_encoder_components", PROMPT_ENCODER_COMPONENTS)
+
     def set_weight_version(self, version: int, prompt_encoder_changed: bool = False) -> None:
-        """Mark the weights now loaded; versions only increase."""
+        """Mark the weights now loaded; versions only increase.
+
+        The prompt cache is dropped when the caller says the encoder changed or when write_weights wrote
+        into one since the last version (a bucketed sync whose commit forgot to say so)."""
         if version <= self._weight_version:
             raise ValueError(f"weight version must increase: {version} <= current {self._weight_version}")
         self._weight_version = version
-        if prompt_encoder_changed:
+        if prompt_encoder_changed or self._prompt_encoder_written:
             self.invalidate_prompt_cache()
+        self._prompt_encoder_written = False
 
     def invalidate_prompt_cache(self) -> None:
         """Forget every prompt embedding (the prompt encoder's weights changed)."""
@@ -460,7 +475,7 @@ class Engine:
             drain_s = self.drain()
             start = time.perf_counter()
             self.write_weights(tensors, component)
-            self.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+            self.set_weight_version(version, prompt_encoder_changed=self.feeds_prompt_cache(component))
             return {"version": version, "component": component, "tensors": len(tensors),
                     "drain_s": drain_s, "load_s": time.perf_counter() - start}
         finally:
@@ -482,6 +497,7 @@ class Engine:
         state = module.state_dict(keep_vars=True)
         tensors = _named_tensors(tensors, (component, self._component_attr(component)), state)
         targets = _check_tensors(state, tensors, component)
+        self._prompt_encoder_written |= self.feeds_prompt_cache(component)
         with torch.no_grad():
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))

@@ -180,6 +180,37 @@ def test_prompt_cache_hits_and_invalidation(toy_engine):
     assert toy_engine.prompt_cache.misses == misses + 2 and traj.weight_version == 2
 
 
+def test_a_bucketed_write_into_the_text_encoder_drops_cached_prompts_at_the_commit():
+    """write_weights + set_weight_version (the bucketed sync) without prompt_encoder_changed: the cache must
+    not hand back embeddings of the old encoder."""
+    engine = Engine.from_card("toy-digits")
+    prompt = "a handwritten seven"
+    old = engine.encode_prompts([prompt]).embeds.clone()
+    engine.pause()
+    engine.drain()
+    engine.write_weights({k: v * 3 for k, v in engine.component("text_encoder").state_dict().items()
+                          if v.is_floating_point()}, "text_encoder")
+    engine.set_weight_version(1)
+    engine.resume()
+    served = engine.encode_prompts([prompt]).embeds
+    assert not torch.equal(served, old) and torch.equal(served, engine.model.encode_prompts([prompt]).embeds)
+    engine.set_weight_version(2)  # the flag is spent: a later transformer-only version keeps the cache
+    assert len(engine.prompt_cache) == 1
+
+
+def test_cached_prompt_rows_own_their_memory_and_the_length_limit_is_part_of_the_key():
+    engine = Engine.from_card("toy-digits", prompt_cache_size=4)
+    prompts = [f"a handwritten digit number {i}" for i in range(40)]
+    engine.encode_prompts(prompts)
+    for entry in engine.prompt_cache._entries.values():  # a view would pin the whole 40-row batch
+        assert entry[0].untyped_storage().nbytes() == entry[0].numel() * entry[0].element_size()
+    full = engine.encode_prompts(prompts[-1:]).embeds
+    engine.model.max_length = 6
+    short = engine.encode_prompts(prompts[-1:]).embeds
+    assert short.shape[1] == 6 != full.shape[1]
+    assert torch.equal(short, engine.model.encode_prompts(prompts[-1:]).embeds)
+
+
 def test_versions_only_increase(toy_engine):
     with pytest.raises(ValueError, match="must increase"):
         toy_engine.set_weight_version(0)

@@ -273,6 +273,19 @@ def test_select_and_concat_carry_the_audio_fields(engine):
 
 
 @pytest.mark.slow
+def test_loading_the_text_connectors_drops_the_cached_prompt_embeddings(folder):
+    """The connectors run inside encode_prompts: after a load the engine serves the new embeddings."""
+    engine = Engine(load_model("ltx2", path=str(folder)))  # its own: this test changes weights
+    before = engine.encode_prompts(PROMPTS[:1]).embeds.clone()
+    state = engine.component("connectors").state_dict()
+    engine.load_weights({k: v * 2.0 + 0.1 for k, v in state.items() if v.is_floating_point()}, version=1,
+                        component="connectors")
+    served = engine.encode_prompts(PROMPTS[:1]).embeds
+    assert not torch.equal(served, before)
+    assert torch.equal(served, engine.model.encode_prompts(PROMPTS[:1]).embeds)
+    assert engine.feeds_prompt_cache("connectors") and not engine.feeds_prompt_cache("transformer")
+
+
 def test_engine_process_round_trip_carries_the_audio_fields(folder, engine):
     """The trainer's copy of a rollout made in another process: the waveform, the audio levels, the
     per-modality log-probs and the geometry (a tensor with no elements) all arrive, and a trainer can

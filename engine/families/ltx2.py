@@ -90,6 +90,8 @@ class LTX2Model(DiffusersFlowModel):
     card_id = CARD_ID
     generates_audio = True
     guide_uses_conditioning = True
+    # encode_prompts runs Gemma and then the text connectors: loading either changes the cached embeddings.
+    prompt_encoder_components = ("prompt_encoder", "text_encoder", "connectors")
 
     def __init__(self, pipe, dtype: torch.dtype, scheduler_config: dict, max_sequence_length: int = 1024):
         super().__init__(pipe, dtype, scheduler_config, pipe.tokenizer, max_sequence_length)

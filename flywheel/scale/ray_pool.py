@@ -55,7 +55,6 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from engine import Engine, GenerationRequest, Trajectory
 from engine.cards import load_model
-from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.lora import add_lora
 from flywheel.scale.ray_sync import broadcast_bucket, weight_group
 from flywheel.sync.transport import plan_buckets, tensor_checksums, unpack_bucket
@@ -227,7 +226,7 @@ class EngineReplica:
 
     def commit(self, version: int, component: str) -> int:
         self.refuse_if_restarted(f"the commit of version {version}")
-        self.engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+        self.engine.set_weight_version(version, prompt_encoder_changed=self.engine.feeds_prompt_cache(component))
         self.unsynced = None
         return version
 

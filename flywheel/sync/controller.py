@@ -26,7 +26,6 @@ from typing import Protocol
 
 import torch
 
-from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.sync.transport import DEFAULT_BUCKET_BYTES, SharedMemorySender, SharedWeightsWriter, save_weights_atomic, \
     tensor_checksums, verify_checksums
 
@@ -57,7 +56,7 @@ class ColocatedTransport:
     name = "colocated"
 
     def transfer(self, engine, tensors, version: int, component: str) -> int:
-        engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+        engine.set_weight_version(version, prompt_encoder_changed=engine.feeds_prompt_cache(component))
         return 0
 
 

@@ -48,7 +48,6 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from engine import Engine, GenerationRequest, Trajectory
-from engine.engine import PROMPT_ENCODER_COMPONENTS
 from flywheel.lora import add_lora
 from flywheel.openmp_env import passive_wait_by_default
 from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
@@ -121,7 +120,7 @@ class _Server:
         if component in self.shared:
             self.shared[component].commit()
         self.partial = None
-        self.engine.set_weight_version(version, prompt_encoder_changed=component in PROMPT_ENCODER_COMPONENTS)
+        self.engine.set_weight_version(version, prompt_encoder_changed=self.engine.feeds_prompt_cache(component))
         return {"version": version, "component": component}
 
     def handle(self, op: str, msg: dict) -> tuple[dict, bytes | None]:
