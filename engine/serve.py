@@ -299,7 +299,10 @@ async def generate(request: web.Request) -> web.Response:
         if upload is not None:
             upload.cleanup()
     images = torch.cat([t.images for t in trajectories])
-    out = {"card": requests[0].card, "weight_version": trajectories[0].weight_version,
+    # The n images of one call may run in several batches, and a weight push can land between them:
+    # each image's version is reported, and weight_version is the oldest (the conservative staleness).
+    versions = [t.weight_version for t in trajectories for _ in range(t.images.shape[0])]
+    out = {"card": requests[0].card, "weight_version": min(versions), "weight_versions": versions,
            "seeds": [r.seed for r in requests], "images": _encode_images(images),
            # Model calls per image (fewer than the steps when the adaptive loop skipped some).
            "steps_computed": [int(n) for t in trajectories for n in t.steps_computed.tolist()]}

@@ -393,3 +393,37 @@ def test_post_weights_while_a_batch_outlives_the_drain_is_503_and_serving_goes_o
     status, body, first, later, reply = asyncio.run(main())
     assert status == 503 and "still version 0" in body["error"] and "did not drain within 0.2s" in body["error"]
     assert first == 200 and later == 200 and reply["weight_version"] == 0
+
+
+def test_one_call_whose_batches_straddle_a_weight_push_reports_each_images_version(tmp_path):
+    """n=4 with max_batch=2: the push lands between the two batches; the reply says which images came from
+    which version (it used to report the first batch's version for all four)."""
+    import threading
+
+    from engine import load_model
+    from flywheel.sync.transport import save_weights_atomic
+
+    served_model = load_model("toy-digits")
+    new = {k: v + 0.02 for k, v in served_model.transformer.state_dict().items()}
+    path = save_weights_atomic(new, tmp_path / "transformer.safetensors", version=1)
+    gate = threading.Event()
+
+    async def main():
+        engine = Engine(served_model)
+        generate = engine.generate
+        engine.generate = lambda requests: (gate.wait(10), generate(requests))[1]
+        ae = AsyncEngine(engine, max_batch=2, max_wait_ms=0, max_concurrency=1)
+        async with TestClient(TestServer(build_app(ae), host="127.0.0.1", port=0)) as client:
+            call = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "a 7", "n": 4, "steps": 2}))
+            while ae.stats()["pool/running"] == 0:
+                await asyncio.sleep(0.001)
+            push = asyncio.ensure_future(client.post("/v1/weights", json={"path": str(path), "version": 1}))
+            while not ae.paused:
+                await asyncio.sleep(0.001)
+            gate.set()
+            pushed, reply = await push, await call
+            return pushed.status, reply.status, await reply.json()
+
+    pushed, status, body = asyncio.run(main())
+    assert pushed == 200 and status == 200
+    assert body["weight_versions"] == [0, 0, 1, 1] and body["weight_version"] == 0
