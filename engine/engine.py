@@ -66,7 +66,7 @@ class Engine:
         self.compile = compile
         self._compiled: tuple[nn.Module, nn.Module] | None = None  # (module, its compiled wrapper)
         self.device = torch.device(device) if device is not None else next(model.transformer.parameters()).device
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # the properties below check these
         self.time_shift = time_shift
         self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
         self._weight_version = weight_version
@@ -81,6 +81,41 @@ class Engine:
         # Row-steps generated and those that called the model (fewer when the adaptive loop reused a velocity).
         self._steps_total = 0
         self._steps_computed = 0
+
+    # Settings checked when set: a bad value fails here, not as NaN latents or an IndexError mid-generate.
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Engine max_batch must be an integer >= 1 (rows per model call), got {value!r}")
+        self._max_batch = value
+
+    @property
+    def time_shift(self) -> float:
+        return self._time_shift
+
+    @time_shift.setter
+    def time_shift(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"Engine time_shift must be a finite number > 0 (1 = no shift; SD3 uses 3), "
+                             f"got {value!r}")
+        self._time_shift = float(value)
+
+    @property
+    def flash_compress(self) -> float | None:
+        return self._flash_compress
+
+    @flash_compress.setter
+    def flash_compress(self, value: float | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 1):
+            raise ValueError(f"Engine flash_compress must be None or in (0, 1] (the fraction of the ODE steps "
+                             f"after the SDE window that are kept), got {value!r}")
+        self._flash_compress = value
 
     @classmethod
     def from_card(cls, card_id: str, path: str | None = None, device: str = "cpu",

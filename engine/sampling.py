@@ -131,13 +131,13 @@ def per_element(std: torch.Tensor | float) -> bool:
 
 
 def gaussian_step_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean over elements of log N(x_next; mean, std²); 0 where std == 0.
+    """Per-sample mean over elements of log N(x_next; mean, std²); 0 where std == 0 (NaN std gives NaN).
 
     A per-element std (a joint audio+video latent whose modalities have their own noise levels) averages
     over the stochastic elements only: a modality stepped deterministically (noise level 0) drops out,
     and with every element stochastic it is the mean over all of them, as for a scalar std.
     """
-    stochastic = std > 0
+    stochastic = std != 0  # not `> 0`: a NaN std must surface as a NaN log-prob, not pass as deterministic
     safe_std = torch.where(stochastic, std, torch.ones_like(std))
     log_density = -((x_next - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
     if per_element(std):

@@ -412,3 +412,25 @@ def test_weight_sync_in_flight_finishes_on_old_version_and_later_requests_use_ne
     fresh_new.model.transformer.load_state_dict(new)
     assert results["after"].weight_version == 1
     assert compare_outputs(results["after"], fresh_new.generate(later_reqs))["latents"]["equal"]
+
+
+@pytest.mark.parametrize("setting, value, valid", [
+    ("max_batch", 0, "integer >= 1"), ("max_batch", -1, "integer >= 1"), ("max_batch", 2.5, "integer >= 1"),
+    ("time_shift", 0.0, "finite number > 0"), ("time_shift", -1.0, "finite number > 0"),
+    ("time_shift", float("nan"), "finite number > 0"), ("time_shift", float("inf"), "finite number > 0"),
+    ("flash_compress", 2.0, r"in \(0, 1\]"), ("flash_compress", 0.0, r"in \(0, 1\]"),
+    ("flash_compress", float("nan"), r"in \(0, 1\]")])
+def test_engine_settings_out_of_range_are_refused_when_set(setting, value, valid):
+    """Before: time_shift 0 gave NaN latents, max_batch 0 a range() error inside generate, flash_compress 2
+    NaN latents; each now fails where it is set, naming the setting and the valid range."""
+    if setting == "flash_compress":
+        engine = Engine.from_card("toy-digits")
+        with pytest.raises(ValueError, match=f"Engine {setting} must be .*{valid}"):
+            engine.flash_compress = value
+        assert engine.flash_compress is None
+    else:
+        with pytest.raises(ValueError, match=f"Engine {setting} must be .*{valid}"):
+            Engine.from_card("toy-digits", **{setting: value})
+    engine = Engine.from_card("toy-digits", max_batch=2, time_shift=3)
+    engine.flash_compress = 0.5
+    assert engine.time_shift == 3.0 and engine.generate(requests(3)).latents.shape[0] == 3

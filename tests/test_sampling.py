@@ -181,3 +181,15 @@ def test_log_prob_takes_a_per_sample_std():
     for i, s in enumerate([0.5, 0.0, 0.2]):
         expected = 0.0 if s == 0 else -0.01 / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
         assert float(out[i]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_nan_std_gives_a_nan_log_prob_never_a_deterministic_zero():
+    """std == 0 exactly is a deterministic step (log-prob 0); a NaN std is a broken step and must show."""
+    x = torch.zeros(2, 3, 4)
+    scalar = gaussian_step_log_prob(x, x, torch.tensor(float("nan")))
+    per_sample = gaussian_step_log_prob(x, x, torch.tensor([float("nan"), 0.0]).view(2, 1, 1))
+    per_element = gaussian_step_log_prob(x, x, torch.tensor([float("nan"), 0.0, 1.0]).view(1, 3, 1).expand(2, 3, 4))
+    assert torch.isnan(scalar).all() and torch.isnan(per_sample[0]) and per_sample[1] == 0
+    assert torch.isnan(per_element).all()
+    zero = gaussian_step_log_prob(x, x, torch.tensor(0.0))
+    assert torch.equal(zero, torch.zeros(2))
