@@ -196,6 +196,25 @@ def test_nested_workflow_returns_every_stage_by_dotted_path_and_stamps_each_engi
     assert torch.equal(out.images, out.stages["again"].images)
 
 
+def test_a_weight_load_between_two_stages_on_one_engine_keeps_both_versions_on_record():
+    """Before: the later stage overwrote the card's entry, so the output claimed one version for both."""
+    engine = Engine.from_card("toy-digits")
+    generate = engine.generate
+
+    def then_load(rows, init_latents=None):
+        trajectory = generate(rows, init_latents)
+        if engine.weight_version == 0:  # the push lands after 'draw', before 'refine'
+            engine.load_weights({k: v * 1.01 for k, v in engine.model.transformer.state_dict().items()
+                                 if k.endswith("proj_out.weight")}, version=7)
+        return trajectory
+
+    engine.generate = then_load
+    out = WorkflowRunner({"toy-digits": engine}).run("toy.digits_then_refine", requests(steps=10),
+                                                     intermediates=True)
+    assert {p: s.weight_version for p, s in out.stages.items()} == {"draw": 0, "refine": 7}
+    assert out.weight_versions == {"toy-digits": 0, "toy-digits@refine": 7}
+
+
 # ---- routing: AsyncEngine and HTTP -----------------------------------------------------------------------
 
 

@@ -50,7 +50,10 @@ class StageResult:
 @dataclass
 class WorkflowOutput:
     """A workflow's final images and Trajectory, the weight version of every contributing engine, and (on
-    request) every stage's result by dotted path."""
+    request) every stage's result by dotted path.
+
+    `weight_versions` is keyed by card; a stage on its own engine, or one that ran on a newer version than an
+    earlier stage on the same engine (a weight load landed between them), is keyed "<card>@<stage path>"."""
 
     workflow: str
     images: torch.Tensor
@@ -156,6 +159,9 @@ class WorkflowRunner:
         else:
             trajectory = engine.generate(rows)
         key = stage.target if engine is self.engines.get(stage.target) else f"{stage.target}@{path}"
+        if versions.get(key, trajectory.weight_version) != trajectory.weight_version:
+            # A weight load landed between two stages on one engine: both versions stay on record.
+            key = f"{stage.target}@{path}"
         versions[key] = trajectory.weight_version
         return StageResult(path, stage.target, trajectory.images, trajectory, trajectory.weight_version)
 
