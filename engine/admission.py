@@ -44,8 +44,8 @@ class AdmissionController:
     """
 
     def __init__(self, capacity_bytes: int):
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if not 0 < capacity_bytes < math.inf:  # NaN fails too
+            raise ValueError(f"capacity_bytes must be a finite number > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.waiting = 0
@@ -60,7 +60,10 @@ class AdmissionController:
         return self._cond
 
     def check(self, nbytes: int) -> None:
-        """Raise AdmissionError if `nbytes` can never fit."""
+        """Raise AdmissionError if `nbytes` can never fit (ValueError if it is not a byte count at all)."""
+        if not 0 <= nbytes < math.inf:  # a negative count would hand budget to others; NaN never fits
+            raise ValueError(f"admission needs a finite byte estimate >= 0, got {nbytes!r} (check the engine's "
+                             "estimate function)")
         if nbytes > self.capacity_bytes:
             self.refused += 1
             raise AdmissionError(f"request needs an estimated {nbytes} bytes but the admission budget is "

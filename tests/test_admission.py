@@ -107,3 +107,19 @@ def test_refund_on_failure_and_on_cancellation(toy_model):
 
     after_failure, after_cancel, cancelled, ok = asyncio.run(main())
     assert after_failure == 0 and after_cancel == 0 and cancelled and len(ok) == 1
+
+
+def test_a_byte_count_that_is_negative_or_not_finite_is_refused_and_takes_no_budget():
+    """Before: acquire(-1000) lowered the usage so later requests overran the budget; acquire(nan) hung."""
+    async def main():
+        controller = AdmissionController(100)
+        for bad in (-1000, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="finite byte estimate >= 0"):
+                await asyncio.wait_for(controller.acquire(bad), 1)
+        await controller.acquire(0)
+        return controller.used_bytes
+
+    assert asyncio.run(main()) == 0
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="capacity_bytes must be a finite number > 0"):
+            AdmissionController(bad)
