@@ -157,6 +157,10 @@ class GenerationRequest:
     def _check_adaptive(self) -> None:
         _number("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)
         _integer("cache_order", self.cache_order, 0, 1)
+        if self.cache_order != 1 and self.cache_threshold == 0:  # only a skipped step reads it
+            raise ValueError(f"cache_order={self.cache_order} applies to the steps cache_threshold skips, and "
+                             "cache_threshold=0 skips none (early exit always reuses the last velocity); set "
+                             "cache_threshold > 0 or leave cache_order at 1")
         if self.early_exit is not None:
             _number("early_exit", self.early_exit, 0.0, MAX_CACHE_THRESHOLD)
             if self.early_exit == 0:

@@ -254,6 +254,8 @@ def test_engine_stats_count_the_model_calls(toy_model):
     (dict(cache_threshold=float("nan")), ValueError, r"cache_threshold"),
     (dict(cache_threshold="0.1"), TypeError, r"cache_threshold must be a number"),
     (dict(cache_order=2), ValueError, r"cache_order=2 is out of range; valid: 0 <= cache_order <= 1"),
+    (dict(cache_order=0), ValueError, r"cache_order=0 applies to the steps cache_threshold skips"),
+    (dict(cache_order=0, early_exit=0.1), ValueError, r"cache_threshold=0 skips none"),
     (dict(early_exit=0.0), ValueError, r"early_exit=0 can never be met; valid: 0 < early_exit <= 1"),
     (dict(early_exit=5.0), ValueError, r"early_exit"),
     (dict(sampler="sde", cache_threshold=0.1), ValueError, r"sde_window=None with steps=10 leaves none"),
