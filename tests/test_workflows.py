@@ -196,6 +196,11 @@ def test_nested_workflow_returns_every_stage_by_dotted_path_and_stamps_each_engi
     assert torch.equal(out.images, out.stages["again"].images)
 
 
+def test_a_refinement_stage_at_one_step_names_the_stage_and_the_steps_it_needs(engine):
+    with pytest.raises(WorkflowError, match=r"image-to-image stage \(FromImage\(strength=.*needs steps >= 2.*steps=1"):
+        WorkflowRunner({"toy-digits": engine}).run("toy.digits_then_refine", requests(steps=1))
+
+
 def test_a_weight_load_between_two_stages_on_one_engine_keeps_both_versions_on_record():
     """Before: the later stage overwrote the card's entry, so the output claimed one version for both."""
     engine = Engine.from_card("toy-digits")

@@ -70,6 +70,9 @@ class FromImage:
 
     def start_step(self, steps: int) -> int:
         """The step the refinement starts at; at least 1 (0 is pure noise) and at most steps - 1."""
+        if steps < 2:  # no step can start a refinement: 0 is pure noise and steps - 1 < 1
+            raise WorkflowError(f"an image-to-image stage (FromImage(strength={self.strength})) needs steps >= 2 "
+                                f"to re-run part of the schedule from the noised image; got steps={steps}")
         return min(max(steps - round(self.strength * steps), 1), steps - 1)
 
 
