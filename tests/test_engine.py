@@ -45,10 +45,32 @@ def test_the_guard_catches_host_transfers():
     x = torch.ones(3)
     with forbid_host_transfers():
         for bad in (lambda: x.sum().item(), lambda: x.cpu(), lambda: x.numpy(), lambda: x.tolist(),
-                    lambda: bool(x.sum() > 0)):
+                    lambda: bool(x.sum() > 0), lambda: torch.equal(x, x), lambda: torch.allclose(x, x),
+                    lambda: torch.is_nonzero(x[0])):
             with pytest.raises(HostTransferError):
                 bad()
-    assert x.sum().item() == 3.0  # restored afterwards
+    assert x.sum().item() == 3.0 and torch.equal(x, x)  # restored afterwards
+
+
+def test_the_guard_nests_without_deadlock_and_the_inner_exit_keeps_the_outer_in_force():
+    import threading
+
+    x, outcome = torch.ones(3), []
+
+    def nested():
+        with forbid_host_transfers():
+            with forbid_host_transfers():  # a guarded helper inside a guarded test
+                pass
+            try:
+                x.tolist()
+            except HostTransferError:
+                outcome.append("outer still guards")
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "nested forbid_host_transfers() deadlocked"
+    assert outcome == ["outer still guards"] and x.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_sde_with_zero_noise_equals_ode_through_the_engine(toy_engine):
