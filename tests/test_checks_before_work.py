@@ -728,6 +728,10 @@ OUT_OF_RANGE = [
     ("nft", ["sampling.frames=5000"], "sampling.frames=5000: must be at most 4096 (the engine's bound)"),
     ("grpo", ["rollout.reward_actors=1e30"], "rollout.reward_actors=1000000000000000019884624838656: must be at "
                                              "most 1024"),
+    # Finite in Python, inf in float32: "the gradient norm is nan" at step 1, after the run dir was written.
+    ("grpo", ["train.kl_beta=1e300"], "train.kl_beta=1e+300: must be a finite number of at most 3.403e+38 in "
+                                      "magnitude (float32's range"),
+    ("nft", ["train.learning_rate=-1e39"], "train.learning_rate=-1e+39: must be a finite number of at most"),
 ]
 
 

@@ -37,16 +37,26 @@ def config_value(cfg: Any, key: str) -> Any:
     return value
 
 
+# The largest float32: the losses, rewards and weights are float32 (or narrower), so a coefficient beyond it
+# (kl_beta=1e300) becomes inf in the first step's arithmetic, after the run directory was written.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _finite_float32(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
 def non_finite_fields(cfg: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of every float field (or float inside a tuple/list field) that is NaN or inf."""
+    """Dotted keys of every float field (or float inside a tuple/list field) that is NaN, inf, or beyond
+    float32's range."""
     bad = []
     for name in (f.name for f in dataclasses.fields(cfg) if f.init):
         value, key = getattr(cfg, name), f"{prefix}{name}"
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             bad += non_finite_fields(value, f"{key}.")
-        elif isinstance(value, float) and not math.isfinite(value):
+        elif isinstance(value, float) and not _finite_float32(value):
             bad.append(key)
-        elif isinstance(value, (list, tuple)) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, float) and not _finite_float32(v) for v in value):
             bad.append(key)
     return bad
 
@@ -62,7 +72,8 @@ class ConfigChecks:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self._non_finite = non_finite_fields(cfg)
-        self.problems = [f"{key}={config_value(cfg, key)}: must be a finite number" for key in self._non_finite]
+        self.problems = [f"{key}={config_value(cfg, key)}: must be a finite number of at most {FLOAT32_MAX:.4g} "
+                         "in magnitude (float32's range, in which the run computes)" for key in self._non_finite]
 
     def require(self, key: str, ok: Callable[[Any], bool], valid: str, allow_none: bool = False) -> None:
         """Record `key` as invalid unless `ok(value)` (None passes when `allow_none`); `valid` says what is."""
