@@ -83,7 +83,9 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
     async def _score(request: web.Request) -> web.Response:
         body = await read_body(request, limits)
         try:
-            batch = decode_request(body, request.content_type, max_image_pixels, max_body_bytes)
+            # Off the event loop: decoding a large batch would hold up /health and the other requests.
+            batch = await asyncio.to_thread(decode_request, body, request.content_type, max_image_pixels,
+                                            max_body_bytes)
             extra = scorer_inputs(name, scorer, batch.images, batch.audio, batch.sample_rate, batch.videos)
             unused = [key for key in ("audio", "videos") if getattr(batch, key) is not None and key not in extra]
             if unused:  # scored without them, the client would believe they counted

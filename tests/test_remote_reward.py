@@ -384,3 +384,36 @@ def test_pixels_in_0_1_with_rounding_and_nan_rows_are_scored():
     pixels[0, 0, 0, 0] = 1.001  # past the slack
     with pytest.raises(ValueError, match=r"got values in \[-5e-05, 1\.001\]"):
         decode_request(encode_request(pixels, ["a 3", "a 4", "a 5"], [{}, {}, {}])[0], content_type)
+
+
+def test_health_answers_while_a_batch_is_being_decoded_and_a_deep_body_is_still_a_400(monkeypatch):
+    """Decoding runs off the event loop: a large batch being decoded used to hold up /health."""
+    import threading
+    import urllib.request
+
+    import rewards.serve as serve
+
+    started, release = threading.Event(), threading.Event()
+    real = serve.decode_request
+
+    def slow_decode(*args):
+        started.set()
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(serve, "decode_request", slow_decode)
+    with ServerThread(rewards.get("digit_alignment"), "digit_alignment") as server:
+        body, content_type = encode_request(_images(), PROMPTS, [{}] * 6)
+        scoring = threading.Thread(target=_post, args=(server.url, body, content_type), daemon=True)
+        scoring.start()
+        assert started.wait(10)
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as reply:
+                health = reply.status
+        finally:
+            release.set()
+        scoring.join(10)
+        deep = b'{"images": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+        status, text = _post(server.url, deep, JSON)
+    assert health == 200
+    assert status == 400 and "maximum recursion" in text, text
