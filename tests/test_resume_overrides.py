@@ -162,3 +162,46 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_its_own_dir(t
     grpo(command)  # no overwrite=true needed
     assert "holds a run that stopped before its first training step" in capfd.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0, 1]  # not [0, 0, 1]
+
+
+def test_a_refused_resume_after_the_checkpoint_loaded_has_written_nothing(run):
+    """A metrics file with a garbage line is found only once the checkpoint is loaded; config.yaml used to be
+    rewritten (resume_overrides) and metrics.jsonl truncated before that refusal."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[0] = "GARBAGE"
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    before = {k: v for k, v in tree_hashes(run).items() if k != ".flywheel.lock"}
+    with pytest.raises(ResumeError, match=r"metrics.jsonl: line 1 is not valid JSON .*fix or remove that line"):
+        grpo([f"resume={run}", *TINY, "steps=2"])
+    assert {k: v for k, v in tree_hashes(run).items() if k != ".flywheel.lock"} == before
+
+
+def test_a_learning_rate_recorded_by_a_resume_killed_before_its_checkpoint_is_the_one_trained_with(run):
+    """A resume records train.learning_rate in config.yaml at once; killed before its first checkpoint, the
+    next plain resume compared against config.yaml, saw no change, and kept the checkpoint's old rate."""
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["train"]["learning_rate"] = 0.1  # what the killed resume left: the record, and no checkpoint of it
+    (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    grpo([f"resume={run}", *TINY, "steps=2"])
+    optimizer = json.loads((run / "checkpoints" / "step_000002" / "optimizer.json").read_text())
+    assert [g["lr"] for g in optimizer["param_groups"]] == [0.1]
+
+
+def test_resuming_an_older_checkpoint_sets_the_later_timeline_aside(tmp_path, capfd):
+    """Resume from step 1 of a run that reached step 3: its step-2/3 checkpoints and a best/ evaluated after
+    step 1 move to abandoned/, so the next resume of the run dir continues the new timeline, not the old."""
+    run = tmp_path / "run"
+    grpo([f"run_dir={run}", *TINY, "steps=3", "save_every=1", "keep_checkpoints=3"])
+    best = run / "best" / "best.json"
+    best.write_text(json.dumps({**json.loads(best.read_text()), "step": 3, "reward": 1e9}) + "\n")  # unbeatable
+    grpo([f"resume={run}/checkpoints/step_000001", *TINY, "steps=2", "train.learning_rate=0.1"])
+    err = capfd.readouterr().err
+    assert "resume at step 1: set aside what the run wrote after it (step_000002, step_000003, best/ (step 3))" in err
+    [aside] = list((run / "abandoned").iterdir())
+    assert sorted(p.name for p in aside.iterdir()) == ["best", "step_000002", "step_000003"]
+    assert json.loads((aside / "best" / "best.json").read_text())["reward"] == 1e9
+    assert not best.exists() or json.loads(best.read_text())["reward"] != 1e9
+    grpo([f"resume={run}", *TINY, "steps=3"])  # continues from the new step 2, at the new rate
+    optimizer = json.loads((run / "checkpoints" / "step_000003" / "optimizer.json").read_text())
+    assert [g["lr"] for g in optimizer["param_groups"]] == [0.1]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -82,6 +82,9 @@ def test_overwrite_deletes_only_the_previous_runs_files(tmp_path):
     (run.path / "notes.txt").write_text("mine")
     (run.path / "wandb" / "link").symlink_to(target)  # never followed
     (run.path / ".config.yaml.abc123.tmp").write_text("torn")  # an atomic write that was killed
+    for written in ("best", ".best.old", "abandoned/after_step_1_x/step_000002"):  # best/ used to be kept
+        (run.path / written).mkdir(parents=True)
+        (run.path / written / "weights.safetensors").write_bytes(b"w")
     with pytest.warns(UserWarning, match=r"kept notes\.txt"):
         fresh = RunDir(run.path, mode="overwrite", tracker_dirs=("flywheel",))
     assert sorted(p.name for p in fresh.path.iterdir()) == ["checkpoints", "notes.txt", "samples"]

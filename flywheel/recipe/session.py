@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,10 +50,10 @@ from flywheel.recipe.policy import (AdapterOffVelocity, Policy, build_policy, fs
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.sections import eval_request_kwargs
 from flywheel.runs.checkpoint import (CheckpointError, check_optimizer_names, load_checkpoint, load_trainable,
-                                      read_optimizer_state, save_checkpoint)
+                                      read_optimizer_state, save_checkpoint, set_aside_checkpoints_after)
 from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
-from flywheel.runs.rundir import RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
+from flywheel.runs.rundir import ABANDONED_DIRNAME, RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names
 from flywheel.video import is_video, middle_frame, sample_file_name, write_mp4, write_wav
 from rewards.judges import judges_for_card
@@ -172,20 +173,51 @@ class RecipeRun:
         self.ema = self._start_ema(policy, ema_state)
         self.start_step, self.version = trainer_state["step"], trainer_state["weight_version"]
         self.trainer_state = trainer_state
+        # The config's learning rate outranks the one the checkpoint's param_groups brought back: a rate changed
+        # by an earlier resume that was killed before its first checkpoint is in config.yaml but not in the
+        # checkpoint (no schedule moves the rate, so the config's value is the one to train with).
+        self._resumed_lr = cfg.train.learning_rate
+        self._set_resumed_lr(optimizer)
+        # config.yaml and metrics.jsonl are rewritten only in begin(), once every resume check has passed.
+
+    def _record_resume(self) -> None:
+        """The resume's writes, after its checks: the changed keys recorded, metrics rows after the checkpoint
+        dropped, the wall clock continued. A metrics file that cannot be read is refused before any of them."""
+        cfg = self.cfg
+        try:
+            self.dir.metrics.read()
+        except ValueError as e:
+            raise ResumeError(f"resume={cfg.resume}: {e}; fix or remove that line, then resume again") from None
         # The keys the command line changed (resume_config allowed each): they take effect, and are recorded.
         changes = resume_changes(cfg)
-        self._resumed_lr = cfg.train.learning_rate if "train.learning_rate" in changes else None
-        self._set_resumed_lr(optimizer)
-        if changes and self.is_main:
+        if changes:
             record_resume(cfg, self.start_step, changes)
             listed = ", ".join(f"{key}={now!r} (was {was!r})" for key, (was, now) in changes.items())
             print(f"resume at step {self.start_step}: {listed}; recorded in {self.dir.config_path} under "
                   "resume_overrides", file=sys.stderr, flush=True)
-        if self.is_main:
-            self.dir.metrics.truncate_after(self.start_step)  # rows a killed run wrote after its last checkpoint
-            # time/wall_s continues from the checkpoint's step, so curves against wall time join up.
-            walls = [r["time/wall_s"] for r in self.dir.metrics.read() if "time/wall_s" in r]
-            self.wall_offset = walls[-1] if walls else 0.0
+        self.dir.metrics.truncate_after(self.start_step)  # rows a killed run wrote after its last checkpoint
+        self._set_aside_later_work()
+        # time/wall_s continues from the checkpoint's step, so curves against wall time join up.
+        walls = [r["time/wall_s"] for r in self.dir.metrics.read() if "time/wall_s" in r]
+        self.wall_offset = walls[-1] if walls else 0.0
+
+    def _set_aside_later_work(self) -> None:
+        """Checkpoints past the resumed one and a best/ evaluated after it belong to the steps this run now
+        replays (or, from an older checkpoint, to a timeline it abandons): moved into abandoned/, so that
+        neither a later resume nor best/ picks them up, and the replay writes its own."""
+        import time
+
+        run_dir = self.dir.path
+        into = run_dir / ABANDONED_DIRNAME / f"after_step_{self.start_step}_{time.strftime('%Y%m%dT%H%M%S')}"
+        moved = set_aside_checkpoints_after(run_dir, self.start_step, into)
+        best = BestCheckpoint(run_dir)  # puts back a best/ a killed swap left aside
+        if best.step is not None and best.step > self.start_step:
+            into.mkdir(parents=True, exist_ok=True)
+            os.replace(best.path, into / best.path.name)
+            moved.append(f"{best.path.name}/ (step {best.step})")
+        if moved:
+            print(f"resume at step {self.start_step}: set aside what the run wrote after it ({', '.join(moved)}) "
+                  f"in {into}; the steps from here are trained again", file=sys.stderr, flush=True)
 
     def _open_dir(self) -> None:
         """Create (or take over) the run directory: only now, after every check and the model build (the
@@ -262,6 +294,8 @@ class RecipeRun:
                               f"{self.trainer_state['data_position']} but step {self.start_step} of these prompts "
                               f"is at {rollouts.flywheel.sampler.position(self.start_step)}: the prompts of data.prompts "
                               "changed since it was saved")
+        if cfg.resume and self.is_main:
+            self._record_resume()
         self.rollouts = rollouts
         self.judges = {**judges_for_card(cfg.model.card), **eval_judges(cfg.eval.judges)} if self.is_main else {}
         self.watch = HackingWatch()  # reward rising while the judge falls, overall or in one class

@@ -594,6 +594,19 @@ def resolve_resume(path: str | os.PathLike) -> tuple[Path, Path]:
     raise CheckpointError(f"resume={str(path)!r}: no checkpoint in {run_dir / 'checkpoints'} verifies:\n{why}")
 
 
+def set_aside_checkpoints_after(run_dir: str | os.PathLike, step: int, into: str | os.PathLike) -> list[str]:
+    """Move every checkpoint of `run_dir` past `step` (complete or not) into the folder `into`; returns their
+    names. A resume from an older checkpoint abandons them: left in checkpoints/, the next resume would pick
+    the newest and mix the two timelines."""
+    moved = []
+    for ckpt in _candidates(Path(run_dir) / "checkpoints"):
+        if _step_of(ckpt) > step:
+            Path(into).mkdir(parents=True, exist_ok=True)
+            os.replace(ckpt, Path(into) / ckpt.name)
+            moved.append(ckpt.name)
+    return moved
+
+
 # ---------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------

@@ -299,6 +299,11 @@ def save_image_grid(images: torch.Tensor | np.ndarray, path: str | os.PathLike, 
 # ---------------------------------------------------------------------------
 
 
+# Where a resume from an older checkpoint puts what the run wrote after it (newer checkpoints, a newer best/):
+# that timeline is abandoned, and neither a later resume nor best/ may pick it up again.
+ABANDONED_DIRNAME = "abandoned"
+
+
 class RunDirInUseError(FileExistsError):
     """A fresh run was pointed at a directory another run already used, or another process runs in it."""
 
@@ -306,8 +311,8 @@ class RunDirInUseError(FileExistsError):
 # What a run writes into its directory, and so what overwrite=true may delete. Anything
 # else found there is not ours and is left alone. config.yaml is deleted last: an
 # overwrite killed half-way still leaves the directory recognisable as a run's.
-RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "lora_ema", "wandb", RUN_INFO_FILENAME,
-                 CONFIG_FILENAME)
+RUN_ARTIFACTS = (METRICS_FILENAME, "checkpoints", "samples", "lora", "lora_ema", "best", ".best.old",
+                 ABANDONED_DIRNAME, "wandb", RUN_INFO_FILENAME, CONFIG_FILENAME)
 RUN_DIR_MODES = ("new", "resume", "overwrite")
 _CREATED_EMPTY = ("checkpoints", "samples")  # made by RunDir itself before a run writes anything
 
@@ -439,7 +444,7 @@ class RunDir:
     - "resume": continue the run that wrote it; its config.yaml must be there.
     - "overwrite": a fresh run that first deletes the previous run's files:
       `RUN_ARTIFACTS` (metrics.jsonl, checkpoints/, samples/, lora/, lora_ema/,
-      wandb/, run.json, config.yaml) and `tracker_dirs` (e.g. the TensorBoard dir
+      best/, abandoned/, wandb/, run.json, config.yaml) and `tracker_dirs` (e.g. the TensorBoard dir
       accelerate names after the project). Anything else is kept, with a warning. A
       non-empty directory without config.yaml is refused: it is not a run's.
 
