@@ -12,10 +12,11 @@ in by renames), so a kill leaves the old best or the new one, never a mix.
     best/lora/                with model.finetune=lora: the adapter (diffusers' format where the card has a
                               pipeline, else peft's tensors in adapter_model.safetensors)
 
-The record survives a resume: best/best.json is read back, and the weights
-beside it are what it names. (An evaluation after the checkpoint a killed run
-is resumed from may have written it; its weights were evaluated all the same,
-so it stays the one to beat.)
+The record survives a resume from a checkpoint at or after its step: best/best.json
+is read back, and the weights beside it are what it names. One written by an
+evaluation after the resumed checkpoint is set aside by the resume (session.py,
+`_set_aside_later_work`): the steps are trained again and rebuild it, so the
+metrics equal a run that never stopped.
 """
 
 from __future__ import annotations
