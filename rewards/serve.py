@@ -32,7 +32,7 @@ from aiohttp import web
 from engine.http_limits import (InflightBudget, LimitExceeded, ServerLimits, add_limit_args, read_body,
                                 warn_if_exposed)
 from engine.server_flags import FlagParser, check_limits_and_address, check_positive, flag_error
-from rewards.registry import REMOTE, available, check_scorer, get, import_modules
+from rewards.registry import REMOTE, available, check_scorer, get, import_modules, scorer_parameters
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
 from rewards.wire import RequestTooLarge, decode_request, encode_scores
@@ -176,6 +176,11 @@ def check_flags(args: argparse.Namespace) -> tuple[ServerLimits, dict]:
     if not isinstance(kwargs, dict):
         flag_error(f"--kwargs {args.kwargs}: must be a JSON object of the scorer's arguments, e.g. "
                    '\'{"path": "/models/clip"}\'')
+    params, takes_any = scorer_parameters(args.reward)
+    unknown = sorted(a for a in kwargs if a not in params)
+    if unknown and not takes_any:  # else the scorer's constructor raises a TypeError traceback once it loads
+        flag_error(f"--kwargs {args.kwargs}: scorer {args.reward!r} takes no argument {unknown[0]!r}; valid "
+                   f"arguments: {', '.join(params) or '(none)'}")
     try:
         check_scorer(args.reward, **kwargs)
     except (ValueError, OSError) as e:

@@ -505,6 +505,9 @@ def test_engine_serve_refuses_a_port_in_use(capsys):
     (["--reward", "digit_alignment", "--port", "99999"], "--port 99999"),
     (["--reward", "digit_alignment", "--kwargs", "{bad"], "--kwargs {bad"),
     (["--reward", "digit_alignment", "--kwargs", "[1]"], "--kwargs [1]"),
+    # A misspelt argument was a TypeError traceback from the scorer's constructor.
+    (["--reward", "digit_alignment", "--kwargs", '{"paht": 1}'],
+     "--kwargs {\"paht\": 1}: scorer 'digit_alignment' takes no argument 'paht'; valid arguments: weights_path"),
     (["--reward", "pickscore", "--kwargs", '{"path": "/nonexistent"}'], "--reward pickscore"),
     (["--reward", "digit_alignment", "--header-timeout-s", "0"], "--max-body-bytes/"),
 ])
