@@ -829,16 +829,20 @@ def run_benchmark(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     overrides = {seed: {recipe: harness_overrides(seed, args.eval_every, args.quick, args.overwrite)
                         + recipe_overrides(recipe, args.cache_threshold) + list(args.overrides)
                         for recipe, _ in recipes} for seed in args.seeds}
-    configs = {recipe: resolve_recipe_config(recipe, path, overrides[args.seeds[0]][recipe])
-               for recipe, path in recipes}
-    settings = {recipe: comparable_settings(cfg) for recipe, cfg in configs.items()}
-    check_agreement(settings)
-    check_target_reachable(args.target, next(iter(settings.values()))["reward.scorers"])
     for seed in args.seeds:
         for recipe, _ in recipes:
             run_dir = seed_dir(out_dir, seed) / recipe
             if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
                 raise BenchmarkError(f"{run_dir} holds an earlier run: give another --out-dir, or --overwrite")
+    # Checked with the run dir the harness will use: the config file's own run_dir (runs/<recipe>-toy-numbers)
+    # may hold the user's earlier run, which this benchmark never touches.
+    first_seed = args.seeds[0]
+    configs = {recipe: resolve_recipe_config(recipe, path, [*overrides[first_seed][recipe],
+                                                            f"run_dir={seed_dir(out_dir, first_seed) / recipe}"])
+               for recipe, path in recipes}
+    settings = {recipe: comparable_settings(cfg) for recipe, cfg in configs.items()}
+    check_agreement(settings)
+    check_target_reachable(args.target, next(iter(settings.values()))["reward.scorers"])
     first = next(iter(settings.values()))
     samples_per_step = first["data.prompts_per_step"] * first["data.group_size"]
     if args.check_only:

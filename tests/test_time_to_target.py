@@ -491,3 +491,17 @@ def test_the_seed_table_and_the_banded_plot(fabricated, tmp_path):
     assert curve[1][0] == 5 and curve[1][2:] == (0.85, 0.6, 0.85)
     out = ttt.plot_time_to_target(runs, fabricated, 0.8, 0.8, tmp_path / "plot.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_configs_own_used_run_dir_does_not_stop_the_benchmark(tmp_path, monkeypatch, capsys):
+    """A user who ran configs/toy_numbers_grpo.yaml has runs/grpo-toy-numbers; the benchmark writes under
+    --out-dir, yet its check refused with that config's run_dir and advice (resume=) that does not apply."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "grpo-toy-numbers").mkdir(parents=True)
+    (tmp_path / "runs" / "grpo-toy-numbers" / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert ttt.main(["--recipes", "grpo", "--check-only", "--out-dir", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    (tmp_path / "out" / "seed_0" / "grpo").mkdir(parents=True)  # the benchmark's own earlier run
+    (tmp_path / "out" / "seed_0" / "grpo" / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert ttt.main(["--recipes", "grpo", "--check-only", "--out-dir", str(tmp_path / "out")]) == 2
+    assert "holds an earlier run: give another --out-dir, or --overwrite" in capsys.readouterr().err
