@@ -1,7 +1,7 @@
 """Independent judges for evaluation only: never registered as rewards, so RL cannot optimise them.
 
 A rising reward with a flat judge score is the signature of reward hacking
-(the CNN reward is overconfident on noise; see CALIBRATION.md).
+(the CNN reward is overconfident on noise-like images).
 
 A judge is called like a scorer, `judge(images, prompts, metadata) -> [B]`
 scores. Two optional methods let evaluation say more:
