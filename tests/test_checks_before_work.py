@@ -400,6 +400,23 @@ def test_a_remote_reward_that_answers_its_health_passes_the_probe(tmp_path, caps
     assert "not reachable" not in message and "sampling.height=7" in message
 
 
+def test_a_remote_reward_that_wants_a_token_says_which_variable_to_set(tmp_path, capsys, monkeypatch):
+    """The docs' example started the server with --token; the refusal said "not reachable ... fix the address"."""
+    from rewards.registry import get
+    from rewards.serve import ServerThread
+
+    monkeypatch.delenv("FLYWHEEL_REWARD_TOKEN", raising=False)
+    with ServerThread(get("digit_alignment"), "digit_alignment", "127.0.0.1", 0, "SECRET") as server:
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers=remote:{server.url}"], capsys)
+        assert_nothing_written(tmp_path / "run")
+        assert f"remote:{server.url} refused this client's token" in message
+        assert "set FLYWHEEL_REWARD_TOKEN to the token the server was started with" in message
+        monkeypatch.setenv("FLYWHEEL_REWARD_TOKEN", "SECRET")
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers=remote:{server.url}",
+                              "sampling.height=7"], capsys)
+    assert "token" not in message and "sampling.height=7" in message
+
+
 @pytest.mark.parametrize("where", ["a file", "under /proc", "under a file", "not writable"])
 def test_an_unusable_run_dir_is_refused(where, tmp_path, capsys):
     (tmp_path / "file").write_text("mine")

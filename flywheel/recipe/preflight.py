@@ -309,7 +309,14 @@ def _probe_remote(cfg, name: str, kwargs: dict, checks: ConfigChecks) -> None:
         get(name, **{**kwargs, "timeout_s": probe_s, "budget_s": probe_s, "retries": 0,
                      "health_timeout_s": probe_s})
     except Exception as e:  # noqa: BLE001  (any failure of the probe is the same answer: not usable)
-        checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {name} is not reachable ({' '.join(str(e).split())}); "
+        from rewards.remote import TOKEN_ENV
+
+        why = " ".join(str(e).split())
+        if "HTTP 401" in why:  # the server wants a token: the fix is the environment, not the address
+            checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {name} refused this client's token ({why}); set "
+                        f"{TOKEN_ENV} to the token the server was started with")
+            return
+        checks.fail(f"reward.scorers={cfg.reward.scorers!r}: {name} is not reachable ({why}); "
                     f"start it with `python -m rewards.serve --reward NAME --port PORT`, or fix the address")
 
 
