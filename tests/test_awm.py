@@ -111,6 +111,12 @@ def test_lora_trains_only_the_adapter_and_its_anchor(tmp_path):
     assert all(k.replace(".base_layer", "") in base or "lora_" in k for k in trained)
     # LoRA B starts at zero: the adapted model is the reference (the adapter switched off), so the first KL is 0.
     assert rows[1]["ref_mse"] == 0.0 and rows[2]["ref_mse"] > 0.0
+    # The toy card has no diffusers pipeline: lora/ holds peft's tensors, the trained adapter (it was not written).
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "lora" / "lora" / "adapter_model.safetensors"))
+    assert exported.keys() and all("lora_" in k for k in exported)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in exported.items())
 
 
 # ---- config checks ------------------------------------------------------------------------------

@@ -477,6 +477,17 @@ class RecipeRun:
                 self.hacking_stop.saved(step)
         self.accelerator.wait_for_everyone()
 
+    def _export_lora(self, folder: Path, pipeline: str | None) -> None:
+        if pipeline:
+            save_lora_for_diffusers(self.policy.transformer, folder, pipeline)
+            return
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / ".adapter_model.safetensors.tmp"  # renamed into place: a kill leaves no torn file
+        save_file(lora_state_dict(self.policy.transformer), str(tmp))
+        os.replace(tmp, folder / "adapter_model.safetensors")
+
     def finish(self, base_eval: dict | None, row: dict, skipped: int = 0) -> dict:
         """Save the LoRA for diffusers (lora/: the trained adapter; lora_ema/: the EMA average, when on),
         print base -> final and which adapter is which, end the trackers. A NaN final eval fails the run, and so
@@ -485,17 +496,18 @@ class RecipeRun:
         cfg = self.cfg
         exported: list[tuple[Path, str]] = []
         zero_adapter = False
-        if cfg.model.finetune == "lora" and self.policy.card_defaults.get("diffusers_pipeline"):
-            # The adapters in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads.
-            pipeline = self.policy.card_defaults["diffusers_pipeline"]
+        if cfg.model.finetune == "lora":
+            # The adapters in the format a stock pipeline's load_lora_weights(run_dir / "lora") reads; a card
+            # without a diffusers pipeline (the toys) gets peft's tensors in lora/adapter_model.safetensors.
+            pipeline = self.policy.card_defaults.get("diffusers_pipeline")
             with self.full_params():
                 if self.is_main:
-                    save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora", pipeline)
+                    self._export_lora(self.dir.path / "lora", pipeline)
                     zero_adapter = _all_lora_b_zero(dict(self.policy.named_params))  # whole weights here
                     exported.append((self.dir.path / "lora", "the trained adapter"))
                     if self.ema is not None:
                         with self.ema_weights():
-                            save_lora_for_diffusers(self.policy.transformer, self.dir.path / "lora_ema", pipeline)
+                            self._export_lora(self.dir.path / "lora_ema", pipeline)
                         exported.append((self.dir.path / "lora_ema", "the EMA average of the trained adapter"
                                          " (the one evaluation used)"))
             self.accelerator.wait_for_everyone()
