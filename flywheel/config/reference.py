@@ -31,7 +31,10 @@ SECTIONS = [
     ("sampling", SamplingConfig, "the rollouts' sampler"),
     ("reward", RewardConfig, "the scorers (rewards/) and how they combine"),
     ("advantage", AdvantageConfig, "how rewards become advantages (flywheel/advantages.py)"),
-    ("train", OptimConfig, "the recipe's own section; every recipe's has these optimizer and batching keys"),
+    ("train", OptimConfig, "the recipe's own section; every recipe's has these optimizer and batching keys. "
+     "The keys of one algorithm (GRPO's `clip_range`, `kl_beta`, `variant`, `guard`; NFT's, AWM's, DPO's and "
+     "DRaFT's own) are on its recipe page under [recipes/](recipes/grpo.md), and `python trainers/<algo>.py "
+     "--help` prints every key with that recipe's defaults"),
     ("ema", EMAConfig, "the EMA of the trained weights (flywheel/recipe/ema.py)"),
     ("eval", EvalConfig, "the held-out evaluation and its judges"),
     ("rollout", RolloutConfig, "the rollout layout (this process, an engine process, Ray) and its timing"),
