@@ -205,3 +205,15 @@ def test_resuming_an_older_checkpoint_sets_the_later_timeline_aside(tmp_path, ca
     optimizer = json.loads((run / "checkpoints" / "step_000003" / "optimizer.json").read_text())
     assert [g["lr"] for g in optimizer["param_groups"]] == [0.1]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_sample_grids_are_written_under_a_temporary_name(tmp_path, monkeypatch):
+    """A kill during PIL's save left a torn samples_N.png; the grid now goes through the atomic writer."""
+    import flywheel.recipe.session as session
+
+    written = []
+    real = session.atomic_write_bytes
+    monkeypatch.setattr(session, "atomic_write_bytes", lambda path, data: written.append(Path(path).name)
+                        or real(path, data))
+    grpo([f"run_dir={tmp_path / 'run'}", *TINY, "steps=1"])
+    assert written == sorted(p.name for p in (tmp_path / "run" / "samples").glob("samples_*.png")) != []

@@ -27,6 +27,7 @@ algorithms compare directly (`python -m flywheel.runs compare`).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -53,7 +54,8 @@ from flywheel.runs.checkpoint import (CheckpointError, check_optimizer_names, lo
                                       read_optimizer_state, save_checkpoint, set_aside_checkpoints_after)
 from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
-from flywheel.runs.rundir import ABANDONED_DIRNAME, RUN_INFO_FILENAME, RunDir, RunDirInUseError, atomic_write_text
+from flywheel.runs.rundir import (ABANDONED_DIRNAME, RUN_INFO_FILENAME, RunDir, RunDirInUseError,
+                                  atomic_write_bytes, atomic_write_text)
 from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names
 from flywheel.video import is_video, middle_frame, sample_file_name, write_mp4, write_wav
 from rewards.judges import judges_for_card
@@ -419,7 +421,9 @@ class RecipeRun:
                 shown = middle_frame(shown)
             grid = judged_sample_grid(shown, traj.prompts[first], traj.metadata[first], self.judges,
                                       nrow=len(items) // 10 or None)
-            grid.save(self.dir.sample_path(step))
+            png = io.BytesIO()
+            grid.save(png, format="PNG")
+            atomic_write_bytes(self.dir.sample_path(step), png.getvalue())  # a kill leaves no torn grid
             log_images(self.accelerator, "eval/samples", [grid], step)
         return metrics
 
