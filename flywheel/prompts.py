@@ -19,6 +19,7 @@ number (engine/toy/numbers.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -147,6 +148,15 @@ class PromptSampler:
             epoch, pos = divmod(k, len(self.items))
             out.append(self.items[self._order(epoch)[pos]])
         return out
+
+    def fingerprint(self) -> str:
+        """sha256 of the prompts and their metadata, in file order (recorded in checkpoints: a resume on a
+        prompts file whose content changed, same count or not, would train on other prompts than it says)."""
+        digest = hashlib.sha256()
+        for item in self.items:
+            digest.update(json.dumps([item.prompt, item.metadata], sort_keys=True, default=str).encode())
+            digest.update(b"\n")
+        return digest.hexdigest()
 
     def position(self, step: int) -> dict[str, int]:
         """Where in the data a run is after `step` steps (recorded in checkpoints)."""

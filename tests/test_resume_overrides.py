@@ -217,3 +217,22 @@ def test_sample_grids_are_written_under_a_temporary_name(tmp_path, monkeypatch):
                         or real(path, data))
     grpo([f"run_dir={tmp_path / 'run'}", *TINY, "steps=1"])
     assert written == sorted(p.name for p in (tmp_path / "run" / "samples").glob("samples_*.png")) != []
+
+
+def test_a_prompts_file_whose_text_changed_at_the_same_count_is_refused_on_resume(tmp_path):
+    """The data-position check compares counts only: an edited line resumed silently on other prompts."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"a handwritten {d}\n" for d in (1, 2, 3, 4)))
+    run = tmp_path / "run"
+    grpo([f"run_dir={run}", *TINY, f"data.prompts={prompts}", "steps=2", "save_every=1"])
+    state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert len(state["data_sha256"]) == 64
+    prompts.write_text(prompts.read_text().replace("a handwritten 3", "a handwritten 8"))
+    before = {k: v for k, v in tree_hashes(run).items() if k != ".flywheel.lock"}
+    with pytest.raises(ResumeError, match=r"the prompts of data.prompts .* changed since the checkpoint was saved "
+                                          r"\(the same number, other text or metadata\)"):
+        grpo([f"resume={run}", *TINY, "steps=3"])
+    assert {k: v for k, v in tree_hashes(run).items() if k != ".flywheel.lock"} == before
+    prompts.write_text(prompts.read_text().replace("a handwritten 8", "a handwritten 3"))  # put back: resumes
+    grpo([f"resume={run}", *TINY, "steps=3"])
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -25,6 +25,13 @@ QUICK = ["tracker=none", "eval.seeds=2", "sample_every=1000"]
 SMALL = ["data.prompts_per_step=4", "data.group_size=8"]
 
 
+def toy_digits_sha256() -> str:
+    """The fingerprint of the toy-digits training prompts the checkpoints record."""
+    from flywheel.prompts import PromptSampler, load_prompts
+
+    return PromptSampler(load_prompts("toy-digits"), 4).fingerprint()
+
+
 def check_grpo(rows, at_kill):
     assert all(r["kl"] > 0 for r in rows[2:])  # the policy has moved from the reference by the resumed steps
 
@@ -98,7 +105,7 @@ def test_kill_and_resume_gives_the_metrics_state_and_tensors_of_an_uninterrupted
     assert state == json.loads((straight / final).read_text())
     assert state == {"step": STEPS, "weight_version": STEPS,
                      "data_position": {"epoch": 0, "index_in_epoch": 4 * STEPS}, "skipped_steps": 0,
-                     "masked_run": 0, "flat_run": 0}
+                     "masked_run": 0, "flat_run": 0, "data_sha256": toy_digits_sha256()}
     # Every file of the last checkpoint (the weights with the recipe's own tensors, the optimizer's state and
     # hyperparameters) is the uninterrupted run's, but the manifest (its checksums follow the files, and it
     # records when it was written) and the RNG files: they hold the process's global generators, which no

@@ -23,7 +23,7 @@ from flywheel.recipe.weight_motion import WeightMotion, check_step_size
 class FakeRollouts:
     def __init__(self, usable):
         self.usable, self.version, self.events, self.closed = usable, 0, [], False
-        self.flywheel = SimpleNamespace(sampler=SimpleNamespace(position=lambda step: step))
+        self.flywheel = SimpleNamespace(sampler=SimpleNamespace(position=lambda step: step, fingerprint=lambda: "0" * 64))
 
     def collect(self, step, trainer_version):
         self.events.append(("collect", step, trainer_version))

@@ -296,6 +296,11 @@ class RecipeRun:
                               f"{self.trainer_state['data_position']} but step {self.start_step} of these prompts "
                               f"is at {rollouts.flywheel.sampler.position(self.start_step)}: the prompts of data.prompts "
                               "changed since it was saved")
+        saved_sha = self.trainer_state.get("data_sha256")  # absent in checkpoints written before it was kept
+        if cfg.resume and saved_sha is not None and saved_sha != rollouts.flywheel.sampler.fingerprint():
+            raise ResumeError(f"resume={cfg.resume}: the prompts of data.prompts ({cfg.data.prompts}) changed since "
+                              "the checkpoint was saved (the same number, other text or metadata): resume with the "
+                              "prompts it trained on, or start a new run")
         if cfg.resume and self.is_main:
             self._record_resume()
         self.rollouts = rollouts

@@ -97,6 +97,7 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
             # 8. Checkpoint: weights, optimizer, RNG, the loop's state and the algorithm's tensors.
             if done % cfg.save_every == 0 or done == cfg.steps:
                 run.save(done, {"weight_version": version, "data_position": rollouts.flywheel.sampler.position(done),
+                                "data_sha256": rollouts.flywheel.sampler.fingerprint(),
                                 **steps.state_dict(), **rollouts.state_dict()}, algorithm.state_dict())
             run.show_progress(progress, row, version, steps.skipped)
             if stopping:
