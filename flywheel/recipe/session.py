@@ -31,6 +31,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -207,8 +208,6 @@ class RecipeRun:
         """Checkpoints past the resumed one and a best/ evaluated after it belong to the steps this run now
         replays (or, from an older checkpoint, to a timeline it abandons): moved into abandoned/, so that
         neither a later resume nor best/ picks them up, and the replay writes its own."""
-        import time
-
         run_dir = self.dir.path
         into = run_dir / ABANDONED_DIRNAME / f"after_step_{self.start_step}_{time.strftime('%Y%m%dT%H%M%S')}"
         moved = set_aside_checkpoints_after(run_dir, self.start_step, into)
