@@ -362,23 +362,28 @@ def test_an_ode_request_with_noise_level_zero_is_served_as_python_takes_it():
     assert audio.audio_noise_level == 0.0
 
 
-def test_post_weights_while_a_batch_outlives_the_drain_is_503_and_serving_goes_on(tmp_path):
-    """The weights are not loaded, the reply says why and that the version stayed, and /v1/generate still
-    answers afterwards (the failed pause used to stay in force)."""
+def gated_engine_and_weights(tmp_path):
+    """A toy Engine whose generate() waits for the returned Event, and a weights file (version 1) for it."""
     import threading
 
     from engine import load_model
     from flywheel.sync.transport import save_weights_atomic
 
-    served_model = load_model("toy-digits")
+    served_model = load_model("toy-digits")  # its own copy: the weights change
     new = {k: v + 0.02 for k, v in served_model.transformer.state_dict().items()}
     path = save_weights_atomic(new, tmp_path / "transformer.safetensors", version=1)
-    release = threading.Event()
+    gate, engine = threading.Event(), Engine(served_model)
+    generate = engine.generate
+    engine.generate = lambda requests: (gate.wait(10), generate(requests))[1]
+    return engine, path, gate
+
+
+def test_post_weights_while_a_batch_outlives_the_drain_is_503_and_serving_goes_on(tmp_path):
+    """The weights are not loaded, the reply says why and that the version stayed, and /v1/generate still
+    answers afterwards (the failed pause used to stay in force)."""
+    engine, path, release = gated_engine_and_weights(tmp_path)
 
     async def main():
-        engine = Engine(served_model)
-        generate = engine.generate
-        engine.generate = lambda requests: (release.wait(10), generate(requests))[1]
         ae = AsyncEngine(engine, max_wait_ms=0, drain_timeout_s=0.2)
         async with TestClient(TestServer(build_app(ae), host="127.0.0.1", port=0)) as client:
             slow = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "a 1", "steps": 2}))
@@ -398,20 +403,9 @@ def test_post_weights_while_a_batch_outlives_the_drain_is_503_and_serving_goes_o
 def test_one_call_whose_batches_straddle_a_weight_push_reports_each_images_version(tmp_path):
     """n=4 with max_batch=2: the push lands between the two batches; the reply says which images came from
     which version (it used to report the first batch's version for all four)."""
-    import threading
-
-    from engine import load_model
-    from flywheel.sync.transport import save_weights_atomic
-
-    served_model = load_model("toy-digits")
-    new = {k: v + 0.02 for k, v in served_model.transformer.state_dict().items()}
-    path = save_weights_atomic(new, tmp_path / "transformer.safetensors", version=1)
-    gate = threading.Event()
+    engine, path, gate = gated_engine_and_weights(tmp_path)
 
     async def main():
-        engine = Engine(served_model)
-        generate = engine.generate
-        engine.generate = lambda requests: (gate.wait(10), generate(requests))[1]
         ae = AsyncEngine(engine, max_batch=2, max_wait_ms=0, max_concurrency=1)
         async with TestClient(TestServer(build_app(ae), host="127.0.0.1", port=0)) as client:
             call = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "a 7", "n": 4, "steps": 2}))

@@ -184,11 +184,12 @@ class RecipeRun:
         # config.yaml and metrics.jsonl are rewritten only in begin(), once every resume check has passed.
 
     def _record_resume(self) -> None:
-        """The resume's writes, after its checks: the changed keys recorded, metrics rows after the checkpoint
-        dropped, the wall clock continued. A metrics file that cannot be read is refused before any of them."""
+        """The resume's writes, after its checks: metrics rows after the checkpoint dropped (the first write:
+        a metrics file that cannot be read is refused before anything changes), the changed keys recorded, the
+        wall clock continued."""
         cfg = self.cfg
         try:
-            self.dir.metrics.read()
+            self.dir.metrics.truncate_after(self.start_step)  # rows a killed run wrote after its last checkpoint
         except ValueError as e:
             raise ResumeError(f"resume={cfg.resume}: {e}; fix or remove that line, then resume again") from None
         # The keys the command line changed (resume_config allowed each): they take effect, and are recorded.
@@ -198,7 +199,6 @@ class RecipeRun:
             listed = ", ".join(f"{key}={now!r} (was {was!r})" for key, (was, now) in changes.items())
             print(f"resume at step {self.start_step}: {listed}; recorded in {self.dir.config_path} under "
                   "resume_overrides", file=sys.stderr, flush=True)
-        self.dir.metrics.truncate_after(self.start_step)  # rows a killed run wrote after its last checkpoint
         self._set_aside_later_work()
         # time/wall_s continues from the checkpoint's step, so curves against wall time join up.
         walls = [r["time/wall_s"] for r in self.dir.metrics.read() if "time/wall_s" in r]
