@@ -147,6 +147,16 @@ def test_bad_values_are_refused_with_what_is_valid():
                                           "ema.start_step=5"]))  # the edges of what is valid
 
 
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_an_ema_that_cannot_move_is_warned_about_naming_lora_ema_only_for_a_lora(finetune, capsys):
+    from trainers.grpo import Config, validate_config
+
+    validate_config(parse_config(Config, ["ema.enabled=true", "steps=3", f"model.finetune={finetune}"]))
+    err = capsys.readouterr().err
+    assert "ema.update_every=8 with ema.start_step=0 and steps=3: the EMA average will never move" in err
+    assert ("(and lora_ema/)" in err) == (finetune == "lora")  # a full fine-tune exports no lora_ema/
+
+
 # ---- in a run -----------------------------------------------------------------------------------
 
 

@@ -206,12 +206,16 @@ def test_an_ema_that_never_moved_is_warned_about(tmp_path, tiny, capfd):
     captured = capfd.readouterr()
     # Said once before the run too, while it can still be changed.
     before = ("warning: ema.update_every=8 with ema.start_step=0 and steps=1: the EMA average will never move, so "
-              "every evaluation (and lora_ema/) will be the weights the run starts from; set ema.update_every <= 1 "
+              "every evaluation will be the weights the run starts from; set ema.update_every <= 1 "
               "or ema.start_step >= 1 to evaluate training")
     assert captured.err.count(before) == 1
     assert captured.err.index(before) < captured.err.index("warning: the EMA average never moved")
     assert ("warning: the EMA average never moved: it moves after every ema.update_every=8-th step "
-            "from ema.start_step=0, and this run has steps=1; the evaluation use") in captured.err
+            "from ema.start_step=0, and this run has steps=1; the evaluation use the weights the run started from "
+            "(lower ema.update_every, or take the trained weights: model.safetensors of the last checkpoint in "
+            f"{tmp_path / 'ema' / 'checkpoints'}, whose 'ema/' tensors are the average)") in captured.err
+    # A full fine-tune has no lora/ to point at (the message once said "take lora/" for every run).
+    assert "lora/" not in captured.err and "lora_ema/" not in captured.err and not (tmp_path / "ema" / "lora").exists()
     assert "(of the EMA average)" in captured.out
 
 

@@ -382,7 +382,8 @@ def check_ema(cfg, checks: ConfigChecks) -> None:
             # A warning, not a refusal: a short smoke run of a shipped config (sd3_pickscore's EMA moves every 8
             # steps) is legitimate; the run says so again at its end.
             warn(f"ema.update_every={ec.update_every} with ema.start_step={ec.start_step} and steps={cfg.steps}: "
-                 f"the EMA average will never move, so every evaluation (and lora_ema/) will be the weights the run "
+                 f"the EMA average will never move, so every evaluation"
+                 f"{' (and lora_ema/)' if cfg.model.finetune == 'lora' else ''} will be the weights the run "
                  f"starts from; set ema.update_every <= {cfg.steps} or ema.start_step >= 1 to evaluate training")
 
 

@@ -51,7 +51,7 @@ from flywheel.recipe.policy import (AdapterOffVelocity, Policy, build_policy, fs
                                     fsdp_optimizer_state, load_fsdp_optimizer_state, make_optimizer, uses_fsdp)
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.sections import eval_request_kwargs
-from flywheel.runs.checkpoint import (CheckpointError, check_optimizer_names, load_checkpoint, load_trainable,
+from flywheel.runs.checkpoint import (MODEL_FILE, CheckpointError, check_optimizer_names, load_checkpoint, load_trainable,
                                       read_optimizer_state, save_checkpoint, set_aside_checkpoints_after)
 from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
@@ -574,7 +574,7 @@ class RecipeRun:
             out.append(f"the EMA average never moved: it moves after every ema.update_every="
                        f"{ec.update_every}-th step from ema.start_step={ec.start_step}, and this run "
                        f"has steps={self.cfg.steps}; {where} use the weights the run started from (lower "
-                       "ema.update_every, or take lora/, the trained adapter)")
+                       f"ema.update_every, or take {self._trained_weights_where()})")
         elif not self.ema.moved:
             out.append(f"the EMA average still equals the weights the run started from (no step moved "
                        f"them before it was updated); {where} use those weights")
@@ -582,6 +582,14 @@ class RecipeRun:
             out.append(f"{self.dir.path / 'lora_ema'}: every lora_B of the EMA average is zero, so it "
                        "changes nothing")
         return out
+
+    def _trained_weights_where(self) -> str:
+        """Where the trained weights (not the EMA average) are once the run ends: lora/ for a LoRA, else the last
+        checkpoint's (training_loop saves one at the last step)."""
+        if self.cfg.model.finetune == "lora":
+            return "lora/, the trained adapter"
+        return (f"the trained weights: {MODEL_FILE} of the last checkpoint in {self.dir.checkpoints_dir}, whose "
+                f"{EMA_TENSOR_PREFIX!r} tensors are the average")
 
     def _first_eval(self) -> dict:
         rows = [r for r in self.dir.metrics.read() if r.get("step") == 0]
