@@ -33,3 +33,19 @@ def test_the_reference_has_every_key_its_default_and_every_alias():
     # Every section of the recipes' base config has a table, and nothing else does.
     sections = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}
     assert sections <= {s for s, _, _ in SECTIONS}
+
+
+def test_the_command_answers_help_and_refuses_an_unknown_flag_without_touching_the_page(capsys):
+    import pytest
+
+    from flywheel.config.reference import main
+
+    before = PAGE.read_bytes()
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "--write" in capsys.readouterr().out  # usage, not the reference
+    with pytest.raises(SystemExit) as done:
+        main(["--wrte"])
+    assert done.value.code == 2 and "unrecognized arguments: --wrte" in capsys.readouterr().err
+    assert main([]) == 0 and capsys.readouterr().out == reference()
+    assert PAGE.read_bytes() == before

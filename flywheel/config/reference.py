@@ -9,6 +9,7 @@ of date with the dataclasses (a key added, a default or a docstring changed).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import sys
@@ -106,7 +107,11 @@ def page_with_reference(page: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if "--write" in argv:
+    parser = argparse.ArgumentParser(prog="python -m flywheel.config.reference",
+                                     description="Print the key reference of docs/configuration.md, generated "
+                                                 "from the config dataclasses, or rewrite it in the page.")
+    parser.add_argument("--write", action="store_true", help=f"rewrite the generated part of {PAGE.name}")
+    if parser.parse_args(argv).write:
         PAGE.write_text(page_with_reference(PAGE.read_text(encoding="utf-8")), encoding="utf-8")
         print(f"wrote {PAGE}")
     else:
