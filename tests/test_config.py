@@ -545,3 +545,13 @@ def test_recipe_config_errors_and_help_cover_inherited_keys(recipe):
     assert "sampling.sampler: Literal['ode', 'sde', 'cps'] = 'ode'" in text  # the recipe's default
     assert "sampling.sde_window: tuple[int, int] | None = None" in text
     assert "loss.beta: float = 0.1\n      KL weight." in text
+
+
+def test_an_unknown_model_card_is_one_plain_line_listing_the_known_ones():
+    from trainers.grpo import Config, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(Config, ["model.card=toy-digts"]))
+    line = str(err.value).splitlines()[-1].strip()
+    assert line.startswith("model.card='toy-digts': unknown model card 'toy-digts'; known cards: ")
+    assert "toy-digits, toy-numbers" in line and '"' not in line  # the KeyError's message, not its repr

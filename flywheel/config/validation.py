@@ -235,7 +235,7 @@ def check_model(cfg, checks: ConfigChecks) -> None:
     try:
         get_card(cfg.model.card)
     except (KeyError, ValueError) as e:
-        checks.fail(f"model.card={cfg.model.card!r}: {e}")
+        checks.fail(f"model.card={cfg.model.card!r}: {e.args[0] if e.args else e}")  # str(KeyError) is a repr
     else:
         if cfg.model.experts is not None and "experts" not in get_card(cfg.model.card).defaults:
             checks.fail(f"model.experts={cfg.model.experts}: card {cfg.model.card!r} has one transformer; the key "
