@@ -231,3 +231,40 @@ def test_a_full_disk_before_the_run_dir_exists_says_so(capsys, monkeypatch):
     first, second = capsys.readouterr().err.strip().splitlines()
     assert first.startswith("error: no space left on a device this run writes to: ")
     assert second == "the run directory was not created: nothing was written"
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to know torch is loading")
+def test_ctrl_c_while_the_recipe_still_imports_is_one_line_not_a_traceback(tmp_path):
+    # The first seconds of a run are imports (torch, diffusers' families): the usual moment to stop a run started
+    # with the wrong config. The interrupt lands once torch's library is mapped, long before the run dir exists.
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    trainer = subprocess.Popen([sys.executable, "-c", LAUNCH, "trainers/grpo.py", "tracker=none", f"run_dir={run}"],
+                               cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not _maps_torch(trainer.pid) and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        trainer.send_signal(signal.SIGINT)
+        _, err = trainer.communicate(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines() == [
+        "interrupted (Ctrl-C) before the run directory was created: nothing was written"]
+    assert trainer.returncode in (130, -signal.SIGINT)  # run_main's exit, or Python's own end by SIGINT
+    assert not run.exists()
+
+
+def test_the_import_time_hook_is_only_installed_for_a_script():
+    from flywheel import quiet_interrupt
+
+    assert not quiet_interrupt.install("trainers.grpo")  # imported (tests, a notebook): a REPL keeps its Ctrl-C

@@ -59,6 +59,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
+import flywheel.quiet_interrupt  # first: run as a script, a Ctrl-C while torch loads is one line, no traceback
+flywheel.quiet_interrupt.install(__name__)
 import flywheel.openmp_env  # noqa: F401  before torch: OpenMP's idle threads sleep unless the user chose
 import torch
 import torch.nn.functional as F
