@@ -251,6 +251,29 @@ def disk_full(error: BaseException) -> bool:
     return False
 
 
+# The OS errors that say the run directory cannot be written: no permission (EPERM is also an immutable file's),
+# a read-only file system, a quota; each a fault of where the run writes, not of the run.
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT)
+
+
+def run_dir_unwritable(error: BaseException, run_dir: str | None) -> tuple[OSError, str] | None:
+    """(the OSError, the path) when `error`, or one it was raised from, refused a write to a path inside
+    `run_dir` (EACCES, EPERM, EROFS, EDQUOT), else None. A refused path elsewhere (a model folder, a prompts
+    file) is not the run directory's fault and keeps its traceback."""
+    if run_dir is None:
+        return None
+    root = os.path.realpath(run_dir)
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _UNWRITABLE:
+            for name in (error.filename, error.filename2):
+                if name is not None and os.path.realpath(os.fsdecode(name)).startswith(root + os.sep):
+                    return error, os.fsdecode(name)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Call a recipe's `main()`; exit 2 with the message alone on a usage error (a bad config, a used run
     dir, a refused resume), 3 when the run trained nothing (everything saved); leave gloo ranks cleanly."""
@@ -281,6 +304,13 @@ def run_main(main: Callable[[], object]) -> None:
                      else "a device this run writes to")
             _end_stopped(f"error: no space left on {where}: {' '.join(str(e).split())}; free space there or "
                          "give another run_dir")
+        refused = run_dir_unwritable(e, _opened_run_dir)
+        if refused is not None:
+            # As for a full disk: the writes before this one are whole, so say which path and why, and go on.
+            refused, name = refused
+            _end_stopped(f"error: cannot write {name} in the run directory: {refused.strerror} "
+                         f"({errno.errorcode[refused.errno]}); make {_opened_run_dir} writable again and resume, "
+                         "or give another run_dir")
         if not _distributed_rank():
             raise
         traceback.print_exc()  # as the interpreter would, then leave without freeing the process group

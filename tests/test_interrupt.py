@@ -233,6 +233,76 @@ def test_a_full_disk_before_the_run_dir_exists_says_so(capsys, monkeypatch):
     assert second == "the run directory was not created: nothing was written"
 
 
+@pytest.mark.parametrize("code, name", [(13, "EACCES"), (1, "EPERM"), (30, "EROFS"), (122, "EDQUOT")])
+def test_a_refused_write_into_the_run_dir_ends_on_one_line_with_what_was_kept(code, name, tmp_path, capsys,
+                                                                              monkeypatch):
+    import os as os_
+
+    run = opened_run_with_checkpoint(tmp_path, 4, monkeypatch)
+    target = run / "checkpoints" / ".step_000005.tmp"
+    try:  # as a write deep in a writer raises it: chained under another error
+        raise OSError(code, os_.strerror(code), str(target))
+    except OSError as e:
+        exc = RuntimeError("could not save")
+        exc.__cause__ = e
+    with pytest.raises(SystemExit) as stop:
+        cli.run_main(_raise(exc))
+    assert stop.value.code == cli.RUN_STOPPED_EXIT
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first == (f"error: cannot write {target} in the run directory: {os_.strerror(code)} ({name}); make "
+                     f"{run} writable again and resume, or give another run_dir")
+    assert second.startswith(f"the newest checkpoint is {run / 'checkpoints' / 'step_000004'}")
+
+
+@pytest.mark.parametrize("exc", [OSError(13, "Permission denied", "/etc/model/weights.safetensors"),
+                                 OSError(13, "Permission denied"), OSError(2, "No such file", "{run}/x")])
+def test_a_refused_path_outside_the_run_dir_or_another_error_keeps_its_traceback(exc, tmp_path, monkeypatch):
+    run = opened_run_with_checkpoint(tmp_path, 4, monkeypatch)
+    if exc.filename:
+        exc.filename = exc.filename.replace("{run}", str(run))
+    assert cli.run_dir_unwritable(exc, str(run)) is None
+    with pytest.raises(OSError):
+        cli.run_main(_raise(exc))
+
+
+def test_a_run_whose_checkpoints_dir_turns_immutable_mid_run_stops_on_one_line_and_resumes(tmp_path):
+    # chattr +i refuses even root's writes (EPERM): the next checkpoint cannot be made.
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    subprocess.run(["chattr", "-i", str(probe)], check=True)
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = ["trainers/nft.py", "tracker=none", f"run_dir={run}", "steps=30", "save_every=1", "eval.every=100",
+            "data.prompts_per_step=2", "data.group_size=4"]
+    trainer = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(run) is None and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        subprocess.run(["chattr", "+i", str(run / "checkpoints")], check=True)
+        _, err = trainer.communicate(timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(run / "checkpoints")], capture_output=True)
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == cli.RUN_STOPPED_EXIT, err[-2000:]
+    assert "Traceback" not in err
+    first, second = err.strip().splitlines()[-2:]
+    assert first.startswith(f"error: cannot write {run / 'checkpoints'}")
+    assert first.endswith(f"in the run directory: Operation not permitted (EPERM); make {run} writable again and "
+                          "resume, or give another run_dir")
+    latest = latest_checkpoint(run)
+    assert second == (f"the newest checkpoint is {latest}; continue from it after the change with "
+                      f"`python trainers/nft.py resume={run}`")
+    resumed = subprocess.run([sys.executable, "trainers/nft.py", f"resume={run}",
+                              f"steps={int(latest.name.split('_')[1]) + 1}"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
 def _maps_torch(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
