@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from rewards.wire import decode_scores, encode_request
+from rewards.wire import decode_coverage, decode_scores, encode_coverage_request, encode_request
 
 PREFIX = "remote:"
 TOKEN_ENV = "FLYWHEEL_REWARD_TOKEN"
@@ -107,6 +107,10 @@ class RemoteScorer:
         if not isinstance(health, dict) or health.get("status") != "ok":
             raise RemoteRewardError(f"reward server at {self.url} is not healthy: {reply[:200]!r}")
         self.served_reward: str = str(health.get("reward", "?"))
+        # What a prompt needs for the served reward to score it, when the reward says (POST /coverage answers
+        # then); None from a reward that does not, or from a server older than /coverage.
+        needs = health.get("prompt_needs")
+        self.prompt_needs: str | None = needs if isinstance(needs, str) else None
         self.wants_audio = health.get("wants_audio") is True
         self.wants_video = health.get("wants_video") is True
         if (self.wants_audio or self.wants_video) and encoding != "safetensors":
@@ -125,6 +129,19 @@ class RemoteScorer:
             return decode_scores(reply, len(prompts))
         except ValueError as exc:  # the server answered, but not with scores: retrying will not help
             raise RemoteRewardError(f"reward server at {self.url} answered POST /score with a bad reply: "
+                                    f"{exc}") from None
+
+    def scored_rows(self, prompts: list[str], metadata: list[dict]) -> list[bool] | None:
+        """Which of these rows the served reward can score (POST /coverage), or None when it does not say
+        (`prompt_needs` is None). RemoteRewardError when the server does not answer, or answers badly."""
+        if self.prompt_needs is None:
+            return None
+        reply = self._call("POST", "/coverage", encode_coverage_request(prompts, metadata), "application/json",
+                           self.timeout_s)
+        try:
+            return decode_coverage(reply, len(prompts))
+        except ValueError as exc:
+            raise RemoteRewardError(f"reward server at {self.url} answered POST /coverage with a bad reply: "
                                     f"{exc}") from None
 
     def _call(self, method: str, path: str, body: bytes | None, content_type: str | None,

@@ -1,9 +1,12 @@
 """Serve one reward over HTTP: `python -m rewards.serve --reward ocr [--port 8100]`.
 
 Endpoints: GET /health -> {"status": "ok", "reward": name, "wants_audio": bool,
-"wants_video": bool} (what the client must send; see rewards.types); POST /score
-with a safetensors or JSON/PNG body (see rewards.wire) -> {"scores": [...]}; a
-batch without the audio or videos the reward needs is refused (400). Binds
+"wants_video": bool, "prompt_needs": str | null} (what the client must send; see
+rewards.types); POST /score with a safetensors or JSON/PNG body (see rewards.wire)
+-> {"scores": [...]}; a batch without the audio or videos the reward needs is
+refused (400); POST /coverage {"prompts": [...], "metadata": [...]} -> {"scored":
+[bool, ...]}, which prompts the reward can score, for a reward that says
+(prompt_needs not null: the digit, number and OCR rewards; 404 otherwise). Binds
 127.0.0.1 unless --host says otherwise; with a token ($FLYWHEEL_REWARD_TOKEN or
 --token) every request must carry `Authorization: Bearer <token>`, and binding
 another address without one logs a warning. Scoring runs on a worker thread,
@@ -35,7 +38,7 @@ from engine.server_flags import FlagParser, check_limits_and_address, check_posi
 from rewards.registry import REMOTE, available, check_scorer, get, import_modules, scorer_parameters
 from rewards.remote import TOKEN_ENV
 from rewards.types import Scorer, scorer_inputs, wants_audio, wants_video
-from rewards.wire import RequestTooLarge, decode_request, encode_scores
+from rewards.wire import RequestTooLarge, decode_coverage_request, decode_request, encode_scores
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 1024**3  # 1 GiB: a large batch of float32 images fits
@@ -67,9 +70,31 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
                 return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         return await handler(request)
 
+    # The scorer's own word on which prompts it can score (the digit, number and OCR rewards say), so that a
+    # client checks its datasets before a run, as it does for an in-process scorer; None: it does not say.
+    scored_rows = getattr(scorer, "scored_rows", None)
+    prompt_needs = (getattr(scorer, "prompt_needs", None) or "a target it reads") if callable(scored_rows) else None
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "reward": name, "wants_audio": wants_audio(scorer),
-                                  "wants_video": wants_video(scorer)})
+                                  "wants_video": wants_video(scorer), "prompt_needs": prompt_needs})
+
+    async def coverage(request: web.Request) -> web.Response:
+        if prompt_needs is None:
+            return web.json_response({"error": f"reward {name!r} does not say which prompts it scores (its "
+                                               "/health has prompt_needs null)"}, status=404)
+        try:
+            with inflight.reserve(request):
+                body = await read_body(request, limits)
+                prompts, metadata = decode_coverage_request(body)
+                scored = await asyncio.to_thread(scored_rows, prompts, metadata)
+        except LimitExceeded as exc:
+            return web.json_response({"error": str(exc)}, status=exc.status)
+        except ValueError as exc:  # a malformed body, or a row the scorer refuses (a digit out of range)
+            return web.json_response({"error": str(exc)}, status=400)
+        except Exception as exc:  # the scorer's own failure, told to the client
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+        return web.json_response({"scored": [bool(ok) for ok in scored], "prompt_needs": prompt_needs})
 
     async def score(request: web.Request) -> web.Response:
         # The bytes stay reserved until the answer: the decoded batch waiting for the scorer is
@@ -107,6 +132,7 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
     app = web.Application(middlewares=[auth], **limits.app_kwargs())
     app.router.add_get("/health", health)
     app.router.add_post("/score", score)
+    app.router.add_post("/coverage", coverage)
     return app
 
 

@@ -286,6 +286,42 @@ def _score(value: object, index: int) -> float:
     return score if math.isfinite(score) else float("nan")
 
 
+COVERAGE_SHAPE = '{"prompts": [str, ...], "metadata": [object, ...]} (one metadata object per prompt)'
+
+
+def encode_coverage_request(prompts: list[str], metadata: list[dict]) -> bytes:
+    """The body of POST /coverage: the prompts and their metadata, no images."""
+    return json.dumps({"prompts": list(prompts), "metadata": list(metadata)}).encode()
+
+
+def decode_coverage_request(body: bytes) -> tuple[list[str], list[dict]]:
+    """(prompts, metadata) of a POST /coverage body; ValueError naming what is wrong."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"bad coverage request: not JSON ({exc}); a request is {COVERAGE_SHAPE}") from None
+    if not isinstance(data, dict) or "prompts" not in data or "metadata" not in data:
+        raise ValueError(f"bad coverage request: a request is {COVERAGE_SHAPE}")
+    prompts, metadata = _list_of(data["prompts"], str, "prompts"), _list_of(data["metadata"], dict, "metadata")
+    if len(prompts) != len(metadata):
+        raise ValueError(f"bad coverage request: {len(prompts)} prompts but {len(metadata)} metadata objects")
+    return prompts, metadata
+
+
+def decode_coverage(body: bytes, rows: int) -> list[bool]:
+    """The `scored` list of a POST /coverage reply {"scored": [bool, ...]}, one per row; ValueError otherwise."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"reply is not JSON ({exc}); starts with {_preview(body)}") from None
+    scored = data.get("scored") if isinstance(data, dict) else None
+    if not isinstance(scored, list) or not all(isinstance(v, bool) for v in scored):
+        raise ValueError(f'reply has no "scored" list of true/false; got {_preview(body)}')
+    if len(scored) != rows:
+        raise ValueError(f"server answered for {len(scored)} rows of {rows}")
+    return scored
+
+
 def _preview(body: bytes, limit: int = 120) -> str:
     """The first bytes of a reply, for an error message."""
     return repr(body[:limit]) + ("..." if len(body) > limit else "")

@@ -633,6 +633,41 @@ def test_prompts_the_reward_cannot_score_are_refused_before_anything_is_written(
     assert "eval/judge/digit_svc/mean" in rows[-1] and "eval/judge/digit_svc/min_class" not in rows[-1]
 
 
+def test_a_remote_reward_checks_the_prompts_on_its_server_as_an_in_process_one_does(tmp_path, capsys):
+    """remote:<url> of the digit reward refuses a dataset it can score none of (POST /coverage), names a row it
+    refuses, and says nothing of a reward that does not tell (jpeg). Before, every sample of such a run was
+    masked until reward.max_masked_steps stopped it."""
+    from rewards.registry import get
+    from rewards.serve import ServerThread
+
+    cats = tmp_path / "cats.txt"
+    cats.write_text("a cat\na dog\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "digit": 12}\n')
+    with ServerThread(get("digit_alignment"), "digit_alignment", "127.0.0.1", 0, None) as digits, \
+            ServerThread(get("jpeg_compressibility"), "jpeg_compressibility", "127.0.0.1", 0, None) as jpeg:
+        remote = f"remote:{digits.url}"
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers={remote}",
+                              f"data.prompts={cats}"], capsys)
+        assert_nothing_written(tmp_path / "run")
+        assert_last_line_names(message, "data.prompts")
+        assert (f"data.prompts='{cats}': reward {remote} can score none of its 2 prompt(s), so every sample would "
+                "be masked; each prompt needs a digit") in message
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers={remote}",
+                              f"data.prompts={bad}"], capsys)
+        assert "metadata[0]['digit'] = 12 is out of range" in message and "HTTP 400" in message
+        # The server's verdict, row by row, is the in-process scorer's.
+        client = get(remote)
+        prompts = ["a handwritten 7", "a cat", "anything"]
+        metadata = [{}, {}, {"digit": 3}]
+        assert client.prompt_needs == type(get("digit_alignment")).prompt_needs
+        assert client.scored_rows(prompts, metadata) == [True, False, True]
+        assert get(f"remote:{jpeg.url}").scored_rows(prompts, metadata) is None  # jpeg does not say
+        message, _ = refused([f"run_dir={tmp_path / 'run'}", *FAST, f"reward.scorers=remote:{jpeg.url}",
+                              f"data.prompts={cats}", "sampling.height=7"], capsys)
+        assert "can score none" not in message and "sampling.height=7" in message
+
+
 def test_prompts_the_reward_cannot_score_among_others_are_named_in_a_warning(tmp_path, capsys):
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text('{"prompt": "a handwritten 7"}\n{"prompt": "a cat"}\n{"prompt": "anything", "digit": 3}\n')

@@ -324,11 +324,11 @@ def test_image_size_limits_are_read_from_the_png_header_before_any_pixel_is_deco
                        max_image_pixels=63)
 
 
-def _post(url: str, body: bytes, content_type: str) -> tuple[int, str]:
+def _post(url: str, body: bytes, content_type: str, path: str = "/score") -> tuple[int, str]:
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(f"{url}/score", data=body, headers={"Content-Type": content_type})
+    request = urllib.request.Request(f"{url}{path}", data=body, headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, reply.read().decode()
@@ -417,3 +417,37 @@ def test_health_answers_while_a_batch_is_being_decoded_and_a_deep_body_is_still_
         status, text = _post(server.url, deep, JSON)
     assert health == 200
     assert status == 400 and "maximum recursion" in text, text
+
+
+@pytest.mark.parametrize("body, status, shown", [
+    (b"{not json", 400, "bad coverage request: not JSON"),
+    (b"[1, 2]", 400, 'a request is {"prompts": [str, ...], "metadata": [object, ...]}'),
+    (json.dumps({"prompts": ["a", "b"], "metadata": [{}]}).encode(), 400, "2 prompts but 1 metadata objects"),
+    (json.dumps({"prompts": [1], "metadata": [{}]}).encode(), 400, "'prompts' must be a list of str"),
+    (json.dumps({"prompts": ["x"], "metadata": [{"digit": 12}]}).encode(), 400, "is out of range"),
+    (json.dumps({"prompts": ["a 7", "a cat"], "metadata": [{}, {}]}).encode(), 200, '"scored": [true, false]'),
+])
+def test_coverage_answers_which_prompts_are_scored_and_names_a_bad_request(digit_server, body, status, shown):
+    got, text = _post(digit_server.url, body, JSON, path="/coverage")
+    reply = json.loads(text)
+    assert (got, shown in (reply["error"] if status != 200 else text)) == (status, True), text
+
+
+def test_coverage_needs_the_token_and_a_reward_that_says(digit_server):
+    with ServerThread(rewards.get("digit_alignment"), "digit_alignment", token="s3cret") as server:
+        got, text = _post(server.url, b'{"prompts": [], "metadata": []}', JSON, path="/coverage")
+        assert got == 401
+    with ServerThread(rewards.get("jpeg_compressibility"), "jpeg_compressibility") as server:
+        got, text = _post(server.url, b'{"prompts": ["a"], "metadata": [{}]}', JSON, path="/coverage")
+        assert got == 404 and "does not say which prompts it scores" in text
+        assert RemoteScorer(server.url).prompt_needs is None
+
+
+def test_a_client_refuses_a_coverage_reply_of_the_wrong_shape():
+    from rewards.wire import decode_coverage
+
+    assert decode_coverage(b'{"scored": [true, false]}', 2) == [True, False]
+    for reply, shown in [(b'{"scored": [true]}', "for 1 rows of 2"), (b'{"scored": [1, 0]}', "true/false"),
+                         (b"nope", "not JSON")]:
+        with pytest.raises(ValueError, match=shown):
+            decode_coverage(reply, 2)

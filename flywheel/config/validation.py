@@ -19,9 +19,9 @@ from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_judge_servers, check_minibatches, check_model_path,
                                        check_reward_keys, check_rewards, check_run_dir, fsdp_requested,
-                                       launch_world_size, warn, warn_prompts_per_step)
+                                       launch_world_size, remote_prompt_coverage, warn, warn_prompts_per_step)
 from flywheel.runs.compare import format_config_value
-from rewards.registry import parse_spec_targets, prompt_coverage
+from rewards.registry import REMOTE, parse_spec_targets, prompt_coverage
 
 POSITIVE = "must be an integer >= 1"
 
@@ -510,9 +510,10 @@ def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
 
 def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
     """Each scorer that says which prompts it can score (`rewards.registry.prompt_coverage`: the digit, number
-    and OCR rewards) scores some of the dataset at `key`. One that scores none would mask every sample: training
-    stops after reward.max_masked_steps, an evaluation is NaN at the end of the run. Prompts it cannot score
-    (their samples are masked) are named in a warning."""
+    and OCR rewards, in-process or behind a `remote:` server's POST /coverage) scores some of the dataset at
+    `key`. One that scores none would mask every sample: training stops after reward.max_masked_steps, an
+    evaluation is NaN at the end of the run. Prompts it cannot score (their samples are masked) are named in a
+    warning."""
     try:
         entries = parse_spec_targets(cfg.reward.scorers)
     except ValueError:
@@ -521,7 +522,10 @@ def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
     value = config_value(cfg, key)
     for name, target, _ in entries:
         try:
-            coverage = prompt_coverage(target, prompts, metadata)
+            if target.startswith(REMOTE):  # the server's word (POST /coverage), when its reward gives one
+                coverage = remote_prompt_coverage(cfg, name, target, prompts, metadata)
+            else:
+                coverage = prompt_coverage(target, prompts, metadata)
         except (KeyError, ImportError):
             continue  # an unknown scorer, or one whose module fails to import: the reward checks name it
         except ValueError as e:

@@ -320,6 +320,29 @@ def _probe_remote(cfg, name: str, kwargs: dict, checks: ConfigChecks) -> None:
                     f"start it with `python -m rewards.serve --reward NAME --port PORT`, or fix the address")
 
 
+def remote_prompt_coverage(cfg, key: str, name: str, prompts: list[str],
+                           metadata: list[dict]) -> tuple[list[bool], str] | None:
+    """(which rows it scores, what a row needs) from the server of remote: reward `name` (entry `key` of
+    reward.scorers), as `rewards.registry.prompt_coverage` answers for an in-process scorer; None when its
+    reward does not say (prompt_needs null, or a server without /coverage) or the server is not reachable
+    (check_rewards reports that). ValueError with the server's message when it refuses a row (HTTP 400)."""
+    from rewards.remote import RemoteRewardError
+
+    probe_s = probe_seconds(cfg)
+    kwargs = dict(resolve_args(cfg.reward.scorers, cfg.reward.args).get(key, {}))
+    try:
+        client = get(name, **{**kwargs, "timeout_s": probe_s, "budget_s": probe_s, "retries": 0,
+                              "health_timeout_s": probe_s})
+        scored = client.scored_rows(prompts, metadata)
+    except RemoteRewardError as e:
+        if "with HTTP 400" in str(e):
+            raise ValueError(" ".join(str(e).split())) from None
+        return None
+    except Exception:  # noqa: BLE001  (not reachable, or a bad address: check_rewards names it)
+        return None
+    return None if scored is None else (scored, client.prompt_needs)
+
+
 def check_model_path(cfg, checks: ConfigChecks) -> None:
     """`model.path` fits the card (`engine.card_folders.check_card_path`: not empty; a diffusers card's folder
     of the card's family, read from model_index.json and the transformer's config)."""
