@@ -420,13 +420,20 @@ def test_a_remote_reward_that_wants_a_token_says_which_variable_to_set(tmp_path,
 @pytest.mark.parametrize("where", ["a file", "under /proc", "under a file", "not writable"])
 def test_an_unusable_run_dir_is_refused(where, tmp_path, capsys):
     (tmp_path / "file").write_text("mine")
+    immutable = False
     if where == "not writable":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into a read-only directory")
         (tmp_path / "ro").mkdir(mode=0o555)
+        if os.geteuid() == 0:  # root writes into a mode-555 directory; an immutable one refuses even root
+            immutable = subprocess.run(["chattr", "+i", str(tmp_path / "ro")], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("root writes into a read-only directory, and chattr +i is not available here")
     run_dir = {"a file": tmp_path / "file", "under /proc": Path("/proc/flywheel-run"),
                "under a file": tmp_path / "file" / "run", "not writable": tmp_path / "ro" / "run"}[where]
-    message, _ = refused([f"run_dir={run_dir}", *FAST], capsys)
+    try:
+        message, _ = refused([f"run_dir={run_dir}", *FAST], capsys)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(tmp_path / "ro")], check=True)
     assert_last_line_names(message, "run_dir")
     assert (tmp_path / "file").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["file"] + (["ro"] if where == "not writable" else []))
