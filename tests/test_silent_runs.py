@@ -2,6 +2,7 @@
 optimizer step are said and counted in every recipe; lora/ is the trained adapter and lora_ema/ the average, and
 an average that never moved is warned about."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -67,7 +68,7 @@ def test_a_scorer_that_gives_every_image_half_ends_with_0_of_3_steps_and_exit_3_
     out = run_wrapped("grpo", [f"run_dir={run_dir}", *tiny, "steps=3", "reward.scorers=half:1.0"])
     assert out.returncode == NOTHING_TRAINED_EXIT == 3, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: 0 of 3 steps took an optimizer step (3 skipped: every group's rewards were equal")
+    assert last.startswith("error: 0 of 3 steps moved the weights (3 skipped: every group's rewards were equal")
     assert "Traceback" not in out.stderr
     for step in (1, 2, 3):  # each skipped step said on the progress bar, with why
         assert f"warning: step {step} took no optimizer step: every group's rewards were equal" in out.stderr
@@ -130,7 +131,7 @@ def test_a_run_with_some_skipped_steps_ends_with_n_of_m_and_returns(tmp_path, ti
     err = capfd.readouterr().err
     assert "warning: step 1 took no optimizer step: every group's rewards were equal" in err
     assert "warning: step 2 took no optimizer step" not in err
-    assert ("warning: 1 of 2 steps took an optimizer step (1 skipped: every group's rewards were equal (flat "
+    assert ("warning: 1 of 2 steps moved the weights (1 skipped: every group's rewards were equal (flat "
             "groups: no advantage to learn from))") in err
     rows = read_metrics(tmp_path / "partial" / "metrics.jsonl")
     assert [r["train/optimizer_steps"] for r in rows[1:]] == [0, 1]
@@ -143,7 +144,7 @@ def test_dpo_reports_a_step_without_a_pair_as_skipped(tmp_path, tiny):
     differ by far less.)"""
     from trainers.dpo import main
 
-    with pytest.raises(NothingTrainedError, match=r"^0 of 1 steps took an optimizer step \(1 skipped: no preference "
+    with pytest.raises(NothingTrainedError, match=r"^0 of 1 steps moved the weights \(1 skipped: no preference "
                                                   r"pair \(no group had a reward gap over train.pair_margin=5.0\)\)"):
         main([f"run_dir={tmp_path / 'dpo'}", *tiny, "steps=1", "train.pair_margin=5.0",
               "reward.scorers=jpeg_compressibility:1.0"])
@@ -254,3 +255,35 @@ def test_the_issues_sd3_lora_with_an_ema_every_8_steps_exports_the_trained_adapt
             f"from ema.start_step=0, and this run has steps=2; {run_dir / 'lora_ema'} and the evaluation use "
             "the weights the run started from") in captured.err
     assert f"{run_dir / 'lora'}: the trained adapter\n" in captured.out
+
+
+# A factor of each recipe's loss set near zero: the gradient falls under AdamW's eps, every optimizer step only
+# rounds the weights (train/update_rel 0 or about 1e-20), and the run used to exit 0 with its starting weights.
+UNMOVED = {"grpo": ["advantage.clip_max=1e-30"], "nft": ["advantage.clip_max=1e-30"],
+           "draft": ["train.reward_scale=1e-30"], "dpo": ["train.beta=1e-30"],
+           "grpo-lora": ["model.finetune=lora", "model.lora_alpha=1e-20"]}
+
+
+@pytest.mark.parametrize("case", sorted(UNMOVED))
+def test_optimizer_steps_that_only_round_the_weights_count_as_training_nothing(case, tmp_path, tiny, capfd):
+    recipe = case.split("-")[0]
+    main = importlib.import_module(f"trainers.{recipe}").main
+    run_dir = tmp_path / case
+    with pytest.raises(NothingTrainedError) as err:
+        main([f"run_dir={run_dir}", *tiny, "steps=2", "train.kl_beta=0", "train.weight_decay=0", *UNMOVED[case]])
+    assert str(err.value).startswith("0 of 2 steps moved the weights (2 skipped: its optimizer step moved the "
+                                     "weights by under 1e-07 of their size (train/update_rel)")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["train/optimizer_steps"] > 0 for r in rows[1:]] == [True, True]  # the optimizer did step
+    assert all(r["train/update_rel"] < 1e-7 for r in rows[1:])
+    assert [r["train/skipped_steps"] for r in rows[1:]] == [1, 2]
+    err_text = capfd.readouterr().err
+    assert "warning: step 1 moved no weight: train/update_rel=" in err_text
+
+
+def test_a_step_that_moves_the_weights_is_not_counted_as_unmoved(tmp_path, tiny):
+    from trainers.nft import main
+
+    summary = main([f"run_dir={tmp_path / 'run'}", *tiny, "steps=2"])
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert summary["trained_steps"] == 2 and all(r["train/update_rel"] > 1e-6 for r in rows[1:])

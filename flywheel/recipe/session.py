@@ -15,9 +15,9 @@ With ema.enabled, the run keeps an EMA of the trained weights (flywheel/recipe/e
 that is exported beside the trained LoRA (lora_ema/ and lora/); rollouts and weight sync keep the trained weights.
 
 The main process holds the run directory's lock (`RunDirLock`) from `RecipeRun(...)` to the end of the loop.
-A step that takes no optimizer step says so on the progress bar; a run with such steps ends with the line
-"N of M steps took an optimizer step", and a run in which none did raises NothingTrainedError once
-everything is saved (exit 3 from the command line).
+A step that takes no optimizer step, or one that only rounds the weights, says so on the progress bar; a run
+with such steps ends with the line "N of M steps moved the weights", and a run in which none did raises
+NothingTrainedError once everything is saved (exit 3 from the command line).
 
 Every recipe writes the same run directory (config.yaml, run.json, metrics.jsonl,
 samples/, checkpoints/) and the same metric keys, so runs of different
@@ -554,10 +554,10 @@ class RecipeRun:
         return summary
 
     def _trained_line(self, trained: int, done: int) -> str:
-        """"N of M steps took an optimizer step" (M: the steps the run has done), with why this session's others
-        took none."""
+        """"N of M steps moved the weights" (M: the steps the run has done), with why this session's others did
+        not (no optimizer step, or one that only rounded)."""
         why = "; ".join(f"{n} skipped: {reason}" for reason, n in self.skip_reasons.items())
-        return f"{trained} of {done} steps took an optimizer step" + (f" ({why})" if why else "")
+        return f"{trained} of {done} steps moved the weights" + (f" ({why})" if why else "")
 
     def _unmoved_warnings(self, exported: list[tuple[Path, str]], zero_adapter: bool) -> list[str]:
         """Why an exported adapter (or the EMA average) is still the one the run started from, if it is."""

@@ -12,7 +12,9 @@ calls no update: an optimizer step would still move the weights through
 AdamW's momentum and weight decay. Each step without an optimizer step is
 said on the progress bar and counted; a run in which none took one raises
 NothingTrainedError once everything is saved. Each optimizer step's size
-relative to the weights is logged (train/update_rel, flywheel/recipe/weight_motion.py).
+relative to the weights is logged (train/update_rel, flywheel/recipe/weight_motion.py),
+and one under MIN_RELATIVE_STEP (rounding: a loss scaled to about zero) counts
+as a step that trained nothing, said and counted the same way.
 The run directory's lock is let go on the way out, however the run ends.
 """
 
@@ -24,11 +26,15 @@ import time
 from flywheel.distributed import all_reduce_mean
 from flywheel.guards import NoSignalError
 from flywheel.recipe.algorithm import Algorithm, UpdateResult, trains_on_advantages
-from flywheel.recipe.weight_motion import WeightMotion
+from flywheel.recipe.weight_motion import MIN_RELATIVE_STEP, WeightMotion
 
 # Why a step took no optimizer step, when no update was called (an update that takes none gives its own reason).
 FLAT_STEP = "every group's rewards were equal (flat groups: no advantage to learn from)"
 MASKED_STEP = "the rewards masked every sample"
+# A step whose optimizer step changed the weights by rounding at most: its gradient is under AdamW's eps, so a
+# factor in the loss is about zero (an advantage clip, a reward scale, a beta, a LoRA alpha of 1e-30).
+UNMOVED_STEP = (f"its optimizer step moved the weights by under {MIN_RELATIVE_STEP:g} of their size "
+                "(train/update_rel): the loss's gradient is under AdamW's eps, so a scale in it is about zero")
 
 
 def train(run, rollouts, algorithm: Algorithm) -> dict:
@@ -70,6 +76,7 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
             metrics = steps.count(result, step)
             if result.stepped:
                 metrics["train/update_rel"] = motion.relative_move(before)
+                metrics["train/skipped_steps"] = steps.count_unmoved(metrics["train/update_rel"], step)
             t1 = time.perf_counter()
             # 4. Sync: new weights into serving, version + 1, only when the update moved them.
             if result.stepped:
@@ -151,14 +158,26 @@ class StepAccounting:
     def count(self, result: UpdateResult, step: int) -> dict:
         """The step's metrics with the run's count of skipped steps; a step without an optimizer step is said."""
         if not result.stepped:
-            self.skipped += 1
             reason = result.skip_reason or "the update took none"
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-            if self.is_main:
-                from tqdm.auto import tqdm
-
-                tqdm.write(f"warning: step {step + 1} took no optimizer step: {reason}", file=sys.stderr)
+            self._skip(reason, step, f"step {step + 1} took no optimizer step: {reason}")
         return {**result.metrics, "train/skipped_steps": self.skipped}
+
+    def count_unmoved(self, update_rel: float, step: int) -> int:
+        """Count a step whose optimizer step moved the weights by under MIN_RELATIVE_STEP of their size as one
+        that trained nothing (said, with its reason); the run's count of such steps and skipped ones. The value is
+        every rank's (all-reduced), so every rank counts alike."""
+        if update_rel < MIN_RELATIVE_STEP:
+            self._skip(UNMOVED_STEP, step, f"step {step + 1} moved no weight: train/update_rel={update_rel:.2g}; "
+                                            f"{UNMOVED_STEP.split(': ', 1)[1]}")
+        return self.skipped
+
+    def _skip(self, reason: str, step: int, line: str) -> None:
+        self.skipped += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if self.is_main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"warning: {line}", file=sys.stderr)
 
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped, "masked_run": self.masked_run, "flat_run": self.flat_run}
