@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 
 
@@ -31,6 +32,13 @@ def add_lora(module: nn.Module, rank: int, alpha: float, target_modules: list[st
         param.requires_grad_("lora_" in name)
         if "lora_" in name:
             trainable.append(name)
+            if param.dtype in (torch.float16, torch.bfloat16):
+                # peft makes the adapter in the base layer's dtype. A 16-bit adapter trained by AdamW keeps its
+                # state in 16 bits, where float16 rounds eps (1e-8) and small squared gradients to 0 (the first
+                # step's update is inf) and bfloat16 rounds most small updates away: the adapter is float32, as
+                # peft's autocast_adapter_dtype and diffusers' cast_training_params make it (peft casts the
+                # input to the adapter's dtype and the output back).
+                param.data = param.data.float()
     if not trainable:
         raise ValueError(f"no layer of the model matched LoRA target_modules={list(target_modules)}")
     return trainable

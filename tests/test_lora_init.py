@@ -59,3 +59,38 @@ def test_switching_the_adapters_off_and_on_keeps_a_frozen_adapter_frozen():
     with adapters_disabled(module):
         module(x)
     assert {n: p.requires_grad for n, p in module.named_parameters()} == before
+
+
+def test_a_16_bit_model_gets_a_float32_adapter_that_starts_at_the_base_and_keeps_the_output_dtype():
+    from engine import load_model
+    from flywheel.lora import add_lora
+
+    for dtype in (torch.float16, torch.bfloat16):
+        base = load_model("toy-digits", dtype=dtype)
+        adapted = load_model("toy-digits", dtype=dtype)
+        add_lora(adapted.transformer, 4, 4, ["qkv"])
+        lora = {n: p for n, p in adapted.transformer.named_parameters() if "lora_" in n}
+        assert lora and {p.dtype for p in lora.values()} == {torch.float32}, dtype
+        frozen = {p.dtype for n, p in adapted.transformer.named_parameters() if "lora_" not in n}
+        assert frozen == {dtype}  # the base weights keep the model's dtype
+        shape = adapted.latent_shape(None, None, None)
+        x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+        t = torch.full((2,), 0.5)
+        prompts = ["a seven", "a one"]
+        out = adapted.velocity(adapted.transformer, x, t, adapted.encode_prompts(prompts))
+        want = base.velocity(base.transformer, x, t, base.encode_prompts(prompts))
+        assert out.dtype == want.dtype and torch.equal(out, want)  # B = 0: the base model's velocity
+
+
+def test_float16_trains_through_a_lora_and_is_refused_for_a_full_fine_tune(tmp_path):
+    from flywheel.runs.config import ConfigError, parse_config
+    from trainers.grpo import Config, main, validate_config
+
+    with __import__("pytest").raises(ConfigError, match="model.dtype=float16 with model.finetune=full: AdamW would "
+                                                        "keep its state in float16"):
+        validate_config(parse_config(Config, ["model.dtype=float16"]))
+    # A LoRA on float16 weights: its float32 adapter steps (it made every weight inf at step 1 as float16).
+    summary = main([f"run_dir={tmp_path / 'run'}", "tracker=none", "steps=2", "eval.every=2", "eval.seeds=1",
+                    "data.prompts_per_step=2", "data.group_size=4", "sampling.steps=4", "model.dtype=float16",
+                    "model.finetune=lora"])
+    assert summary["trained_steps"] == 2

@@ -184,7 +184,8 @@ class ModelConfig:
     """two-expert cards (wan2.2-t2v): the experts that train, the high-noise one, the low-noise one or both;
     None = the card's default (both)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """transformer weight dtype; latents and log-probs stay fp32"""
+    """transformer weight dtype; latents and log-probs stay fp32, a LoRA's adapter is fp32; float16 only with
+    finetune=lora (AdamW's state in float16 underflows)"""
     compile: bool = False
     """torch.compile the rollout forward (engine/compiling.py): the first rollout pays for compiling, training
     stays eager, and the on-policy ratio is 1 up to rounding (fp32 ~5e-7, bf16 ~1e-5) instead of exactly"""

@@ -226,8 +226,14 @@ def check_run(cfg, checks: ConfigChecks) -> None:
 
 
 def check_model(cfg, checks: ConfigChecks) -> None:
-    """`model`: a known card and LoRA's rank and alpha."""
+    """`model`: a known card, LoRA's rank and alpha, and a dtype its trained weights can be stepped in."""
     checks.require("model.lora_rank", lambda v: v >= 1, POSITIVE)
+    if cfg.model.dtype == "float16" and cfg.model.finetune == "full":
+        # AdamW's moments take the weights' dtype: float16 rounds its eps (1e-8) and squared gradients under
+        # 6e-8 to 0, so the first step divides by zero and every weight is inf (a LoRA's adapter is float32).
+        checks.fail("model.dtype=float16 with model.finetune=full: AdamW would keep its state in float16, which "
+                    "rounds its eps (1e-8) and small squared gradients to 0, so the first step makes the weights inf; "
+                    "use model.dtype=bfloat16 or float32, or model.finetune=lora (its adapter is float32)")
     checks.require("model.lora_alpha", lambda v: v > 0, "must be > 0")
     # An empty list would read as null (the card's own targets) where it says "no module": refused, not guessed.
     checks.require("model.lora_targets", lambda v: len(v) > 0, "names no module; give module names (e.g. [qkv]) "
