@@ -203,6 +203,18 @@ CASES = {
                              "train.kl_form=flow_grpo with train.kl_beta=0 and train.log_kl=false: no KL is computed"),
     "bfloat16 full fine-tune, small rate": (["model.dtype=bfloat16", "train.learning_rate=1e-5"],
                                             "train.learning_rate", "so most of each update would round away"),
+    "float16 full fine-tune": (["model.dtype=float16"], "model.dtype",
+                               "AdamW would keep its state in float16, which rounds its eps (1e-8)"),
+    # Before: the first evaluation stopped the run with a traceback, after the run dir was written.
+    "a judge that scores no eval prompt": (["eval.judges=ocr"], "eval.judges",
+                                           "judge ocr cannot score prompt(s) 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 30 "
+                                           "more of data.eval_prompts='toy-digits-heldout', that have a class"),
+    "a judge named twice": (["eval.judges=jpeg_compressibility,jpeg_compressibility"], "eval.judges",
+                            "names jpeg_compressibility more than once"),
+    "an empty judge entry": (["eval.judges=jpeg_compressibility,"], "eval.judges", "entry 2 is empty"),
+    "the card's own judge named": (["eval.judges=digit_svc"], "eval.judges",
+                                   "digit_svc, digit_typicality are the toy-digits card's own judges, which every "
+                                   "evaluation runs already"),
 }
 
 
@@ -863,3 +875,29 @@ def test_a_launch_that_splits_groups_across_processes_is_said_before_work(recipe
         monkeypatch.setenv("WORLD_SIZE", world)  # 12 rows of 2 groups; one process; 8 rows of 2 groups
         module.validate_config(parse_config(module.Config, overrides))
         assert "groups are split" not in capsys.readouterr().err
+
+
+def test_the_trained_reward_named_as_a_judge_is_warned_about(tmp_path, capsys):
+    from trainers.grpo import Config, validate_config
+    from flywheel.runs.config import parse_config
+
+    validate_config(parse_config(Config, [f"run_dir={tmp_path / 'run'}", *FAST, "eval.judges=digit_alignment"]))
+    assert ("warning: eval.judges names digit_alignment, which reward.scorers trains on: a judge is meant to be "
+            "independent of the reward") in capsys.readouterr().err
+    validate_config(parse_config(Config, [f"run_dir={tmp_path / 'run'}", *FAST, "eval.judges=jpeg_compressibility"]))
+    assert "trains on" not in capsys.readouterr().err
+
+
+def test_a_judge_that_scores_some_unclassed_eval_prompts_is_warned_about(tmp_path, capsys):
+    from trainers.grpo import Config, validate_config
+    from flywheel.runs.config import parse_config
+
+    # Prompts with no class (no digit: the toy-digits judges give them none), one with quoted text: ocr scores one
+    # of the two, which is said; a prompt with a class it could not score is refused (the case above).
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "a sign that says \\"HI\\""}\n{"prompt": "a cat"}\n')
+    validate_config(parse_config(Config, [f"run_dir={tmp_path / 'run'}", *FAST, "eval.judges=ocr",
+                                          "reward.scorers=jpeg_compressibility:1", f"data.prompts={mixed}",
+                                          f"data.eval_prompts={mixed}"]))
+    assert (f"warning: eval.judges='ocr': judge ocr cannot score 1 of the 2 prompt(s) of data.eval_prompts="
+            f"'{mixed}'") in capsys.readouterr().err

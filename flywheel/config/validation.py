@@ -286,6 +286,8 @@ def check_data(cfg, checks: ConfigChecks) -> None:
         else:
             check_dataset_images(cfg, key, items, checks)
             check_reward_prompts(cfg, key, items, checks)
+            if key == "data.eval_prompts":
+                check_judge_prompts(cfg, items, checks)
             if key == "data.prompts":
                 warn_prompts_per_step(cfg, len(items))
 
@@ -402,17 +404,48 @@ def check_eval(cfg, checks: ConfigChecks) -> None:
     checks.require("eval.cache_threshold", lambda v: 0 <= v <= 1,
                    "must be in [0, 1] (0 = the plain loop; the toy eval keeps its reward within 0.01 at 0.15)")
     checks.require("eval.stop_on_hacking", lambda v: v >= 0, "must be an integer >= 0 (0 = off)")
-    for name in [n.strip() for n in cfg.eval.judges.split(",") if n.strip()]:
+    entries = [n.strip() for n in cfg.eval.judges.split(",")] if cfg.eval.judges.strip() else []
+    if "" in entries:
+        checks.fail(f"eval.judges={cfg.eval.judges!r}: entry {entries.index('') + 1} is empty; give scorer names "
+                    "separated by commas (or leave it empty for the card's own judges alone)")
+    twice = sorted({n for n in entries if n and entries.count(n) > 1})
+    if twice:
+        checks.fail(f"eval.judges={cfg.eval.judges!r} names {', '.join(twice)} more than once; name each judge once")
+    trained = _trained_scorer_names(cfg)
+    for name in judge_names(cfg.eval.judges):
         from rewards.registry import available, check_scorer
 
         if name not in available():
-            checks.fail(f"eval.judges names {name!r}, which is not a registered scorer; known: "
+            from rewards.judges import judges_for_card
+
+            builtin = judges_for_card(cfg.model.card) if cfg.model.card in list_cards() else {}
+            own = (f"; {', '.join(builtin)} {'is' if len(builtin) == 1 else 'are'} the {cfg.model.card} card's own "
+                   "judges, which every evaluation runs already" if name in builtin else "")
+            checks.fail(f"eval.judges names {name!r}, which is not a registered scorer{own}; known: "
                         f"{', '.join(available())}")
             continue
+        if name in trained:
+            warn(f"eval.judges names {name}, which reward.scorers trains on: a judge is meant to be independent "
+                 "of the reward, and the hacking watch would compare the reward with itself; name a scorer the "
+                 "run does not train on")
         try:  # its folder or address (judges are built from the environment alone: no arguments)
             check_scorer(name)
         except (ValueError, OSError) as e:
             checks.fail(f"eval.judges={cfg.eval.judges!r}: {name}: {e}")
+
+
+def judge_names(spec: str) -> list[str]:
+    """The scorer names of an eval.judges value, each once, in order (empty entries dropped: check_eval refuses
+    them)."""
+    return list(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+
+
+def _trained_scorer_names(cfg) -> set[str]:
+    """The registry names reward.scorers trains on ({} when the spec does not parse: check_reward_keys says)."""
+    try:
+        return {target for _, target, _ in parse_spec_targets(cfg.reward.scorers)}
+    except ValueError:
+        return set()
 
 
 def check_rollout(cfg, checks: ConfigChecks) -> None:
@@ -550,6 +583,45 @@ def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
             shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
             warn(f"{key}={value!r}: reward {name} cannot score prompt(s) {shown} of {len(items)}, whose samples it "
                  f"masks; each needs {needs}")
+
+
+def check_judge_prompts(cfg, items, checks: ConfigChecks) -> None:
+    """Each of eval.judges that says which prompts it can score scores every evaluation prompt that has a class
+    (the card's judges give the toy tasks' classes: a judge must score every sample of a class, or the
+    evaluation stops), and at least one of the others; prompts it cannot score are named in a warning. Before,
+    `eval.judges=ocr` on the digit prompts ran until the first evaluation failed, after the run dir was made."""
+    if not judge_names(cfg.eval.judges):
+        return
+    from flywheel.rollout_collector import eval_classes
+    from rewards.judges import judges_for_card  # scikit-learn's import: only for a config that names judges
+
+    prompts, metadata = [item.prompt for item in items], [item.metadata for item in items]
+    try:
+        classes = eval_classes(judges_for_card(cfg.model.card), prompts, metadata)
+    except (KeyError, ValueError):
+        return  # an unknown card, or prompts the card's judges refuse: reported with the card and the data
+    key, value = "data.eval_prompts", config_value(cfg, "data.eval_prompts")
+    for name in judge_names(cfg.eval.judges):
+        try:
+            coverage = prompt_coverage(name, prompts, metadata)
+        except (KeyError, ImportError, ValueError):
+            continue  # an unknown judge (check_eval names it), or a row it refuses (its own error at scoring)
+        if coverage is None:
+            continue
+        scored, needs = coverage
+        missing = [row for row, ok in enumerate(scored) if not ok]
+        classed = [row for row in missing if classes is not None and classes[row] is not None]
+        if classed or len(missing) == len(items):
+            rows = classed or missing
+            shown = ", ".join(str(r + 1) for r in rows[:10]) + (f" and {len(rows) - 10} more" if len(rows) > 10
+                                                                else "")
+            why = (f"that have a class (a judge must score every sample of a class: the {cfg.model.card} card's "
+                   "judges give the classes)" if classed else f"of {len(items)}: it would score no sample")
+            checks.fail(f"eval.judges={cfg.eval.judges!r}: judge {name} cannot score prompt(s) {shown} of {key}="
+                        f"{value!r}, {why}; each needs {needs}")
+        elif missing:
+            warn(f"eval.judges={cfg.eval.judges!r}: judge {name} cannot score {len(missing)} of the {len(items)} "
+                 f"prompt(s) of {key}={value!r}; each needs {needs}")
 
 
 def check_images_readable(key: str, items, checks: ConfigChecks) -> None:
