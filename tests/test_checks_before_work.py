@@ -203,6 +203,9 @@ CASES = {
                              "train.kl_form=flow_grpo with train.kl_beta=0 and train.log_kl=false: no KL is computed"),
     "bfloat16 full fine-tune, small rate": (["model.dtype=bfloat16", "train.learning_rate=1e-5"],
                                             "train.learning_rate", "so most of each update would round away"),
+    # Before: accepted; at 1666.67 every weight was zeroed or flipped each step and the run ended at chance.
+    "weight decay past 1/lr": (["train.weight_decay=5000"], "train.weight_decay",
+                               "AdamW multiplies every weight by 1 - learning_rate x weight_decay = -2 each step"),
     "float16 full fine-tune": (["model.dtype=float16"], "model.dtype",
                                "AdamW would keep its state in float16, which rounds its eps (1e-8)"),
     # Before: the first evaluation stopped the run with a traceback, after the run dir was written.
@@ -901,3 +904,15 @@ def test_a_judge_that_scores_some_unclassed_eval_prompts_is_warned_about(tmp_pat
                                           f"data.eval_prompts={mixed}"]))
     assert (f"warning: eval.judges='ocr': judge ocr cannot score 1 of the 2 prompt(s) of data.eval_prompts="
             f"'{mixed}'") in capsys.readouterr().err
+
+
+def test_a_weight_decay_that_takes_a_share_of_every_weight_each_step_is_warned_about(tmp_path, capsys):
+    from trainers.grpo import Config, validate_config
+    from flywheel.runs.config import parse_config
+
+    validate_config(parse_config(Config, [f"run_dir={tmp_path / 'run'}", *FAST, "train.weight_decay=100",
+                                          "train.learning_rate=1e-3"]))
+    assert ("warning: train.weight_decay=100 with train.learning_rate=0.001: AdamW's decay takes 10.0% of every "
+            "weight each step") in capsys.readouterr().err
+    validate_config(parse_config(Config, [f"run_dir={tmp_path / 'run'}", *FAST, "train.weight_decay=0.1"]))
+    assert "decay takes" not in capsys.readouterr().err
