@@ -27,7 +27,8 @@ import torch
 from engine import Engine, GenerationRequest, Trajectory
 from engine.types import overlay_request_fields
 from flywheel.advantages import distributed_reward_advantages, flat_group_count
-from flywheel.distributed import all_gather_cat, rank_and_world
+from flywheel.distributed import all_gather_cat, all_reduce_mean, rank_and_world
+from flywheel.guards import NonFiniteError
 from flywheel.prompts import PromptItem, PromptSampler
 from rewards import RewardBatch, RewardSet
 
@@ -184,6 +185,15 @@ class Flywheel:
         group_ids = torch.tensor([row // self.group_size for row in rows])
 
         trajectory, rewards, timings = self._rollout_and_score(requests)
+        # Every rank's count (a collective), so that all stop together: before, NaN images were masked by the
+        # rewards and the run said "the rewards masked every sample", blaming the scorer for the model.
+        bad = all_reduce_mean({"nonfinite": float(nonfinite_samples(trajectory))})["nonfinite"]
+        if bad:
+            raise NonFiniteError(f"step {step + 1}: {round(bad * rank_and_world()[1])} of the step's rollout samples "
+                                 "hold NaN or inf; the weights were finite after the last step, so the "
+                                 "forward overflowed or the sampler diverged (a 16-bit model.dtype, an extreme "
+                                 "sampling setting). The run stops here and the checkpoints on disk are the last "
+                                 "good ones")
         advantages, usable = distributed_reward_advantages(rewards, group_ids, clip=self.adv_clip,
                                                            global_std=self.global_std)
         metrics = {**timings, "reward/usable": float(usable.sum()),
@@ -256,6 +266,11 @@ def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], se
     # Classes come from the prompts alone: a bad class is reported before anything is generated.
     classes = eval_classes(judges or {}, [r.prompt for r in requests], [r.metadata for r in requests])
     trajectory = engine.generate(requests)
+    bad = nonfinite_samples(trajectory)
+    if bad:  # the judges and the rewards would mask them, and the evaluation would look like the reward's fault
+        raise NonFiniteError(f"the evaluation's samples hold NaN or inf ({bad} of {len(requests)}): the forward "
+                             "overflowed or the sampler diverged at these weights; the checkpoints on disk are the "
+                             "last good ones")
     scored = rewards.score(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.weight_version,
                            **reward_inputs(trajectory))
     metrics = scored.metrics(prefix="eval/reward")
@@ -285,6 +300,16 @@ def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], se
             if judged:  # no sample in any class: no worst class either
                 metrics[f"eval/judge/{name}/min_class"] = min(judged.values())
     return metrics, trajectory
+
+
+def nonfinite_samples(trajectory: Trajectory) -> int:
+    """How many samples' final latents or images hold a NaN or inf (one host read)."""
+    rows = [t.flatten(1) for t in (trajectory.latents, trajectory.images)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1]
+    if not rows:
+        return 0
+    finite = torch.stack([torch.isfinite(r).all(dim=1).to(rows[0].device) for r in rows]).all(dim=0)
+    return int((~finite).sum())
 
 
 # Per-class metric keys sit beside these summary keys; a class may not take one of their names.

@@ -287,3 +287,60 @@ def test_a_step_that_moves_the_weights_is_not_counted_as_unmoved(tmp_path, tiny)
     summary = main([f"run_dir={tmp_path / 'run'}", *tiny, "steps=2"])
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert summary["trained_steps"] == 2 and all(r["train/update_rel"] > 1e-6 for r in rows[1:])
+
+
+def _nan_at_call(module, name: str, at: int, monkeypatch):
+    """Patch module.name (a generate call) so that its `at`-th call returns a trajectory whose first image and
+    latent are NaN: what a forward that overflowed gives."""
+    original, calls = getattr(module, name), []
+
+    def generate(*args, **kwargs):
+        traj = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == at:
+            traj.images[0].fill_(float("nan"))
+            traj.latents[0].fill_(float("nan"))
+        return traj
+
+    monkeypatch.setattr(module, name, generate)
+
+
+def test_nan_rollout_samples_stop_the_run_naming_the_rollout_not_the_rewards(tmp_path, tiny, monkeypatch):
+    import flywheel.rollout_collector
+    from flywheel.guards import NonFiniteError
+    from trainers.nft import main
+
+    _nan_at_call(flywheel.rollout_collector, "generate_in_order", 2, monkeypatch)
+    run_dir = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match=r"^step 2: 1 of the step's rollout samples hold NaN or inf; the weights "
+                                             r"were finite after the last step, so the forward overflowed"):
+        main([f"run_dir={run_dir}", *tiny, "steps=3", "save_every=1"])
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]  # step 1 kept, nothing of 2
+    assert (run_dir / "checkpoints" / "step_000001" / "manifest.json").is_file()
+
+
+def test_nan_evaluation_samples_stop_the_run_naming_the_samples(tmp_path, tiny, monkeypatch):
+    import flywheel.recipe.rollouts
+    from engine import Engine
+    from flywheel.guards import NonFiniteError
+    from trainers.nft import main
+
+    original_generate, original_eval, evals = Engine.generate, flywheel.recipe.rollouts.eval_samples, []
+
+    def evaluating(*args, **kwargs):
+        evals.append("running")
+        try:
+            return original_eval(*args, **kwargs)
+        finally:
+            evals[-1] = "done"
+
+    def generate(self, *args, **kwargs):
+        traj = original_generate(self, *args, **kwargs)
+        if evals[-1:] == ["running"] and len(evals) == 2:  # the step-1 evaluation (the first is the base one)
+            traj.images[0].fill_(float("nan"))
+        return traj
+
+    monkeypatch.setattr(flywheel.recipe.rollouts, "eval_samples", evaluating)
+    monkeypatch.setattr(Engine, "generate", generate)
+    with pytest.raises(NonFiniteError, match=r"^the evaluation's samples hold NaN or inf \(1 of 2\)"):
+        main([f"run_dir={tmp_path / 'run'}", *tiny, "steps=2", "eval.every=1"])
