@@ -555,3 +555,11 @@ def test_an_unknown_model_card_is_one_plain_line_listing_the_known_ones():
     line = str(err.value).splitlines()[-1].strip()
     assert line.startswith("model.card='toy-digts': unknown model card 'toy-digts'; known cards: ")
     assert "toy-digits, toy-numbers" in line and '"' not in line  # the KeyError's message, not its repr
+
+
+def test_a_config_file_that_is_not_utf8_is_one_plain_error(tmp_path):
+    path = tmp_path / "utf16.yaml"
+    path.write_bytes("steps: 3\n".encode("utf-16"))  # a Windows editor's "Unicode": starts with ff fe
+    with pytest.raises(ConfigError, match=r"utf16.yaml is not UTF-8 text \(byte 0xff at offset 0\); a config is "
+                                          r"a YAML file saved as UTF-8"):
+        parse_config(TrainConfig, ["--config", str(path)])

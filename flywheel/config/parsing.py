@@ -431,6 +431,11 @@ def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except _DuplicateKey as e:
         raise ConfigError(f"config file {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); a config is a YAML file saved as UTF-8") from None
+    except OSError as e:  # unreadable (permissions, a FIFO that errors, an I/O error)
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if data is not None and not isinstance(data, dict):
