@@ -206,6 +206,10 @@ CASES = {
     # Before: accepted; at 1666.67 every weight was zeroed or flipped each step and the run ended at chance.
     "weight decay past 1/lr": (["train.weight_decay=5000"], "train.weight_decay",
                                "AdamW multiplies every weight by 1 - learning_rate x weight_decay = -2 each step"),
+    # Before: accepted and ignored (only a remote: scorer's HTTP calls read them).
+    "remote bounds without a remote scorer": (["reward.timeout_s=5"], "reward.timeout_s",
+                                              "reward.timeout_s=5.0 with reward.scorers=digit_alignment:1.0: it acts "
+                                              "only with reward.scorers naming a remote: scorer"),
     "float16 full fine-tune": (["model.dtype=float16"], "model.dtype",
                                "AdamW would keep its state in float16, which rounds its eps (1e-8)"),
     # Before: the first evaluation stopped the run with a traceback, after the run dir was written.
@@ -720,6 +724,16 @@ def test_advantage_keys_a_recipe_without_advantages_would_ignore_are_refused(rec
     assert f"advantage.clip_max=2.0: {recipe.upper() if recipe == 'dpo' else 'DRaFT'} trains on no advantages ({why})" \
         in str(info.value)
     main([f"run_dir={tmp_path / 'default'}", *FAST, "steps=1", "advantage.clip_max=5.0"])  # the default: runs
+
+
+def test_draft_refuses_the_flat_steps_stop_it_never_reaches(tmp_path):
+    from trainers.draft import main
+
+    with pytest.raises(USAGE_ERRORS) as info:
+        main([f"run_dir={tmp_path / 'run'}", *FAST, "reward.max_flat_steps=2"])
+    assert_nothing_written(tmp_path / "run")
+    assert str(info.value).splitlines()[-1].strip().startswith(
+        "reward.max_flat_steps=2: DRaFT trains on every valid sample's reward, not on the spread within a group")
 
 
 @pytest.mark.parametrize("overrides", [

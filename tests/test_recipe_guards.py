@@ -152,7 +152,11 @@ def test_the_repeated_message_stops_waiting_for_a_launcher_that_exited_but_is_no
 def test_unguided_training_of_guided_rollouts_is_refused():
     message = config_problems("train.cfg_in_train=false", "sampling.guidance_scale=4.5")
     assert "train.cfg_in_train=false" in message and "policy other than the one that sampled" in message
-    validate_config(parse_config(Config, ["train.cfg_in_train=false", "sampling.guidance_scale=1.0"]))
+    # Unguided rollouts: there is no guidance to leave out of the training forward, so the key would do nothing.
+    message = config_problems("train.cfg_in_train=false", "sampling.guidance_scale=1.0")
+    assert ("train.cfg_in_train=false with sampling.guidance_scale=1.0: the rollouts use no guidance, so the "
+            "training forward has none to leave out and the key would be ignored") in message
+    validate_config(parse_config(Config, ["train.cfg_in_train=true", "sampling.guidance_scale=1.0"]))
 
 
 def test_time_shift_on_a_card_with_its_own_schedule_is_an_error(tmp_path, monkeypatch):

@@ -69,7 +69,8 @@ from flywheel.recipe.preflight import check_anchor_lags, fsdp_requested
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.parsing import resolve_config
 from flywheel.config.sections import OptimConfig, RunConfig, SamplingConfig
-from flywheel.config.validation import ABOVE_ZERO, check_advantage_unused, check_shared_sections, check_switched_keys
+from flywheel.config.validation import (ABOVE_ZERO, check_advantage_unused, check_shared_sections, check_switched_keys,
+                                        set_away_from_default)
 from flywheel.recipe.session import RecipeRun
 from flywheel.recipe.training_loop import train
 from flywheel.recipe.update import GradientSteps, trajectory_conditioning, update_generator
@@ -211,6 +212,10 @@ def validate_config(cfg: Config) -> None:
     checks.require("reward.aggregation", lambda v: v == "weighted_sum",
                    "must be weighted_sum: the loss is the weighted sum of the scorers' scores (no advantages)")
     check_advantage_unused(cfg, checks, "DRaFT", "the loss is the reward itself, differentiated")
+    for key, value in set_away_from_default(cfg, ("reward.max_flat_steps",)):
+        # A flat group stops no DRaFT step: every valid sample's reward is differentiated, equal or not.
+        checks.fail(f"{key}={value}: DRaFT trains on every valid sample's reward, not on the spread within a group, "
+                    "so equal rewards never stop a step and it would be ignored; leave it out")
     if cfg.rollout.asynchronous:
         checks.fail("rollout.asynchronous=true: not supported by DRaFT (its gradient path starts from the rollout's states, "
                     "made by the weights it trains); set rollout.asynchronous=false")

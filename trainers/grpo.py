@@ -594,6 +594,9 @@ def validate_config(cfg: Config) -> None:
         checks.fail(f"train.cfg_in_train=false with sampling.guidance_scale={cfg.sampling.guidance_scale}: the "
                     "training forward would score a policy other than the one that sampled (every ratio far "
                     "from 1). Set train.cfg_in_train=true, or sampling.guidance_scale=1")
+    elif not cfg.train.cfg_in_train:
+        checks.fail("train.cfg_in_train=false with sampling.guidance_scale=1.0: the rollouts use no guidance, so the "
+                    "training forward has none to leave out and the key would be ignored; leave it out")
     checks.raise_if_any()
 
 

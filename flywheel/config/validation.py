@@ -138,7 +138,19 @@ SWITCHED_KEYS = (
     ("rollout.reward_actors", ABOVE_ZERO, ("rollout.cpus_per_reward_actor", "rollout.gpus_per_reward_actor")),
     ("tracker", When(lambda v: str(v).strip() != "none", " naming a tracker",
                      "=wandb (or tensorboard, trackio, mlflow)"), ("project",)),
+    # The bounds of a remote: scorer's HTTP calls; no other scorer reads them.
+    ("reward.scorers", When(lambda v: _names_remote(v), " naming a remote: scorer",
+                            "=...,remote:http://HOST:PORT[:weight]"), ("reward.timeout_s", "reward.budget_s")),
 )
+
+
+def _names_remote(spec) -> bool:
+    """Whether a reward spec names a remote: scorer (a spec that does not parse counts as one: its own check
+    reports it, and the bounds are not refused on top)."""
+    try:
+        return any(target.startswith(REMOTE) for _, target, _ in parse_spec_targets(spec))
+    except ValueError:
+        return True
 # Ray's own keys, read by the replica pool and by the reward actors alike.
 RAY_KEYS = ("rollout.address", "rollout.max_failures")
 # Read wherever rollouts or rewards run outside the trainer's process: an engine process or Ray actors.
