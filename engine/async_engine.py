@@ -476,7 +476,12 @@ class AsyncEngine:
         if running is self._loop:
             coro.close()
             raise RuntimeError("run_sync() called on the engine's own loop would deadlock; await the coroutine")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:  # concurrent.futures' (an alias since 3.11): the wait ended, not the coroutine
+            future.cancel()  # else it would go on holding the engine's batch slot for a caller that left
+            raise TimeoutError(f"no result within {timeout_s:g} s; the call was cancelled") from None
 
     def close_background(self) -> None:
         """Close the engine and stop its background loop."""

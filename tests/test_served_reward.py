@@ -69,3 +69,32 @@ def test_replacing_the_card_takes_effect_without_restart(served, batch):
     assert not torch.equal(before, after)
     with pytest.raises(KeyError, match="known: digit_alignment"):
         ServedRewardScorer(served, "toy-digits")  # a generator card is not a scorer
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), None, True])
+def test_a_timeout_that_bounds_nothing_is_refused(served, timeout_s):
+    with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds in \(0, "):
+        ServedRewardScorer(served, "digit_alignment", timeout_s=timeout_s)
+
+
+def test_a_call_that_outlives_its_timeout_says_which_reward_and_bound(batch):
+    import time
+
+    started = threading.Event()
+
+    def slow(images, prompts, metadata):
+        started.set()
+        time.sleep(1.0)
+        return torch.zeros(len(prompts))
+
+    engine = AsyncEngine({"slow": slow}, max_batch=64, max_wait_ms=1).start_background()
+    try:
+        scorer = ServedRewardScorer(engine, "slow", timeout_s=0.2)
+        images, prompts, metadata = batch
+        with pytest.raises(TimeoutError, match=r"served reward 'slow' \(card 'slow'\) did not score a batch of 8 "
+                                               r"within timeout_s=0.2: no result within 0.2 s; the call was "
+                                               r"cancelled"):
+            scorer(images, prompts, metadata)
+        assert started.is_set()
+    finally:
+        engine.close_background()
