@@ -464,14 +464,31 @@ def test_a_used_run_dir_is_refused_with_the_config_before_the_model_loads(tmp_pa
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("steps: 3\n")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError) as info:
         validate_config(parse_config(Config, [f"run_dir={run_dir}"]))
     assert_last_line_names(str(info.value), "run_dir")
-    assert "is already used (it holds metrics.jsonl)" in str(info.value)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    assert "holds a run that stopped after step 1, before its first checkpoint" in str(info.value)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl"]
     validate_config(parse_config(Config, [f"run_dir={run_dir}", "overwrite=true"]))  # told to: no refusal
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_folder_that_is_not_a_run_is_refused_without_suggesting_resume_or_overwrite(tmp_path):
+    from flywheel.runs.config import ConfigError, parse_config
+    from trainers.grpo import Config, validate_config
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for extra in ([], ["overwrite=true"]):
+        with pytest.raises(ConfigError) as info:
+            validate_config(parse_config(Config, [f"run_dir={folder}", *extra]))
+        last = str(info.value).splitlines()[-1]
+        assert "resume=" not in last and "choose a new or empty run_dir" in last.lower(), last
+        assert "no config.yaml" in last
+    assert (folder / "notes.txt").read_text() == "mine" and sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
 
 
 def test_more_prompts_per_step_than_prompts_is_a_warning(tmp_path, capsys):

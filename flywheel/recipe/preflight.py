@@ -229,6 +229,11 @@ def check_run_dir(cfg, checks: ConfigChecks) -> None:
             RunDir(path, mode="new", is_main_process=False).refuse_if_used()
         except RunDirInUseError as e:
             checks.fail(f"run_dir={str(cfg.run_dir)!r}: {e}")
+    elif not cfg.resume and cfg.overwrite and path.is_dir():
+        try:  # refused at RunDir's clearing too, but only once the model has loaded
+            RunDir(path, mode="new", is_main_process=False).refuse_overwrite_of_other_files()
+        except RunDirInUseError as e:
+            checks.fail(f"run_dir={str(cfg.run_dir)!r}: {e}")
 
 
 def check_reward_keys(cfg, checks: ConfigChecks) -> None:

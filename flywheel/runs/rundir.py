@@ -525,20 +525,33 @@ class RunDir:
                 f"run_dir {self.path} holds a run that stopped after step {done}, before its first checkpoint, so "
                 "there is nothing to resume from. Pass overwrite=true to start it over there (deleting its run "
                 f"files: {', '.join(RUN_ARTIFACTS)} and tracker logs), or choose another run_dir.")
+        if not self.config_path.is_file():
+            # Neither resume= (it needs the run's config.yaml) nor overwrite=true (it deletes only a run's files)
+            # takes such a folder: saying so beats sending the user to two refusals.
+            raise RunDirInUseError(
+                f"run_dir {self.path} is not empty (it holds {', '.join(used)}) and is not a flywheel run directory "
+                f"(no {CONFIG_FILENAME}), so a run cannot start, resume or overwrite there; choose a new or empty "
+                "run_dir.")
         raise RunDirInUseError(
             f"run_dir {self.path} is already used (it holds {', '.join(used)}); a fresh run there would mix "
             f"with the previous one. Pass resume={self.path} to continue that run, or overwrite=true to "
             f"delete its run files ({', '.join(RUN_ARTIFACTS)} and tracker logs) and start over, or choose "
             "another run_dir.")
 
+    def refuse_overwrite_of_other_files(self) -> None:
+        """RunDirInUseError when overwrite=true would have to delete a folder that is not a run's (files but no
+        config.yaml): overwrite deletes only a run's own files."""
+        used = _used_entries(self.path)
+        if used and not self.config_path.is_file():
+            raise RunDirInUseError(
+                f"overwrite=true: {self.path} holds {', '.join(used)} but no {CONFIG_FILENAME}, so it is not a "
+                "flywheel run directory; nothing was deleted. Choose a new or empty run_dir.")
+
     def _clear(self, tracker_dirs: tuple[str, ...]) -> None:
         used = _used_entries(self.path)
         if not used:
             return
-        if not self.config_path.is_file():
-            raise RunDirInUseError(
-                f"overwrite=true: {self.path} holds {', '.join(used)} but no {CONFIG_FILENAME}, so it is not a "
-                "flywheel run directory; nothing was deleted. Choose a new or empty run_dir.")
+        self.refuse_overwrite_of_other_files()
         owned = (*tracker_dirs, *RUN_ARTIFACTS)  # config.yaml stays last
         for entry in sorted(self.path.iterdir()):
             # Temp files of atomic writes killed mid-way (".config.yaml.<random>.tmp").
