@@ -272,6 +272,9 @@ def decode_scores(body: bytes, batch: int) -> torch.Tensor:
     return torch.tensor([_score(v, i) for i, v in enumerate(values)], dtype=torch.float32)
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _score(value: object, index: int) -> float:
     """One score as a float: null and non-finite numbers are NaN; anything that is not a number is an error."""
     if value is None:
@@ -283,6 +286,9 @@ def _score(value: object, index: int) -> float:
         score = float(value)
     except OverflowError:
         raise ValueError(f"score {index} ({str(value)[:20]}...) is too large for a float") from None
+    if math.isfinite(score) and abs(score) > FLOAT32_MAX:
+        # It would be inf as the float32 it becomes, and masked as if the server had sent null.
+        raise ValueError(f"score {index} ({score:g}) is beyond float32's range (±{FLOAT32_MAX:.3g})")
     return score if math.isfinite(score) else float("nan")
 
 

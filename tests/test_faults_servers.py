@@ -300,10 +300,12 @@ def _answer(body: bytes, length: bool = True):
     (b'{"scores": [1, 2, [3], 4]}', "score 2 is [3], not a number or null"),
     (b'{"scores": [1, 2, 3, {"a": 4}]}', 'score 3 is {"a": 4}, not a number or null'),
     (b'{"scores": [1, 2, 3, 1' + b"0" * 400 + b"]}", "is too large for a float"),
+    # A double that float32 cannot hold: it was stored as inf and masked like a null.
+    (b'{"scores": [1, 2, 3, 1e300]}', "score 3 (1e+300) is beyond float32's range"),
     (b'{"scores": [1, 2]}', "returned 2 scores for a batch of 4"),
     (b'{"score": [1, 2, 3, 4]}', 'reply has no "scores" list'),
     (b"<html>gateway error</html>", "reply is not JSON"),
-], ids=["string", "bool", "list", "object", "huge-int", "short", "no-scores", "html"])
+], ids=["string", "bool", "list", "object", "huge-int", "beyond-float32", "short", "no-scores", "html"])
 def test_replies_that_are_not_scores_are_refused_naming_what_came_back(reply, fragment):
     with ScriptedServer(_answer(reply)) as server:
         scorer = RemoteScorer(server.url, timeout_s=5.0, budget_s=5.0, retries=2)
