@@ -34,15 +34,17 @@ def trackio_run(tmp_path_factory):
     """A two-step GRPO run logged to trackio in its own TRACKIO_DIR (trackio reads it when imported)."""
     base = tmp_path_factory.mktemp("trackio")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACKIO_DIR": str(base / "store"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), f"run_dir={base / RUN_NAME}",
-                    "tracker=trackio", "project=flytest", "steps=2", "eval.every=2", "sample_every=2",
-                    "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "save_every=1000"],
-                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    return base, env
+    done = subprocess.run([sys.executable, str(ROOT / "trainers" / "grpo.py"), f"run_dir={base / RUN_NAME}",
+                           "tracker=trackio", "project=flytest", "steps=2", "eval.every=2", "sample_every=2",
+                           "eval.seeds=1", "data.prompts_per_step=2", "data.group_size=4", "save_every=1000"],
+                          cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
+    return base, env, done.stdout + done.stderr
 
 
 def test_trackio_logs_the_runs_metrics_config_and_sample_grids(trackio_run):
-    base, _ = trackio_run
+    base, _, output = trackio_run
+    # The run is finished once (accelerate's tracker left it as trackio's current run, finished again at exit).
+    assert output.count("Run finished") == 1, output[-2000:]
     db = sqlite3.connect(base / "store" / "flytest.db")
     logged = {}
     for run_name, step, blob in db.execute("select run_name, step, metrics from metrics"):
@@ -60,7 +62,7 @@ def test_trackio_logs_the_runs_metrics_config_and_sample_grids(trackio_run):
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_trackio_dashboard_in_headless_chromium_shows_the_run_and_its_reward(trackio_run, tmp_path):
-    base, env = trackio_run
+    base, env, _ = trackio_run
     port = free_port()
     show = subprocess.Popen([sys.executable, "-c", "import sys, trackio; trackio.show(project='flytest', "
                              f"open_browser=False, block_thread=True, host='127.0.0.1', server_port={port})"],

@@ -57,7 +57,7 @@ from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import (ABANDONED_DIRNAME, RUN_INFO_FILENAME, RunDir, RunDirInUseError,
                                   atomic_write_bytes, atomic_write_text)
-from flywheel.runs.tracking import log_images, log_videos, prepare_tracker, tracker_names
+from flywheel.runs.tracking import end_trackers, log_images, log_videos, prepare_tracker, tracker_names
 from flywheel.video import is_video, middle_frame, sample_file_name, write_mp4, write_wav
 from rewards.judges import judges_for_card
 from rewards.registry import get as get_scorer
@@ -541,7 +541,7 @@ class RecipeRun:
                 print(f"{path}: {what}", flush=True)
             if 0 < trained < done:
                 print(f"warning: {self._trained_line(trained, done)}", file=sys.stderr, flush=True)
-        self.accelerator.end_training()
+        end_trackers(self.accelerator)  # trackio's run finished once
         if self.is_main and "eval/reward/mean" in final_eval:
             # Everything is saved; a NaN final evaluation still makes the run fail rather than exit 0.
             check_finite(final_eval["eval/reward/mean"], "the final evaluation reward", cfg.steps,

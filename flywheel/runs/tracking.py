@@ -171,3 +171,16 @@ def log_videos(accelerator, name: str, paths: list, step: int, fps: int = 16) ->
                     audio, rate = read_audio(p)
                     tracker.writer.add_audio(f"{name}/{i}/audio", audio.mean(dim=0, keepdim=True).clamp(-1, 1),
                                              step, sample_rate=rate)
+
+
+def end_trackers(accelerator) -> None:
+    """`accelerator.end_training()`, with a trackio run finished once. accelerate's trackio tracker finishes its
+    run object but leaves it as trackio's current run, and trackio's exit handler finishes the current run: the
+    run ended twice ("Run finished. Uploading logs to Trackio (please wait...)" twice, and a second wait).
+    `trackio.finish()` ends the current run and clears it; the tracker is then left out of end_training."""
+    if any(t.name == "trackio" for t in accelerator.trackers) and _is_main_rank():
+        import trackio
+
+        trackio.finish()
+        accelerator.trackers = [t for t in accelerator.trackers if t.name != "trackio"]
+    accelerator.end_training()
