@@ -198,6 +198,8 @@ def test_resuming_an_older_checkpoint_sets_the_later_timeline_aside(tmp_path, ca
     err = capfd.readouterr().err
     assert "resume at step 1: set aside what the run wrote after it (step_000002, step_000003, best/ (step 3))" in err
     [aside] = list((run / "abandoned").iterdir())
+    held = sum(p.stat().st_size for p in (run / "abandoned").rglob("*") if p.is_file())
+    assert f"({run / 'abandoned'} now holds {held / 2**20:.1f} MiB; delete what you no longer need)" in err
     assert sorted(p.name for p in aside.iterdir()) == ["best", "step_000002", "step_000003"]
     assert json.loads((aside / "best" / "best.json").read_text())["reward"] == 1e9
     assert not best.exists() or json.loads(best.read_text())["reward"] != 1e9

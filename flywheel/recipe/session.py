@@ -217,8 +217,11 @@ class RecipeRun:
             os.replace(best.path, into / best.path.name)
             moved.append(f"{best.path.name}/ (step {best.step})")
         if moved:
+            # Never deleted by the run (it is the user's), so its size is said: each such resume adds a copy.
+            held = _tree_bytes(run_dir / ABANDONED_DIRNAME)
             print(f"resume at step {self.start_step}: set aside what the run wrote after it ({', '.join(moved)}) "
-                  f"in {into}; the steps from here are trained again", file=sys.stderr, flush=True)
+                  f"in {into}; the steps from here are trained again ({run_dir / ABANDONED_DIRNAME} now holds "
+                  f"{held / 2**20:.1f} MiB; delete what you no longer need)", file=sys.stderr, flush=True)
 
     def _open_dir(self) -> None:
         """Create (or take over) the run directory: only now, after every check and the model build (the
@@ -599,6 +602,16 @@ class RecipeRun:
         """The last row metrics.jsonl holds for `step` ({} when none: a worker, or a run that logged none)."""
         rows = [r for r in self.dir.metrics.read() if r.get("step") == step] if self.is_main else []
         return rows[-1] if rows else {}
+
+
+def _tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (symlinks not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def _all_lora_b_zero(named: dict[str, torch.Tensor]) -> bool:
