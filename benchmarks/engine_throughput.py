@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import add_report_args, print_metrics, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
+from benchmarks.report import add_report_args, int_at_least, print_metrics, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 
 def _requests(n: int, steps: int, sampler: str, offset: int = 0):
@@ -101,10 +101,10 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_report_args(parser, quick="fewer rounds (under a minute)")
-    parser.add_argument("--concurrency", type=int, default=32, help="concurrent requests and pool size")
-    parser.add_argument("--batch", type=int, default=32, help="batch of the sampler timing")
-    parser.add_argument("--steps", type=int, default=10, help="denoising steps")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--concurrency", type=int_at_least(1), default=32, help="concurrent requests and pool size")
+    parser.add_argument("--batch", type=int_at_least(1), default=32, help="batch of the sampler timing")
+    parser.add_argument("--steps", type=int_at_least(2), default=10, help="denoising steps")
+    parser.add_argument("--threads", type=int_at_least(1), default=1,
                         help="torch intra-op threads (1: pool workers run single-threaded anyway, and OpenMP "
                              "teams on a shared, loaded CPU slow the main thread by up to 10x)")
     args = parser.parse_args()

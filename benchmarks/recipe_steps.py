@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny model builders (tests/tiny_models)
-from benchmarks.report import Column, add_report_args, print_table, write_json  # noqa: E402
+from benchmarks.report import Column, add_report_args, int_at_least, print_table, write_json  # noqa: E402
 
 RECIPES = ("grpo", "nft", "awm", "dpo", "draft")
 # (joint blocks, heads, head dim, latent side): SD3.5-Medium's transformer at 512x512, and a tiny one.
@@ -137,22 +137,27 @@ def main(argv: list[str] | None = None) -> dict:
     add_report_args(parser, quick="--size tiny, 2 steps, 2 sampler steps (a smoke run)")
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, from " + ", ".join(RECIPES))
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="medium (default) or tiny")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per recipe (default 3, --quick 2)")
-    parser.add_argument("--sampler-steps", type=int, default=None, help="denoising steps (default 10, --quick 2)")
+    parser.add_argument("--steps", type=int_at_least(1), default=None,
+                        help="training steps per recipe (default 3, --quick 2)")
+    parser.add_argument("--sampler-steps", type=int_at_least(2), default=None,
+                        help="denoising steps (default 10, --quick 2)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per recipe (a process of its own)")
+    parser.add_argument("--timeout", type=int_at_least(1), default=None,
+                        help="seconds per recipe (a process of its own; default 600)")
     parser.add_argument("--in-process", action="store_true",
                         help="run the recipes one after another in this process (imports once; no --timeout)")
     args = parser.parse_args(argv)
+    if args.in_process and args.timeout is not None:
+        parser.error("--timeout bounds each recipe's own process; --in-process runs them in this one, unbounded: "
+                     "give one of them")
+    args.timeout = 600 if args.timeout is None else args.timeout
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
         raise SystemExit(f"--recipes={args.recipes!r}: valid values are {', '.join(RECIPES)} (comma-separated)")
     size = SIZES[args.size or ("tiny" if args.quick else "medium")]
-    steps = args.steps or (2 if args.quick else 3)
-    sampler_steps = args.sampler_steps or (2 if args.quick else 10)
-    if steps < 1 or sampler_steps < 2:
-        raise SystemExit(f"--steps {steps} must be >= 1 and --sampler-steps {sampler_steps} >= 2")
+    steps = args.steps if args.steps is not None else (2 if args.quick else 3)
+    sampler_steps = args.sampler_steps if args.sampler_steps is not None else (2 if args.quick else 10)
     pixels = size[3] * 8  # the tiny VAE's 8x
     result: dict = {"size": args.size or ("tiny" if args.quick else "medium"), "dtype": args.dtype,
                     "pixels": pixels, "steps": steps, "sampler_steps": sampler_steps, "batch": 8}
@@ -183,4 +188,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    failed = [key[:-len("_ok")] for key, ok in main().items() if key.endswith("_ok") and not ok]
+    if failed:  # the JSON and the table hold every recipe's figures or error; the exit says some failed
+        raise SystemExit(f"recipe_steps: {', '.join(failed)} failed (see *_error in the output above)")

@@ -42,6 +42,32 @@ def writable_file(value: str) -> Path:
     return path
 
 
+def int_at_least(low: int):
+    """An argparse type: an integer >= `low`, refused at parse time naming the bound (not a traceback from the
+    benchmark's middle, or a 0 quietly read as "the default")."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"{number} must be >= {low}")
+        return number
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in its message
+    return parse
+
+
+def finite_float(value: str) -> float:
+    """An argparse type: a finite number (NaN compares false with everything, so a NaN bound passes no test)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number")
+    return number
+
+
 def add_report_args(parser: argparse.ArgumentParser, *, quick: str | None, json_help: str = JSON_HELP) -> None:
     """Add `--json PATH` (checked writable at parse time: `writable_file`) and, unless `quick` is None, `--quick`
     (its help says what the quick run cuts)."""

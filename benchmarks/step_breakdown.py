@@ -21,26 +21,41 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import add_report_args, print_metrics, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
+from benchmarks.report import add_report_args, int_at_least, print_metrics, write_json  # noqa: E402 (the shared --json/--quick flags, table and JSON)
 
 PHASES = ("rollout", "reward", "train", "sync")
+# What the benchmark sets for every run (the run dir is its own temporary one).
+HARNESS_KEYS = ("run_dir", "steps", "resume", "overwrite")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="training steps to time")
+    # At least 2: the first step is left out as warm-up, and the means need a step after it.
+    parser.add_argument("--steps", type=int_at_least(2), default=None,
+                        help="training steps to run, the first left out as warm-up (default 20, --quick 6)")
     add_report_args(parser, quick="6 steps (under a minute)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     args = parser.parse_args()
-    steps = 6 if args.quick else args.steps
+    steps = args.steps if args.steps is not None else 6 if args.quick else 20
+    owned = [o for o in args.overrides if o.split("=", 1)[0].strip() in HARNESS_KEYS]
+    if owned:
+        parser.error(f"{', '.join(owned)}: the benchmark sets {', '.join(HARNESS_KEYS)} itself (give --steps for "
+                     "the step count)")
 
+    from flywheel.config.parsing import ConfigError, parse_config
     from flywheel.runs.rundir import read_metrics
+    from trainers.grpo import Config, validate_config
     from trainers.grpo import main as grpo_main
 
+    harness = [f"steps={steps}", "tracker=none", f"eval.every={10**9}", f"sample_every={10**9}",
+               f"save_every={10**9}"]
     with tempfile.TemporaryDirectory() as tmp:
+        try:  # the recipe's one-line refusal of a bad override, before any work (not a traceback)
+            validate_config(parse_config(Config, [f"run_dir={tmp}/run", *harness, *args.overrides]))
+        except ConfigError as e:
+            parser.error(f"the overrides: {e}")
         start = time.perf_counter()
-        grpo_main([f"run_dir={tmp}/run", f"steps={steps}", "tracker=none", f"eval.every={10**9}",
-                   f"sample_every={10**9}", f"save_every={10**9}", *args.overrides])
+        grpo_main([f"run_dir={tmp}/run", *harness, *args.overrides])
         wall = time.perf_counter() - start
         rows = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if r["step"] >= 2]
         config = (Path(tmp) / "run" / "config.yaml").read_text()

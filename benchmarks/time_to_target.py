@@ -108,7 +108,7 @@ sys.path.insert(0, str(ROOT))
 from flywheel.runs.compare import (FIGURE_DPI, REWARD_KEY, STEP_TIME_KEY, Run, RunDirError,  # noqa: E402
                                    import_pyplot, format_duration, format_value, judge_key, load_runs,
                                    render_table, summarize)
-from benchmarks.report import add_report_args, writable_file, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
+from benchmarks.report import add_report_args, finite_float, writable_file, write_json  # noqa: E402 (the shared --json/--quick flags and JSON)
 from flywheel.runs.rundir import atomic_write_bytes  # noqa: E402
 
 DEFAULT_RECIPES = ("grpo", "nft", "awm", "dpo", "mixgrpo", "grpo_fast", "grpo_guard", "dppo", "draft")
@@ -463,7 +463,11 @@ def recipe_missing(recipe: str, config_path: Path) -> str | None:
 
 
 def config_path_for(pattern: str, recipe: str) -> Path:
-    path = Path(pattern.format(recipe=base_recipe(recipe)))
+    try:
+        path = Path(pattern.format(recipe=base_recipe(recipe)))
+    except (KeyError, IndexError, ValueError) as e:  # a field other than {recipe}, or an unclosed brace
+        raise BenchmarkError(f"--configs {pattern!r} is not a pattern with {{recipe}} as its one field ({e!r}); "
+                             f"for example {DEFAULT_CONFIGS}") from None
     return path if path.is_absolute() else ROOT / path
 
 
@@ -562,6 +566,13 @@ def run_recipe(recipe: str, config_path: Path, run_dir: Path, overrides: list[st
         tail = "".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines(True)[-15:])
         raise BenchmarkError(f"{recipe} failed (exit {process.returncode}); the end of {log_path}:\n{tail}")
     return seconds, stopped
+
+
+# Keys the harness sets for every run and reports, with the flag that sets them: an override after -- would
+# change what ran but not what the JSON says ran (seed=5 for every "seed"), or point a run away from the folder
+# the benchmark reads (run_dir).
+HARNESS_FLAGS = {"seed": "use --seeds", "eval.every": "use --eval-every", "run_dir": "use --out-dir to keep the runs",
+                 "resume": "each run starts fresh", "overwrite": "use --overwrite with --out-dir"}
 
 
 def harness_overrides(seed: int, eval_every: int, quick: bool, overwrite: bool) -> list[str]:
@@ -700,11 +711,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cached", action="store_true",
                         help=f"also run <recipe>{CACHED_SUFFIX} for each of {', '.join(DECOUPLED_RECIPES)} that runs: "
                              "its config with cached training rollouts (sampling.cache_threshold)")
-    parser.add_argument("--cache-threshold", type=float, default=DEFAULT_CACHE_THRESHOLD,
+    parser.add_argument("--cache-threshold", type=finite_float, default=None,
                         help=f"sampling.cache_threshold of the {CACHED_SUFFIX} entries (default "
                              f"{DEFAULT_CACHE_THRESHOLD}), in (0, 1]")
-    parser.add_argument("--target", type=float, help=f"eval reward to reach (default 0.8; --quick: {QUICK.target})")
-    parser.add_argument("--min-judge", type=float,
+    parser.add_argument("--target", type=finite_float, help=f"eval reward to reach (default 0.8; --quick: {QUICK.target})")
+    parser.add_argument("--min-judge", type=finite_float,
                         help=f"judge at target a recipe needs to count as best (default 0.8; --quick: "
                              f"{QUICK.min_judge})")
     parser.add_argument("--seeds", help=f"comma-separated seeds; every recipe runs once per seed (default "
@@ -748,13 +759,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--seeds and --seed: give one")
     if args.seeds is not None:
         try:
-            args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+            args.seeds = [int(x) for x in args.seeds.split(",")]
         except ValueError:
-            parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+            parser.error(f"--seeds must be comma-separated integers (no empty entry), got {args.seeds!r}")
         if not args.seeds or len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
             parser.error("--seeds must name distinct integers >= 0")
     else:
         args.seeds = [args.seed] if args.seed is not None else [QUICK_SEED] if args.quick else list(FULL_SEEDS)
+    if args.cache_threshold is not None and not args.cached and "+cache" not in (args.recipes or ""):
+        parser.error(f"--cache-threshold {args.cache_threshold:g} sets the {CACHED_SUFFIX} entries' "
+                     f"sampling.cache_threshold, and none runs: add --cached (or a <recipe>{CACHED_SUFFIX} to "
+                     "--recipes), or leave it out")
+    if args.cache_threshold is None:
+        args.cache_threshold = DEFAULT_CACHE_THRESHOLD
+    if args.overwrite and args.out_dir is None:
+        parser.error("--overwrite reuses run dirs under --out-dir; without --out-dir every run has a fresh "
+                     "temporary one: give --out-dir, or leave --overwrite out")
+    owned = [o for o in args.overrides if o.split("=", 1)[0].strip() in HARNESS_FLAGS]
+    if owned:
+        flags = {HARNESS_FLAGS[o.split("=", 1)[0].strip()] for o in owned}
+        parser.error(f"{', '.join(owned)} after --: the benchmark sets it for every run and reports it "
+                     f"({'; '.join(sorted(flags))})")
     if not 0 < args.cache_threshold <= 1:
         parser.error(f"--cache-threshold must be in (0, 1] (0 would be the plain loop), got {args.cache_threshold}")
     if args.eval_every < 1:

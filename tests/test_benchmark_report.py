@@ -122,3 +122,37 @@ def test_a_script_prints_its_table_and_writes_the_keys_it_returns(tmp_path, caps
             "remote_png_images_per_s", "remote_safetensors_max_abs_diff", "remote_png_max_abs_diff",
             "remote_safetensors_vs_in_process", "remote_png_vs_in_process"} <= set(written)
     assert written["remote_safetensors_max_abs_diff"] == 0.0  # exact float32 over safetensors
+
+
+def test_the_shared_number_types_refuse_at_parse_time():
+    import argparse
+
+    from benchmarks.report import finite_float, int_at_least
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int_at_least(2))
+    parser.add_argument("--target", type=finite_float)
+    assert parser.parse_args(["--steps", "2", "--target", "0.5"]).steps == 2
+    for argv in (["--steps", "1"], ["--steps", "x"], ["--target", "nan"], ["--target", "-inf"], ["--target", "a"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("script, argv, why", [
+    ("recipe_steps.py", ["--steps", "0"], "argument --steps: 0 must be >= 1"),  # was read as "the default"
+    ("recipe_steps.py", ["--timeout", "-5"], "argument --timeout: -5 must be >= 1"),
+    ("recipe_steps.py", ["--in-process", "--timeout", "5"], "--in-process runs them in this one"),
+    ("step_breakdown.py", ["--steps", "1"], "argument --steps: 1 must be >= 2"),  # crashed after training
+    ("step_breakdown.py", ["--", "run_dir=/tmp/x"], "the benchmark sets run_dir, steps, resume, overwrite itself"),
+    ("step_breakdown.py", ["--", "nosuch=1"], "the overrides: unknown config key 'nosuch'"),  # was a traceback
+    ("engine_throughput.py", ["--batch", "0"], "argument --batch: 0 must be >= 1"),
+])
+def test_benchmarks_refuse_bad_numbers_and_overrides_before_any_work(script, argv, why):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), *argv], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and why in done.stderr and "Traceback" not in done.stderr, done.stderr[-1500:]

@@ -505,3 +505,28 @@ def test_the_configs_own_used_run_dir_does_not_stop_the_benchmark(tmp_path, monk
     (tmp_path / "out" / "seed_0" / "grpo" / "metrics.jsonl").write_text('{"step": 0}\n')
     assert ttt.main(["--recipes", "grpo", "--check-only", "--out-dir", str(tmp_path / "out")]) == 2
     assert "holds an earlier run: give another --out-dir, or --overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--target", "nan"], "argument --target: nan must be a finite number"),
+    (["--min-judge", "inf"], "argument --min-judge: inf must be a finite number"),
+    (["--seeds", "1,,2"], "--seeds must be comma-separated integers (no empty entry)"),
+    (["--cache-threshold", "0.2"], "--cache-threshold 0.2 sets the +cache entries' sampling.cache_threshold, and "
+                                   "none runs"),
+    (["--overwrite"], "--overwrite reuses run dirs under --out-dir"),
+    # The harness's own keys: a run_dir= trained elsewhere and crashed at the end; seed= made every "seed" one run.
+    (["--", "run_dir=/tmp/elsewhere"], "run_dir=/tmp/elsewhere after --: the benchmark sets it for every run and "
+                                       "reports it (use --out-dir to keep the runs)"),
+    (["--", "seed=5", "eval.every=7"], "seed=5, eval.every=7 after --: the benchmark sets it"),
+])
+def test_flags_and_overrides_that_would_be_ignored_or_misreported_are_refused_when_parsed(argv, why, capsys):
+    with pytest.raises(SystemExit) as stop:
+        ttt.parse_args(argv)
+    assert stop.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_a_configs_pattern_with_another_field_is_a_benchmark_error():
+    for pattern in ("configs/x{foo}.yaml", "configs/x{.yaml"):
+        with pytest.raises(ttt.BenchmarkError, match=r"is not a pattern with \{recipe\} as its one field"):
+            ttt.config_path_for(pattern, "grpo")
+    assert ttt.parse_args(["--", "steps=40", "tracker=none"]).overrides == ["steps=40", "tracker=none"]  # allowed
