@@ -528,6 +528,8 @@ def build_app(engine: AsyncEngine, default_card: str | None = None, token: str |
     received by then is answered 408. `max_image_bytes` / `max_image_pixels` bound an uploaded "image"
     (its PNG bytes, its width x height).
     """
+    if token is not None and not token.strip():
+        raise ValueError("token is empty: give a non-empty token, or None to serve without one")
     limits = ServerLimits(max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s)
     app = web.Application(middlewares=[errors], **limits.app_kwargs())
     app[ENGINE_KEY] = engine
@@ -594,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    parser.add_argument("--token", default=os.environ.get("FLYWHEEL_SERVE_TOKEN"),
+    parser.add_argument("--token", default=os.environ.get("FLYWHEEL_SERVE_TOKEN") or None,
                         help="bearer token required on /v1 routes (default: $FLYWHEEL_SERVE_TOKEN, none)")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)

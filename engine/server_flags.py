@@ -67,4 +67,13 @@ def check_limits_and_address(args: argparse.Namespace):
         flag_error(f"--max-body-bytes/--max-inflight-bytes/--header-timeout-s/--body-timeout-s: {e}")
     check_port(args.port)
     check_bind(args.host, args.port)
+    check_token(getattr(args, "token", None))
     return limits
+
+
+def check_token(token: str | None) -> None:
+    """An empty --token is refused: one server read it as "no token" (auth silently off) and the other as a
+    token every client must send as a bare "Bearer "; an empty environment variable counts as unset."""
+    if token is not None and not token.strip():
+        flag_error("--token: the token is empty; give a non-empty token, or leave --token out to serve without one "
+                   "(an empty environment variable counts as unset)")

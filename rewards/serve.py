@@ -58,6 +58,8 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
     `max_body_bytes` of float32, what a safetensors body may carry)."""
     if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or max_image_pixels < 1:
         raise ValueError(f"max_image_pixels must be an int >= 1, got {max_image_pixels!r}")
+    if token is not None and not token.strip():
+        raise ValueError("token is empty: give a non-empty token, or None to serve without one")
     limits = ServerLimits(max_body_bytes, max_inflight_bytes, header_timeout_s, body_timeout_s)
     lock = asyncio.Lock()
     inflight = InflightBudget(limits)
@@ -124,6 +126,9 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
         async with lock:  # one batch at a time: scorers need not be thread-safe
             try:
                 scores = await asyncio.to_thread(scorer, batch.images, batch.prompts, batch.metadata, **extra)
+            except ValueError as exc:  # the scorer refuses a row it was sent (a digit out of range): the client's
+                logger.warning("reward %r refused a batch of %d: %s", name, len(batch.prompts), exc)
+                return web.json_response({"error": f"reward {name!r} refused the batch: {exc}"}, status=400)
             except Exception as exc:  # reported to the client, which masks the rows
                 logger.warning("reward %r failed on a batch of %d: %s", name, len(batch.prompts), exc)
                 return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)

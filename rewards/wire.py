@@ -95,6 +95,9 @@ def _decode_json(body: bytes, max_image_pixels: int | None,
     missing = [k for k in ("images", "channels", "prompts", "metadata") if k not in data]
     if missing:
         raise bad(f"no {', '.join(map(repr, missing))}")
+    unknown = sorted(set(data) - {"images", "channels", "prompts", "metadata"})
+    if unknown:  # a field the server does not read would be dropped unseen
+        raise bad(f"{', '.join(map(repr, unknown))} is not a field of a request")
     try:
         pngs = _list_of(data["images"], str, "images")
         prompts, metadata = _list_of(data["prompts"], str, "prompts"), _list_of(data["metadata"], dict, "metadata")
@@ -157,6 +160,12 @@ def decode_request(body: bytes, content_type: str, max_image_pixels: int | None 
         if missing:
             raise ValueError(f"bad safetensors scoring request: no {', '.join(map(repr, missing))}; a request is "
                              f"{SAFETENSORS_SHAPE}")
+        # A name the server does not read would be dropped unseen (a mistyped "video", "prompt"): refused.
+        unknown = sorted(set(tensors) - {"images", "audio", "videos"}) + sorted(
+            set(header) - {"prompts", "metadata", "sample_rate"})
+        if unknown:
+            raise ValueError(f"bad safetensors scoring request: {', '.join(map(repr, unknown))} is not read by the "
+                             f"server; a request is {SAFETENSORS_SHAPE}")
         images = tensors["images"]
         try:
             prompts = _list_of(json.loads(header["prompts"]), str, "prompts")
@@ -308,6 +317,9 @@ def decode_coverage_request(body: bytes) -> tuple[list[str], list[dict]]:
         raise ValueError(f"bad coverage request: not JSON ({exc}); a request is {COVERAGE_SHAPE}") from None
     if not isinstance(data, dict) or "prompts" not in data or "metadata" not in data:
         raise ValueError(f"bad coverage request: a request is {COVERAGE_SHAPE}")
+    if set(data) - {"prompts", "metadata"}:
+        raise ValueError(f"bad coverage request: {', '.join(map(repr, sorted(set(data) - {'prompts', 'metadata'})))} "
+                         f"is not a field; a request is {COVERAGE_SHAPE}")
     prompts, metadata = _list_of(data["prompts"], str, "prompts"), _list_of(data["metadata"], dict, "metadata")
     if len(prompts) != len(metadata):
         raise ValueError(f"bad coverage request: {len(prompts)} prompts but {len(metadata)} metadata objects")

@@ -269,6 +269,8 @@ BAD_JSON = {
     "no images at all": (_png_body(images=[], prompts=[], metadata=[]), "'images' is empty"),
     "a JPEG for a PNG": (_png_body(images=[_jpeg_base64()] * 2), "images[0] is not a base64 PNG (a JPEG image"),
     "nested 100000 deep": (b'{"images": ' + b"[" * 100000 + b"]" * 100000 + b"}", "not JSON (maximum recursion"),
+    # A field the server does not read was dropped unseen.
+    "an unknown field": (_png_body(audio="x"), "'audio' is not a field of a request"),
 }
 
 
@@ -294,7 +296,14 @@ def test_a_malformed_safetensors_request_names_what_was_wrong():
                         "no 'images'"),
                        (save({"images": torch.zeros(2, 1, 8, 8)}), "no 'prompts', 'metadata'"),
                        (save({"images": torch.zeros(2, 1, 8, 8)}, metadata={"prompts": '"ab"', "metadata": "[]"}),
-                        "'prompts' must be a list of str, got str")]:
+                        "'prompts' must be a list of str, got str"),
+                       # A name the server does not read was dropped unseen (a mistyped "video").
+                       (save({"images": torch.zeros(2, 1, 8, 8), "video": torch.zeros(2, 1, 3, 8, 8)},
+                             metadata={"prompts": '["a", "b"]', "metadata": "[{}, {}]"}),
+                        "'video' is not read by the server"),
+                       (save({"images": torch.zeros(2, 1, 8, 8)},
+                             metadata={"prompts": '["a", "b"]', "metadata": "[{}, {}]", "prompt": "x"}),
+                        "'prompt' is not read by the server")]:
         with pytest.raises(ValueError, match="a request is a tensor \"images\" \\[B, C, H, W\\]") as info:
             decode_request(body, SAFETENSORS)
         assert what in str(info.value), info.value
@@ -425,6 +434,7 @@ def test_health_answers_while_a_batch_is_being_decoded_and_a_deep_body_is_still_
     (json.dumps({"prompts": ["a", "b"], "metadata": [{}]}).encode(), 400, "2 prompts but 1 metadata objects"),
     (json.dumps({"prompts": [1], "metadata": [{}]}).encode(), 400, "'prompts' must be a list of str"),
     (json.dumps({"prompts": ["x"], "metadata": [{"digit": 12}]}).encode(), 400, "is out of range"),
+    (json.dumps({"prompts": ["x"], "metadata": [{}], "zzz": 1}).encode(), 400, "'zzz' is not a field"),
     (json.dumps({"prompts": ["a 7", "a cat"], "metadata": [{}, {}]}).encode(), 200, '"scored": [true, false]'),
 ])
 def test_coverage_answers_which_prompts_are_scored_and_names_a_bad_request(digit_server, body, status, shown):
@@ -451,3 +461,27 @@ def test_a_client_refuses_a_coverage_reply_of_the_wrong_shape():
                          (b"nope", "not JSON")]:
         with pytest.raises(ValueError, match=shown):
             decode_coverage(reply, 2)
+
+
+def test_a_row_the_scorer_refuses_is_the_clients_error_not_the_servers(digit_server):
+    from safetensors.torch import save
+
+    header = {"prompts": '["x"]', "metadata": '[{"digit": 42}]'}
+    status, text = _post(digit_server.url, save({"images": torch.zeros(1, 1, 8, 8)}, metadata=header), SAFETENSORS)
+    assert status == 400, text  # a 500 reads as the scorer failing: the client masks and goes on
+    assert "reward 'digit_alignment' refused the batch" in json.loads(text)["error"] and "out of range" in text
+
+
+def test_an_empty_token_is_refused_by_both_servers():
+    from engine.serve import build_app
+    from rewards.serve import make_app
+
+    with pytest.raises(ValueError, match="token is empty"):
+        make_app(rewards.get("jpeg_compressibility"), "jpeg_compressibility", token="")
+    with pytest.raises(ValueError, match="token is empty"):
+        build_app(None, token=" ")
+    for module in ("rewards.serve", "engine.serve"):
+        argv = ["--reward", "jpeg_compressibility"] if module == "rewards.serve" else []
+        done = subprocess.run([sys.executable, "-m", module, *argv, "--token", ""], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 2 and "--token: the token is empty" in done.stderr, (module, done.stderr[-800:])
