@@ -484,3 +484,17 @@ def test_list_follows_a_symlinked_folder_once(tmp_path):
     (root / "sweep" / "loop").symlink_to(root, target_is_directory=True)  # a cycle: runs/sweep/loop -> runs
     runs, _ = cmp.list_runs(root)
     assert [r.name for r in runs] == ["sweep/a"]
+
+
+def test_output_paths_are_checked_before_the_table_is_printed(two_runs, tmp_path, capsys):
+    new, old = two_runs
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for argv, why in ([["--json", str(tmp_path)], "is a folder (or empty); give a file path"],
+                      [["--out", str(a_file / "c.png")], f"{a_file} is a file, so no folder can be made there"],
+                      [["--out", "/proc/flywheel.png"], "cannot write in /proc"],
+                      [["--no-plot", "--out", str(tmp_path / "c.png")], "with --no-plot: no plot is written"]):
+        assert main(["compare", str(new), str(old), "--json", str(tmp_path / "t.json"), *argv]) == 2
+        captured = capsys.readouterr()
+        assert why in captured.err and captured.out == "", (argv, captured)  # no half output
+        assert not (tmp_path / "t.json").exists()

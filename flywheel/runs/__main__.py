@@ -10,7 +10,10 @@ The reading, table and plot live in `flywheel.runs.compare`; this is only the co
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from flywheel.runs.compare import (LIST_MAX_DEPTH, RunDirError, compare, compare_table, config_diff_table, list_runs,
                                    list_table, load_runs, plot_runs, write_json)
@@ -26,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = commands.add_parser("compare", help="a table of final/best eval reward, judge, diversity, wall time and "
                                               "steps, and a PNG of the curves, one line per run")
     cmp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (the run_dir=... of a recipe)")
-    cmp.add_argument("--out", default="compare.png", metavar="PNG",
+    cmp.add_argument("--out", default=None, metavar="PNG",
                      help="where to write the plot (default: compare.png in the current directory)")
     cmp.add_argument("--json", metavar="PATH", help="also write the table as JSON (a list of objects, one a run)")
     cmp.add_argument("--judge", metavar="NAME",
@@ -44,9 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_output_file(value: str, flag: str) -> None:
+    """A file this command writes at its end, checked before anything is read or printed: not a folder, and its
+    folder (or the nearest one that exists, under which the rest is made) a writable folder."""
+    path = Path(value)
+    if not value.strip() or path.is_dir():
+        raise RunDirError(f"{flag} {value!r} is a folder (or empty); give a file path")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise RunDirError(f"{flag} {value}: {folder} is a file, so no folder can be made there")
+    try:  # a real write, removed: os.access says yes to root, and under /proc
+        fd, probe = tempfile.mkstemp(prefix=".flywheel-probe-", dir=folder)
+    except OSError as e:
+        raise RunDirError(f"{flag} {value}: cannot write in {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def run_compare(args: argparse.Namespace) -> None:
     if args.config_diff and len(args.runs) < 2:
         raise RunDirError(f"--config-diff compares the configs of two runs or more; got one: {args.runs[0]}")
+    if args.no_plot and args.out is not None:
+        raise RunDirError(f"--out {args.out} with --no-plot: no plot is written; give one of them")
+    args.out = "compare.png" if args.out is None else args.out
+    for flag, value in (("--json", args.json), ("--out", None if args.no_plot else args.out)):
+        if value is not None:  # before the table: a bad path once left half the output and a temp file's name
+            check_output_file(value, flag)
     runs = load_runs(args.runs)
     summaries = compare(runs, judge=args.judge)
     print(compare_table(summaries))
