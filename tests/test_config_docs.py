@@ -49,3 +49,12 @@ def test_the_command_answers_help_and_refuses_an_unknown_flag_without_touching_t
     assert done.value.code == 2 and "unrecognized arguments: --wrte" in capsys.readouterr().err
     assert main([]) == 0 and capsys.readouterr().out == reference()
     assert PAGE.read_bytes() == before
+
+
+def test_a_page_without_its_markers_is_named_not_a_substring_error():
+    import pytest
+
+    with pytest.raises(ValueError, match="must hold the line .* exactly once \\(it holds it 0 times\\)"):
+        page_with_reference("no markers here\n")
+    with pytest.raises(ValueError, match="comes before the start marker"):
+        page_with_reference(f"{END}\n{BEGIN}\n")

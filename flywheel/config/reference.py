@@ -101,7 +101,14 @@ def reference() -> str:
 
 
 def page_with_reference(page: str) -> str:
-    """`page` with the text between the markers replaced by `reference()`."""
+    """`page` with the text between the markers replaced by `reference()`; ValueError naming a marker the page
+    lacks (or holds twice, or out of order)."""
+    for marker in (BEGIN, END):
+        if page.count(marker) != 1:
+            raise ValueError(f"{PAGE} must hold the line {marker!r} exactly once (it holds it {page.count(marker)} "
+                             "times): the generated reference goes between the two markers")
+    if page.index(END) < page.index(BEGIN):
+        raise ValueError(f"{PAGE}: the end marker {END!r} comes before the start marker {BEGIN!r}")
     start, end = page.index(BEGIN), page.index(END) + len(END) + 1
     return page[:start] + reference() + page[end:]
 
@@ -112,7 +119,11 @@ def main(argv: list[str]) -> int:
                                                  "from the config dataclasses, or rewrite it in the page.")
     parser.add_argument("--write", action="store_true", help=f"rewrite the generated part of {PAGE.name}")
     if parser.parse_args(argv).write:
-        PAGE.write_text(page_with_reference(PAGE.read_text(encoding="utf-8")), encoding="utf-8")
+        try:
+            updated = page_with_reference(PAGE.read_text(encoding="utf-8"))
+        except ValueError as e:
+            parser.error(str(e))
+        PAGE.write_text(updated, encoding="utf-8")
         print(f"wrote {PAGE}")
     else:
         sys.stdout.write(reference())
