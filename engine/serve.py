@@ -9,6 +9,7 @@ Routes
                         decoded and --max-image-pixels), "return_latents": bool,
                         "return_log_probs": bool}
                         JSON out: {"card", "weight_version", "seeds", "images": [base64 PNG],
+                        "metadata" (the request's, echoed, when it sent one),
                         "tensors": base64 safetensors of latents / log_probs / timesteps (on request),
                         and with "audio": true (cards with sound: ltx2) "audio": [base64 16-bit PCM
                         WAV per sample] and "audio_sample_rate" (Hz)}
@@ -306,6 +307,8 @@ async def generate(request: web.Request) -> web.Response:
            "seeds": [r.seed for r in requests], "images": _encode_images(images),
            # Model calls per image (fewer than the steps when the adaptive loop skipped some).
            "steps_computed": [int(n) for t in trajectories for n in t.steps_computed.tolist()]}
+    if requests[0].metadata:  # the caller's tag (and what a card or workflow reads), echoed: not dropped unseen
+        out["metadata"] = requests[0].metadata
     if requests[0].audio:  # a card with sound: each sample's waveform beside its video
         out["audio"] = [wav_base64(clip, t.audio_sample_rate) for t in trajectories for clip in t.audio]
         out["audio_sample_rate"] = int(trajectories[0].audio_sample_rate)
@@ -330,6 +333,8 @@ async def _generate_workflow(engine: AsyncEngine, requests: list, options: dict)
     out = await engine.run_workflow(requests[0].card, requests, intermediates=options["intermediates"])
     body = {"workflow": out.workflow, "weight_versions": out.weight_versions,
             "seeds": [r.seed for r in requests], "images": _encode_images(out.images)}
+    if requests[0].metadata:
+        body["metadata"] = requests[0].metadata
     if options["intermediates"]:
         body["intermediates"] = {path: _encode_images(stage.images) for path, stage in out.stages.items()}
     return web.json_response(body)

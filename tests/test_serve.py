@@ -55,6 +55,7 @@ def test_generate_returns_pngs_and_safetensors_matching_the_engine(toy_model):
 
     status, out = serve(toy_model, check)
     assert status == 200 and out["card"] == "toy-digits" and out["weight_version"] == 0 and out["seeds"] == [5, 6]
+    assert "metadata" not in out  # none sent
     expected = Engine(toy_model).generate([GenerationRequest(prompt="a handwritten seven", seed=s, steps=6)
                                            for s in (5, 6)])
     for i, png in enumerate(out["images"]):
@@ -421,3 +422,13 @@ def test_one_call_whose_batches_straddle_a_weight_push_reports_each_images_versi
     pushed, status, body = asyncio.run(main())
     assert pushed == 200 and status == 200
     assert body["weight_versions"] == [0, 0, 1, 1] and body["weight_version"] == 0
+
+
+def test_a_requests_metadata_is_echoed_in_its_reply(toy_model):
+    """It was accepted and appeared nowhere in the reply."""
+    async def check(client):
+        resp = await client.post("/v1/generate", json={"prompt": "a one", "steps": 2, "metadata": {"tag": "abc"}})
+        return resp.status, await resp.json()
+
+    status, out = serve(toy_model, check)
+    assert status == 200 and out["metadata"] == {"tag": "abc"}
