@@ -516,6 +516,13 @@ async def errors(request: web.Request, handler):
         return _error(413, str(exc))
     except ValueError as exc:  # a model's own validation, e.g. an unsupported size
         return _error(400, str(exc))
+    except web.HTTPMethodNotAllowed as exc:  # aiohttp's plain-text page: JSON like every other error
+        return _error(405, f"{request.method} {request.path}: not allowed; this route takes "
+                           f"{', '.join(sorted(exc.allowed_methods))}")
+    except web.HTTPNotFound:
+        routes = sorted({f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
+                         if r.method != "HEAD" and r.resource is not None})
+        return _error(404, f"{request.method} {request.path}: no such route; the routes: {', '.join(routes)}")
 
 
 def build_app(engine: AsyncEngine, default_card: str | None = None, token: str | None = None,

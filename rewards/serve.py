@@ -70,7 +70,14 @@ def make_app(scorer: Scorer, name: str, token: str | None = None, max_body_bytes
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:  # aiohttp's plain-text pages: JSON like every other error
+            return web.json_response({"error": f"{request.method} {request.path}: not allowed; this route takes "
+                                               f"{', '.join(sorted(exc.allowed_methods))}"}, status=405)
+        except web.HTTPNotFound:
+            return web.json_response({"error": f"{request.method} {request.path}: no such route; the routes: "
+                                               "GET /health, POST /score, POST /coverage"}, status=404)
 
     # The scorer's own word on which prompts it can score (the digit, number and OCR rewards say), so that a
     # client checks its datasets before a run, as it does for an in-process scorer; None: it does not say.

@@ -485,3 +485,15 @@ def test_an_empty_token_is_refused_by_both_servers():
         done = subprocess.run([sys.executable, "-m", module, *argv, "--token", ""], capture_output=True, text=True,
                               timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert done.returncode == 2 and "--token: the token is empty" in done.stderr, (module, done.stderr[-800:])
+
+
+def test_a_wrong_path_or_method_is_a_json_error(digit_server):
+    import urllib.error
+    import urllib.request
+
+    for method, path, status, shown in (("GET", "/nope", 404, "GET /nope: no such route; the routes: GET /health"),
+                                        ("GET", "/score", 405, "GET /score: not allowed; this route takes POST")):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(digit_server.url + path, method=method), timeout=30)
+        assert err.value.code == status
+        assert shown in json.loads(err.value.read())["error"]

@@ -432,3 +432,18 @@ def test_a_requests_metadata_is_echoed_in_its_reply(toy_model):
 
     status, out = serve(toy_model, check)
     assert status == 200 and out["metadata"] == {"tag": "abc"}
+
+
+def test_a_wrong_path_or_method_is_a_json_error_naming_the_routes(toy_model):
+    async def check(client):
+        out = []
+        for method, path in (("GET", "/v1/nope"), ("GET", "/v1/generate")):
+            resp = await client.request(method, path)
+            out.append((resp.status, resp.content_type, (await resp.json())["error"]))
+        return out
+
+    (missing, wrong_method) = serve(toy_model, check)
+    assert missing[:2] == (404, "application/json") and "GET /v1/nope: no such route" in missing[2]
+    assert "POST /v1/generate" in missing[2] and "GET /v1/models" in missing[2]
+    assert wrong_method[:2] == (405, "application/json")
+    assert wrong_method[2] == "GET /v1/generate: not allowed; this route takes POST"
