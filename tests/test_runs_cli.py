@@ -138,7 +138,8 @@ def test_a_named_judge_is_reported_and_an_unknown_one_names_those_logged(two_run
 def test_duration_and_value_formats():
     assert [cmp.format_duration(s) for s in (None, 0.04, 59.94, 60.0, 125.9, 3599.0, 7260.0)] == \
         ["-", "0.0s", "59.9s", "1m00s", "2m05s", "59m59s", "2h01m"]
-    assert [cmp.format_value(v) for v in (None, math.nan, 0.12345, 1.0)] == ["-", "nan", "0.123", "1.000"]
+    assert [cmp.format_value(v) for v in (None, math.nan, 0.12345, 1.0, -math.inf, math.inf)] == [
+        "-", "nan", "0.123", "1.000", "-inf", "inf"]  # a -inf reward showed as nan
 
 
 def test_a_run_just_started_or_with_empty_metrics_shows_dashes(tmp_path, capsys):

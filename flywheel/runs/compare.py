@@ -355,11 +355,13 @@ def compare(runs: list[Run], judge: str | None = None) -> list[RunSummary]:
 
 
 def format_value(value: float | None, digits: int = 3) -> str:
-    """A metric for the table: "-" when absent, "nan" when logged as null/NaN."""
+    """A metric for the table: "-" when absent, "nan" when logged as null/NaN, "inf"/"-inf" as logged."""
     if value is None:
         return "-"
-    if not math.isfinite(value):
+    if math.isnan(value):
         return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
     return f"{value:.{digits}f}"
 
 
