@@ -499,3 +499,9 @@ def test_output_paths_are_checked_before_the_table_is_printed(two_runs, tmp_path
         captured = capsys.readouterr()
         assert why in captured.err and captured.out == "", (argv, captured)  # no half output
         assert not (tmp_path / "t.json").exists()
+
+
+def test_the_same_run_named_twice_is_refused(two_runs, tmp_path, capsys):
+    new, _ = two_runs
+    assert main(["compare", str(new), str(new) + "/", "--no-plot"]) == 2
+    assert "the same run is named more than once" in capsys.readouterr().err

@@ -69,6 +69,10 @@ def check_output_file(value: str, flag: str) -> None:
 def run_compare(args: argparse.Namespace) -> None:
     if args.config_diff and len(args.runs) < 2:
         raise RunDirError(f"--config-diff compares the configs of two runs or more; got one: {args.runs[0]}")
+    resolved = [os.path.realpath(r) for r in args.runs]
+    twice = sorted({r for r, real in zip(args.runs, resolved) if resolved.count(real) > 1})
+    if twice:
+        raise RunDirError(f"{', '.join(twice)}: the same run is named more than once; name each run once")
     if args.no_plot and args.out is not None:
         raise RunDirError(f"--out {args.out} with --no-plot: no plot is written; give one of them")
     args.out = "compare.png" if args.out is None else args.out
