@@ -190,8 +190,8 @@ class Flywheel:
         bad = all_reduce_mean({"nonfinite": float(nonfinite_samples(trajectory))})["nonfinite"]
         if bad:
             raise NonFiniteError(f"step {step + 1}: {round(bad * rank_and_world()[1])} of the step's rollout samples "
-                                 "hold NaN or inf; the weights were finite after the last step, so the "
-                                 "forward overflowed or the sampler diverged (a 16-bit model.dtype, an extreme "
+                                 "hold NaN or inf; the weights are finite (checked after every optimizer "
+                                 "step), so the forward overflowed or the sampler diverged (a 16-bit model.dtype, an extreme "
                                  "sampling setting). The run stops here and the checkpoints on disk are the last "
                                  "good ones")
         advantages, usable = distributed_reward_advantages(rewards, group_ids, clip=self.adv_clip,
@@ -303,7 +303,7 @@ def eval_samples(engine: Engine, rewards: RewardSet, items: list[PromptItem], se
 
 
 def nonfinite_samples(trajectory: Trajectory) -> int:
-    """How many samples' final latents or images hold a NaN or inf (one host read)."""
+    """How many samples' latents (every kept step's) or images hold a NaN or inf (one host read)."""
     rows = [t.flatten(1) for t in (trajectory.latents, trajectory.images)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1]
     if not rows:

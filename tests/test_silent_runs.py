@@ -313,7 +313,8 @@ def test_nan_rollout_samples_stop_the_run_naming_the_rollout_not_the_rewards(tmp
     _nan_at_call(flywheel.rollout_collector, "generate_in_order", 2, monkeypatch)
     run_dir = tmp_path / "run"
     with pytest.raises(NonFiniteError, match=r"^step 2: 1 of the step's rollout samples hold NaN or inf; the weights "
-                                             r"were finite after the last step, so the forward overflowed"):
+                                             r"are finite \(checked after every optimizer step\), so the forward "
+                                             r"overflowed"):
         main([f"run_dir={run_dir}", *tiny, "steps=3", "save_every=1"])
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]  # step 1 kept, nothing of 2
     assert (run_dir / "checkpoints" / "step_000001" / "manifest.json").is_file()
