@@ -145,10 +145,11 @@ SWITCHED_KEYS = (
 
 
 def _names_remote(spec) -> bool:
-    """Whether a reward spec names a remote: scorer (a spec that does not parse counts as one: its own check
-    reports it, and the bounds are not refused on top)."""
+    """Whether a reward spec names a remote: scorer, or vlm_judge, whose server probe reward.timeout_s also bounds
+    (preflight.probe_seconds); a spec that does not parse counts as one: its own check reports it, and the
+    bounds are not refused on top."""
     try:
-        return any(target.startswith(REMOTE) for _, target, _ in parse_spec_targets(spec))
+        return any(target.startswith(REMOTE) or target == "vlm_judge" for _, target, _ in parse_spec_targets(spec))
     except ValueError:
         return True
 # Ray's own keys, read by the replica pool and by the reward actors alike.
