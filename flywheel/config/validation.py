@@ -479,7 +479,7 @@ def judge_names(spec: str) -> list[str]:
 
 
 def _trained_scorer_names(cfg) -> set[str]:
-    """The registry names reward.scorers trains on ({} when the spec does not parse: check_reward_keys says)."""
+    """The registry names reward.scorers trains on (none when the spec does not parse: check_reward_keys says)."""
     try:
         return {target for _, target, _ in parse_spec_targets(cfg.reward.scorers)}
     except ValueError:
