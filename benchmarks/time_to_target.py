@@ -929,6 +929,9 @@ def main(argv: list[str] | None = None) -> int:
     except BenchmarkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunDirError as e:  # a run's folder or metrics.jsonl that cannot be read: one line, not a traceback
+        print(f"error: reading a run: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -530,3 +530,13 @@ def test_a_configs_pattern_with_another_field_is_a_benchmark_error():
         with pytest.raises(ttt.BenchmarkError, match=r"is not a pattern with \{recipe\} as its one field"):
             ttt.config_path_for(pattern, "grpo")
     assert ttt.parse_args(["--", "steps=40", "tracker=none"]).overrides == ["steps=40", "tracker=none"]  # allowed
+
+
+def test_a_run_that_cannot_be_read_ends_on_one_line(monkeypatch, capsys, tmp_path):
+    def unreadable(args, out_dir):
+        raise ttt.RunDirError(f"{out_dir}/seed_0/grpo: no such directory")
+
+    monkeypatch.setattr(ttt, "run_benchmark", unreadable)
+    assert ttt.main(["--recipes", "grpo", "--quick"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: reading a run: ") and "no such directory" in err[0]
