@@ -574,7 +574,7 @@ def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
         if conditioned:
             check_images_readable(key, items, checks)
         return
-    shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
+    shown = listed_rows(rows)
     if conditioned:
         checks.fail(f"{key}={config_value(cfg, key)!r}: card {cfg.model.card!r} is conditioned on an image per prompt "
                     f"(a first frame, or the source image of an edit), but "
@@ -583,6 +583,11 @@ def check_dataset_images(cfg, key: str, items, checks: ConfigChecks) -> None:
     else:
         checks.fail(f"{key}={config_value(cfg, key)!r}: prompt(s) {shown} name an \"image\" but card "
                     f"{cfg.model.card!r} takes none; only image-conditioned cards (image-to-video, editing) do")
+
+
+def listed_rows(rows: list[int]) -> str:
+    """Row numbers for a message: the first ten, then how many more."""
+    return ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
 
 
 def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
@@ -618,7 +623,7 @@ def check_reward_prompts(cfg, key: str, items, checks: ConfigChecks) -> None:
             checks.fail(f"{key}={value!r}: reward {name} can score none of its {len(items)} prompt(s), so every "
                         f"sample would be masked; each prompt needs {needs} (prompt 1 is {prompts[0]!r})")
         else:
-            shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            shown = listed_rows(missing)
             warn(f"{key}={value!r}: reward {name} cannot score prompt(s) {shown} of {len(items)}, whose samples it "
                  f"masks; each needs {needs}")
 
@@ -651,8 +656,7 @@ def check_judge_prompts(cfg, items, checks: ConfigChecks) -> None:
         classed = [row for row in missing if classes is not None and classes[row] is not None]
         if classed or len(missing) == len(items):
             rows = classed or missing
-            shown = ", ".join(str(r + 1) for r in rows[:10]) + (f" and {len(rows) - 10} more" if len(rows) > 10
-                                                                else "")
+            shown = listed_rows([r + 1 for r in rows])
             why = (f"that have a class (a judge must score every sample of a class: the {cfg.model.card} card's "
                    "judges give the classes)" if classed else f"of {len(items)}: it would score no sample")
             checks.fail(f"eval.judges={cfg.eval.judges!r}: judge {name} cannot score prompt(s) {shown} of {key}="
