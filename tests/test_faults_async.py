@@ -24,7 +24,7 @@ import torch
 
 from engine import GenerationRequest, load_model
 from flywheel.cli import sigterm_as_exit
-from flywheel.sync.engine_process import EXIT_ORPHANED, EngineProcess
+from flywheel.sync.engine_process import EXIT_ORPHANED, EngineProcess, EngineProcessError, EngineProcessTimeout
 from flywheel.runs.rundir import read_metrics
 from flywheel.sync.controller import SharedMemoryTransport, WeightSyncController
 
@@ -182,7 +182,7 @@ def test_an_engine_process_that_dies_under_the_trainer_ends_in_an_error_saying_s
         how = "exited with code 143 \\(stopped by SIGTERM\\)" if sig == signal.SIGTERM else "was killed by SIGKILL"
         assert re.fullmatch(f"engine process \\(pid {engine.proc.pid}, card 'toy-digits'\\) {how} during 'generate'"
                             ".*start a new one.*", in_flight.get("error", "no error")), in_flight
-        with pytest.raises(RuntimeError, match=f"{how} during 'pause'"):
+        with pytest.raises(EngineProcessError, match=f"{how} during 'pause'"):
             controller.sync(params)
         # SIGTERM: the engine unlinks its block as it stops; SIGKILL: its resource tracker does.
         assert wait_until(lambda: not segments_of(engine.proc.pid), GONE_WITHIN_S), segments_of(engine.proc.pid)
@@ -338,3 +338,49 @@ def test_the_engine_process_of_an_async_run_takes_the_rollout_timeouts(monkeypat
     with pytest.raises(RuntimeError, match="stop here"):
         Layout().build(cfg, SimpleNamespace(num_processes=1, device="cpu"), policy=None, version=0)
     assert (started["card"], started["timeout_s"], started["start_timeout_s"]) == ("toy-digits", 900.0, 45.0)
+
+
+def test_the_drain_before_a_sync_waits_rollout_call_timeout_s_not_the_controllers_600s(monkeypatch):
+    from types import SimpleNamespace
+
+    import flywheel.recipe.rollouts as rollouts
+    import flywheel.sync.engine_process as engine_process
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    made = {}
+
+    def controller(engine, **kwargs):
+        made.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_process.EngineProcess, "start", staticmethod(lambda card, **kwargs: object()))
+    monkeypatch.setattr(rollouts, "WeightSyncController", controller)
+    cfg = parse_config(Config, ["rollout.asynchronous=true", "rollout.call_timeout_s=7"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        rollouts.EngineProcess().build(cfg, SimpleNamespace(num_processes=1, device="cpu"), policy=None, version=0)
+    assert made["timeout_s"] == 7.0
+
+
+def test_a_stopped_engine_process_times_out_and_close_still_stops_it():
+    """SIGSTOP (or a hang) in the engine process: the call's timeout says so as an error that stops the run in
+    one line (a RunStoppedError), and close() does not hang in a new connection's handshake, which has no
+    timeout: it stops the process instead of asking it to shut down."""
+    from flywheel.guards import RunStoppedError
+
+    engine = EngineProcess.start("toy-digits", threads=1)
+    try:
+        assert engine.weight_version == 0
+        engine.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(EngineProcessTimeout, match=r"did not answer 'version' within 0.5s") as timed_out:
+            engine.call("version", timeout_s=0.5)
+        assert isinstance(timed_out.value, RunStoppedError) and isinstance(timed_out.value, TimeoutError)
+        closing = threading.Thread(target=engine.close, daemon=True)
+        closing.start()
+        closing.join(timeout=30)
+        assert not closing.is_alive(), "close() hung on the stopped engine process"
+        assert engine.proc.poll() is not None
+    finally:
+        if engine.proc.poll() is None:
+            engine.proc.kill()
+            engine.proc.wait()

@@ -13,6 +13,7 @@ import pytest
 
 from flywheel import cli
 from flywheel.guards import NonFiniteError, NoSignalError
+from flywheel.sync.engine_process import EngineProcessError, EngineProcessTimeout
 from flywheel.runs.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +110,10 @@ def opened_run_with_checkpoint(tmp_path, step: int, monkeypatch):
     return run
 
 
-@pytest.mark.parametrize("exc", [NonFiniteError("step 3: the loss is nan"), NoSignalError("step 3: flat")])
+@pytest.mark.parametrize("exc", [NonFiniteError("step 3: the loss is nan"), NoSignalError("step 3: flat"),
+                                 EngineProcessError("engine process (pid 7, card 'toy-digits') was killed by SIGKILL "
+                                                    "during 'pause'"),
+                                 EngineProcessTimeout("engine process at 127.0.0.1:1 did not answer 'generate'")])
 def test_a_run_that_stopped_itself_ends_on_its_message_and_what_it_kept(exc, tmp_path, capsys, monkeypatch):
     run = opened_run_with_checkpoint(tmp_path, 2, monkeypatch)
     with pytest.raises(SystemExit) as stop:

@@ -150,7 +150,9 @@ class EngineProcess:
         engine = Process.start(cfg.model.card, path=cfg.model.path, device=str(accelerator.device), threads=1,
                                lora=_lora(cfg), weight_version=max(version - 1, 0), compile=cfg.model.compile,
                                timeout_s=cfg.rollout.call_timeout_s, start_timeout_s=cfg.rollout.start_timeout_s)
-        controller = WeightSyncController(engine, transport=SharedMemoryTransport())
+        # The drain before each sync waits for the rollouts in flight: as long as one call may take, no longer.
+        controller = WeightSyncController(engine, transport=SharedMemoryTransport(),
+                                          timeout_s=cfg.rollout.call_timeout_s)
         # The engine process starts from the card's weights: give it the trainer's (LoRA init, resume), checked once.
         controller.verify = True
         controller.sync({n: p.detach() for n, p in policy.named_params})

@@ -48,6 +48,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from engine import Engine, GenerationRequest, Trajectory
+from flywheel.guards import RunStoppedError
 from flywheel.lora import add_lora
 from flywheel.openmp_env import passive_wait_by_default
 from flywheel.sync.transport import SharedWeights, receive_shared_memory_bucket, tensor_checksums
@@ -276,6 +277,14 @@ def serve(args: argparse.Namespace) -> None:
 # ---- client (the trainer side) ----------------------------------------------------------------
 
 
+class EngineProcessError(RunStoppedError):
+    """The engine process died, did not start or stopped answering: the run stops at this step, its checkpoints
+    the last good state, and the command line says so in one line with the resume command (flywheel/cli.py)
+    rather than a traceback into the connection."""
+
+
+class EngineProcessTimeout(EngineProcessError, TimeoutError):
+    """The engine process did not answer (or start) within its time."""
 
 
 def _signal_name(signum: int) -> str:
@@ -293,6 +302,9 @@ class EngineProcess:
         self.proc, self.address, self.timeout_s, self.card = proc, address, timeout_s, card
         self._authkey = authkey
         self._connections = threading.local()
+        # Set once a call went unanswered: the process may be stopped or stuck, and a new connection's handshake
+        # (multiprocessing's Client) has no timeout, so close() must not try to talk to it again.
+        self._unresponsive = False
         # Only this handle holds the key to the process: once it is dropped without close() (a main() that
         # raised, its locals collected) or the interpreter exits, nobody can use the process; stop it.
         self._stop_when_dropped = weakref.finalize(self, _stop_process, proc)
@@ -348,8 +360,10 @@ class EngineProcess:
                 # The answer may still come, on this connection: a later call would read it as its own.
                 self._connections.conn = None
                 conn.close()
-                raise TimeoutError(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
-                                   f"{op!r} within {timeout:.3g}s")
+                self._unresponsive = True
+                raise EngineProcessTimeout(f"engine process at {self.address[0]}:{self.address[1]} did not answer "
+                                           f"{op!r} within {timeout:.3g}s (in a recipe: rollout.call_timeout_s); it may "
+                                           "be stuck or stopped")
             reply = json.loads(conn.recv_bytes())
             payload = conn.recv_bytes() if reply.get("has_payload") else None
         except (EOFError, ConnectionError) as exc:
@@ -358,7 +372,7 @@ class EngineProcess:
             raise RuntimeError(f"engine process {op!r} failed: {reply['error']}")
         return reply, payload
 
-    def _gone(self, op: str) -> RuntimeError:
+    def _gone(self, op: str) -> EngineProcessError:
         """The error for a call whose connection broke: the engine process died or was stopped."""
         self._connections.conn = None  # a later call from this thread reconnects (and fails the same way)
         try:
@@ -373,7 +387,7 @@ class EngineProcess:
             how = f"exited with code {code} (stopped by {_signal_name(code - 128)})"
         else:
             how = f"exited with code {code}"
-        return RuntimeError(f"engine process (pid {self.proc.pid}, card {self.card!r}) {how} during {op!r}; "
+        return EngineProcessError(f"engine process (pid {self.proc.pid}, card {self.card!r}) {how} during {op!r}; "
                             "its weights and version are gone with it: start a new one (resume the run)")
 
     # -- generation
@@ -433,7 +447,7 @@ class EngineProcess:
         return self.call("checksums", names=names, component=component)[0]["checksums"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and not self._unresponsive:
             try:
                 self.call("shutdown", timeout_s=10)
                 self.proc.wait(timeout=10)
@@ -473,16 +487,21 @@ def _serving_port(proc: subprocess.Popen, card: str, timeout_s: float) -> int:
         return found[0]
     if reader.is_alive():
         _stop_process(proc)
-        raise TimeoutError(f"engine process (pid {proc.pid}) for card {card!r} did not start serving within "
+        raise EngineProcessTimeout(f"engine process (pid {proc.pid}) for card {card!r} did not start serving within "
                            f"{timeout_s:g}s (start_timeout_s; the model loads in that time); it was stopped")
     proc.wait(timeout=10)
-    raise RuntimeError(f"engine process for card {card!r} exited with code {proc.returncode} before serving")
+    raise EngineProcessError(f"engine process for card {card!r} exited with code {proc.returncode} before serving "
+                             "(its own error is printed above)")
 
 
 def _stop_process(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
     """Ask an engine process to stop (SIGTERM: it unlinks its shared memory), then make it."""
     if proc.poll() is None:
         proc.terminate()
+        try:
+            proc.send_signal(signal.SIGCONT)  # a stopped process (SIGSTOP, a debugger) handles its SIGTERM too
+        except ProcessLookupError:
+            pass
     try:
         proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
