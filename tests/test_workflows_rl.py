@@ -43,6 +43,38 @@ def test_workflow_keys_are_checked_naming_what_is_valid():
     assert "workflow.name is null" in config_error("workflow.stage=draw")
     assert "rollout.asynchronous=true with workflow.name" in config_error(*WORKFLOW, "rollout.asynchronous=true")
     assert "names card(s) sd3" in config_error(*WORKFLOW, "workflow.paths.sd3=/x")
+    # The trained card's folder is model.path: an entry for it here was once overridden without a word.
+    assert "workflow.paths.toy-digits='/x': 'toy-digits' is the trained card, whose folder is model.path" in \
+        config_error(*WORKFLOW, "workflow.paths.toy-digits=/x")
+
+
+@pytest.mark.parametrize("keys, said", [
+    (["sampling.steps=1"], "sampling.steps=1: stage 'refine' of 'toy.digits_then_refine': an image-to-image stage"),
+    (["sampling.steps=1", "eval.steps=4"], "sampling.steps=1: stage 'refine'"),
+    (["eval.steps=1"], "eval.steps=1: stage 'refine' of 'toy.digits_then_refine': an image-to-image stage")])
+def test_steps_too_few_for_an_image_to_image_stage_are_refused_before_the_run_dir_is_written(keys, said, tmp_path):
+    with pytest.raises(ConfigError, match="needs steps >= 2") as err:
+        main([f"run_dir={tmp_path / 'run'}", *WORKFLOW, *QUICK, *keys, "steps=1"])
+    assert said in str(err.value)
+    assert not (tmp_path / "run").exists()
+    validate_config(parse_config(Config, [*WORKFLOW, "sampling.steps=2", "eval.steps=2"]))
+
+
+def test_the_folder_of_a_frozen_stages_card_is_checked_before_the_run_dir_is_written(tmp_path):
+    from tiny_models.core import build_tiny_sd3
+
+    build_tiny_sd3(str(tmp_path / "sd3"))
+    keys = [f"run_dir={tmp_path / 'run'}", "model.card=sd3", f"model.path={tmp_path / 'sd3'}",
+            "workflow.name=image_video.t2i_i2v", "workflow.stage=image", "reward.scorers=jpeg_compressibility:1.0",
+            "data.prompts_per_step=1", "data.group_size=2", "steps=1", "tracker=none"]
+    for path, said in ((None, "workflow.paths.wan2.1-i2v=None is not set: card 'wan2.1-i2v' loads a local "
+                              "diffusers folder of a WanImageToVideoPipeline"),
+                       (tmp_path / "nothing", f"workflow.paths.wan2.1-i2v='{tmp_path / 'nothing'}' is not a folder"),
+                       (tmp_path / "sd3", f"workflow.paths.wan2.1-i2v='{tmp_path / 'sd3'}'")):
+        with pytest.raises(ConfigError) as err:
+            main(keys + ([f"workflow.paths.wan2.1-i2v={path}"] if path else []))
+        assert said in str(err.value) and "(workflow 'image_video.t2i_i2v' runs it frozen)" in str(err.value)
+        assert not (tmp_path / "run").exists()
 
 
 def test_the_stage_engine_returns_the_trained_stages_log_probs_with_the_final_images():

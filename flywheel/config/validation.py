@@ -18,6 +18,7 @@ from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_judge_servers, check_minibatches, check_model_path,
+                                      check_workflow_paths,
                                        check_reward_keys, check_rewards, check_run_dir, fsdp_requested,
                                        launch_world_size, remote_prompt_coverage, warn, warn_prompts_per_step)
 from flywheel.runs.compare import format_config_value
@@ -545,6 +546,33 @@ def check_workflow(cfg, checks: ConfigChecks) -> None:
     if unknown:
         checks.fail(f"workflow.paths names card(s) {', '.join(unknown)} that {workflow_id!r} does not run; "
                     f"its cards: {', '.join(sorted(set(paths.values())))}")
+    if cfg.model.card in wf.paths:
+        checks.fail(f"workflow.paths.{cfg.model.card}={wf.paths[cfg.model.card]!r}: {cfg.model.card!r} is the "
+                    "trained card, whose folder is model.path (every stage on it uses that one); move the folder "
+                    "to model.path and leave this entry out")
+    check_workflow_steps(cfg, checks, registry)
+
+
+def check_workflow_steps(cfg, checks: ConfigChecks, registry) -> None:
+    """Each image-to-image stage can start part-way through the steps it runs with (the stage's own `steps`
+    override, else sampling.steps for rollouts and eval.steps for evaluations): said here rather than by the
+    step-0 evaluation, after the run dir is written."""
+    from engine.workflows import FromImage, WorkflowError, stage_plan
+
+    counts = {"sampling.steps": cfg.sampling.steps}
+    if cfg.eval.steps is not None:
+        counts["eval.steps"] = cfg.eval.steps
+    for path, stage in stage_plan(registry, cfg.workflow.name).items():
+        if not isinstance(stage.input, FromImage):
+            continue
+        for key, steps in counts.items():
+            steps = stage.overrides.get("steps", steps)
+            try:
+                stage.input.start_step(steps)
+            except WorkflowError as e:
+                where = f"stage {path!r}'s steps override" if "steps" in stage.overrides else f"{key}={counts[key]}"
+                checks.fail(f"{where}: stage {path!r} of {cfg.workflow.name!r}: {e}")
+                break
 
 
 def check_environment(cfg, checks: ConfigChecks) -> None:
@@ -552,6 +580,7 @@ def check_environment(cfg, checks: ConfigChecks) -> None:
     model folder is the card's, the scorers' folders are there and remote reward servers answer."""
     check_run_dir(cfg, checks)
     check_model_path(cfg, checks)
+    check_workflow_paths(cfg, checks)
     check_rewards(cfg, checks)
     check_judge_servers(cfg, checks)
 

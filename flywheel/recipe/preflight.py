@@ -359,6 +359,30 @@ def check_model_path(cfg, checks: ConfigChecks) -> None:
         checks.fail(f"model.path={cfg.model.path!r} {e}")
 
 
+def check_workflow_paths(cfg, checks: ConfigChecks) -> None:
+    """`workflow.paths`: each card a workflow runs besides the trained one has a folder that fits it, as
+    model.path must for model.card (a card that needs one, none given: said here, not when the first rollout
+    loads it)."""
+    if cfg.workflow.name is None:
+        return
+    from engine.workflows import default_registry, stage_paths
+
+    try:
+        cards = dict.fromkeys(stage_paths(default_registry(), cfg.workflow.name).values())
+    except (KeyError, ValueError):
+        return  # reported by check_workflow
+    for card in cards:
+        if card == cfg.model.card:
+            continue
+        path = cfg.workflow.paths.get(card)
+        try:
+            check_card_path(card, path)
+        except KeyError:
+            continue
+        except ValueError as e:
+            checks.fail(f"workflow.paths.{card}={path!r} {e} (workflow {cfg.workflow.name!r} runs it frozen)")
+
+
 # ---------------------------------------------------------------------------------------
 # With the model built (before the run directory is written)
 # ---------------------------------------------------------------------------------------
