@@ -582,6 +582,7 @@ def check_flags(args: argparse.Namespace) -> ServerLimits:
     for workflow_id in args.workflow:
         if workflow_id not in known:
             flag_error(f"--workflow {workflow_id}: unknown workflow; known workflows: {', '.join(known)}")
+    args.card_paths = card_paths(args)
     try:
         device = torch.device(args.device)
     except (RuntimeError, ValueError) as e:
@@ -598,13 +599,46 @@ def check_flags(args: argparse.Namespace) -> ServerLimits:
     return limits
 
 
+def card_paths(args: argparse.Namespace) -> dict[str, str | None]:
+    """The folder of each card the --workflow flags run besides --card (--card-path CARD=PATH, else None: the
+    shipped weights), each checked as --path is; an entry for a card no workflow runs, or for --card, is refused."""
+    from engine.card_folders import check_card_path
+    from engine.workflows import default_registry
+
+    given: dict[str, str] = {}
+    for entry in args.card_path:
+        card, sep, path = entry.partition("=")
+        if not sep or not card or not path:
+            flag_error(f"--card-path {entry}: expected CARD=PATH, e.g. --card-path wan2.1-i2v=/models/wan-i2v")
+        given[card] = path
+    needed = [c for w in args.workflow for c in default_registry().get(w).requires if c != args.card]
+    for card in given:
+        if card == args.card:
+            flag_error(f"--card-path {card}={given[card]}: {card} is --card, whose folder is --path")
+        if card not in needed:
+            flag_error(f"--card-path {card}={given[card]}: no --workflow runs card {card!r}; cards they run "
+                       f"besides --card: {', '.join(dict.fromkeys(needed)) or 'none'}")
+    paths = {}
+    for card in dict.fromkeys(needed):
+        paths[card] = given.get(card)
+        try:
+            check_card_path(card, paths[card])
+        except ValueError as e:
+            flag_error(f"--card-path {card}={paths[card]}: {e}" if paths[card] is not None else
+                       f"--workflow needs card {card!r}: its folder {e}; give it with --card-path {card}=PATH")
+    return paths
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = FlagParser(description="Serve a model card over HTTP.")
     parser.add_argument("--card", default="toy-digits", help="model card id (see engine.list_cards())")
     parser.add_argument("--path", default=None, help="local weights folder or file (default: shipped weights)")
     parser.add_argument("--workflow", action="append", default=[],
                         help="also serve this workflow id (repeatable); cards it requires besides --card load "
-                             "their shipped weights (the toy cards)")
+                             "their shipped weights (the toy cards) or the folder --card-path gives")
+    parser.add_argument("--card-path", action="append", default=[], metavar="CARD=PATH",
+                        help="local weights folder of a card a --workflow runs besides --card (repeatable), "
+                             "e.g. --card-path wan2.1-i2v=/models/wan-i2v")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
@@ -632,7 +666,7 @@ def main(argv: list[str] | None = None) -> None:
     for workflow_id in args.workflow:
         for card in default_registry().get(workflow_id).requires:
             if card not in engines:
-                engines[card] = Engine.from_card(card, device=args.device)
+                engines[card] = Engine.from_card(card, path=args.card_paths.get(card), device=args.device)
     engine = AsyncEngine(engines, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                          max_concurrency=args.max_concurrency, admission=AdmissionController(args.budget_bytes),
                          workflows=args.workflow)

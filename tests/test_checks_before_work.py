@@ -535,6 +535,12 @@ def server_refuses(main, argv, capsys) -> str:
     (["--card", "sd3"], "--path"),
     (["--card", "toy-digits", "--path", "/nonexistent"], "--path /nonexistent"),
     (["--workflow", "nope"], "--workflow nope"),
+    # A workflow whose other cards need folders was a traceback from the first card's load.
+    (["--workflow", "image_video.t2i_i2v"], "--workflow needs card 'sd3': its folder is not set"),
+    (["--workflow", "image_video.t2i_i2v", "--card-path", "sd3=/nonexistent"], "--card-path sd3=/nonexistent"),
+    (["--workflow", "toy.digits_then_refine", "--card-path", "sd3=/x"], "--card-path sd3=/x: no --workflow runs"),
+    (["--card-path", "toy-digits=/x"], "--card-path toy-digits=/x: toy-digits is --card"),
+    (["--workflow", "image_video.t2i_i2v", "--card-path", "sd3"], "--card-path sd3: expected CARD=PATH"),
     (["--device", "banana"], "--device banana"),
     (["--max-batch", "0"], "--max-batch 0"),
     (["--max-wait-ms", "nan"], "--max-wait-ms nan"),
@@ -546,6 +552,29 @@ def test_engine_serve_flags_are_one_line_errors(argv, flag, capsys):
     from engine.serve import main
 
     assert server_refuses(main, argv, capsys).startswith(f"error: {flag}")
+
+
+def test_engine_serve_loads_a_workflows_other_cards_from_card_path(tmp_path, monkeypatch):
+    import engine.engine
+    import engine.serve
+    from tiny_models.core import build_tiny_sd3
+    from tiny_models.wan_i2v import build_tiny_wan_i2v
+
+    build_tiny_sd3(str(tmp_path / "sd3"))
+    build_tiny_wan_i2v(str(tmp_path / "wan"))
+    loaded = {}
+
+    def from_card(card, path=None, device="cpu"):
+        loaded[card] = path
+        if len(loaded) == 3:
+            raise RuntimeError("stop here")
+        return object()
+
+    monkeypatch.setattr(engine.engine.Engine, "from_card", staticmethod(from_card))
+    with pytest.raises(RuntimeError, match="stop here"):
+        engine.serve.main(["--card", "toy-digits", "--workflow", "image_video.t2i_i2v", "--port", "0",
+                           "--card-path", f"sd3={tmp_path / 'sd3'}", "--card-path", f"wan2.1-i2v={tmp_path / 'wan'}"])
+    assert loaded == {"toy-digits": None, "sd3": str(tmp_path / "sd3"), "wan2.1-i2v": str(tmp_path / "wan")}
 
 
 def test_engine_serve_refuses_a_port_in_use(capsys):
