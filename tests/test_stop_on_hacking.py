@@ -116,6 +116,23 @@ def test_run_stops_after_n_flagged_evaluations_keeping_best_and_the_last_good_ch
     assert state["hacking_streak"] == 2 and state["last_good_checkpoint"] == 2
 
 
+def test_a_run_stopped_between_saves_checkpoints_the_step_it_stopped_at_and_resumes_from_it(tmp_path, monkeypatch,
+                                                                                           tiny):
+    """save_every beyond the stop: the stop once ended without any checkpoint, the trained weights lost and
+    resume refused ("nothing to resume from")."""
+    scripted_watch(monkeypatch, fires_at={1, 2})
+    run_dir = tmp_path / "run"
+    result = main([f"run_dir={run_dir}", *tiny, "steps=8", "save_every=1000", "eval.stop_on_hacking=2"])
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert ckpts == ["step_000002"]
+    assert "no checkpoint was saved before the signals" in result["stopped"]
+    assert result["stopped"].endswith(f"the weights it stopped with are in {run_dir / 'checkpoints'}/step_000002")
+    monkeypatch.undo()
+    resumed = main([f"resume={run_dir}", "steps=3"])
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert "stopped" not in resumed
+
+
 def test_without_the_option_a_flagged_run_goes_on_and_best_skips_the_flagged_evaluations(tmp_path, monkeypatch,
                                                                                           tiny):
     scripted_watch(monkeypatch, fires_at={1, 2})

@@ -1,7 +1,8 @@
 """eval.stop_on_hacking=N: end a run after N consecutive evaluations where the hacking watch fired.
 
 Off by default (0). A run that stops this way ends normally (exit status 0)
-after its usual end-of-run saves, with a last line that says why; best/
+after its usual end-of-run saves (a checkpoint of the step it stopped at among
+them), with a last line that says why; best/
 (flywheel/recipe/best.py) holds the best judged evaluation, and the checkpoints
 saved during the streak of signals do not prune the last one saved before it
 (the last good checkpoint), so a resume can start from there with other settings.
@@ -54,4 +55,5 @@ class HackingStop:
         good = ("no checkpoint was saved before the signals" if self.last_good_checkpoint is None
                 else f"the last checkpoint before them is {checkpoints_dir}/step_{self.last_good_checkpoint:06d}")
         return (f"stopped at step {step}: the hacking watch fired at {self.streak} consecutive evaluations "
-                f"(eval.stop_on_hacking={self.patience}); {best}; {good}")
+                f"(eval.stop_on_hacking={self.patience}); {best}; {good}; the weights it stopped with are in "
+                f"{checkpoints_dir}/step_{step:06d}")

@@ -101,8 +101,9 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
             # 7. Log: metrics.jsonl and the trackers.
             row["time/wall_s"] = time.perf_counter() - started
             run.log(row)
-            # 8. Checkpoint: weights, optimizer, RNG, the loop's state and the algorithm's tensors.
-            if done % cfg.save_every == 0 or done == cfg.steps:
+            # 8. Checkpoint: weights, optimizer, RNG, the loop's state and the algorithm's tensors; a run the
+            #    hacking watch stops saves too, as at its last step (its weights are not lost, it can resume).
+            if done % cfg.save_every == 0 or done == cfg.steps or stopping:
                 run.save(done, {"weight_version": version, "data_position": rollouts.flywheel.sampler.position(done),
                                 "data_sha256": rollouts.flywheel.sampler.fingerprint(),
                                 **steps.state_dict(), **rollouts.state_dict()}, algorithm.state_dict())
