@@ -272,13 +272,28 @@ def test_optimizer_steps_that_only_round_the_weights_count_as_training_nothing(c
     with pytest.raises(NothingTrainedError) as err:
         main([f"run_dir={run_dir}", *tiny, "steps=2", "train.kl_beta=0", "train.weight_decay=0", *UNMOVED[case]])
     assert str(err.value).startswith("0 of 2 steps moved the weights (2 skipped: its optimizer step moved the "
-                                     "weights by under 1e-07 of their size (train/update_rel)")
+                                     "weights by under 1e-07 of their size (train/update_rel) beyond weight decay")
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["train/optimizer_steps"] > 0 for r in rows[1:]] == [True, True]  # the optimizer did step
     assert all(r["train/update_rel"] < 1e-7 for r in rows[1:])
     assert [r["train/skipped_steps"] for r in rows[1:]] == [1, 2]
     err_text = capfd.readouterr().err
     assert "warning: step 1 moved no weight: train/update_rel=" in err_text
+
+
+@pytest.mark.parametrize("case", ["draft", "grpo", "nft"])
+def test_steps_that_only_weight_decay_moves_count_as_training_nothing(case, tmp_path, tiny, capfd):
+    """With the shipped weight decay (lr 1e-3 x 1e-4 for DRaFT: every weight shrinks by 1e-7 of itself a step),
+    a loss scaled to nothing moved the weights by 1.2e-7 a step, just over the threshold: the run exited 0 with
+    the base's evaluation. The decay's share is taken off before the comparison."""
+    main = importlib.import_module(f"trainers.{case}").main
+    run_dir = tmp_path / case
+    with pytest.raises(NothingTrainedError, match="0 of 2 steps moved the weights"):
+        main([f"run_dir={run_dir}", *tiny, "steps=2", "train.kl_beta=0", "train.weight_decay=0.1",
+              *UNMOVED[case]])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert all(r["train/update_rel"] >= 1e-7 for r in rows[1:])  # over the bare threshold: the decay's motion
+    assert "of which weight decay alone" in capfd.readouterr().err
 
 
 def test_a_step_that_moves_the_weights_is_not_counted_as_unmoved(tmp_path, tiny):

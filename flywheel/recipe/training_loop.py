@@ -34,7 +34,7 @@ MASKED_STEP = "the rewards masked every sample"
 # A step whose optimizer step changed the weights by rounding at most: its gradient is under AdamW's eps, so a
 # factor in the loss is about zero (an advantage clip, a reward scale, a beta, a LoRA alpha of 1e-30).
 UNMOVED_STEP = (f"its optimizer step moved the weights by under {MIN_RELATIVE_STEP:g} of their size "
-                "(train/update_rel): the loss's gradient is under AdamW's eps, so a scale in it is about zero")
+                "(train/update_rel) beyond weight decay: the loss's gradient is under AdamW's eps, so a scale in it is about zero")
 
 
 def train(run, rollouts, algorithm: Algorithm) -> dict:
@@ -76,7 +76,10 @@ def _train(run, rollouts, algorithm: Algorithm) -> dict:
             metrics = steps.count(result, step)
             if result.stepped:
                 metrics["train/update_rel"] = motion.relative_move(before)
-                metrics["train/skipped_steps"] = steps.count_unmoved(metrics["train/update_rel"], step)
+                # AdamW's decoupled decay alone shrinks every weight by lr·weight_decay of itself a step: motion
+                # up to that much is the decay's, not the loss's (train.reward_scale=1e-30 once counted as trained).
+                decay_rel = metrics["train/optimizer_steps"] * cfg.train.learning_rate * cfg.train.weight_decay
+                metrics["train/skipped_steps"] = steps.count_unmoved(metrics["train/update_rel"], step, decay_rel)
             t1 = time.perf_counter()
             # 4. Sync: new weights into serving, version + 1, only when the update moved them.
             if result.stepped:
@@ -163,13 +166,15 @@ class StepAccounting:
             self._skip(reason, step, f"step {step + 1} took no optimizer step: {reason}")
         return {**result.metrics, "train/skipped_steps": self.skipped}
 
-    def count_unmoved(self, update_rel: float, step: int) -> int:
-        """Count a step whose optimizer step moved the weights by under MIN_RELATIVE_STEP of their size as one
-        that trained nothing (said, with its reason); the run's count of such steps and skipped ones. The value is
-        every rank's (all-reduced), so every rank counts alike."""
-        if update_rel < MIN_RELATIVE_STEP:
-            self._skip(UNMOVED_STEP, step, f"step {step + 1} moved no weight: train/update_rel={update_rel:.2g}; "
-                                            f"{UNMOVED_STEP.split(': ', 1)[1]}")
+    def count_unmoved(self, update_rel: float, step: int, decay_rel: float = 0.0) -> int:
+        """Count a step whose optimizer steps moved the weights by under MIN_RELATIVE_STEP of their size beyond
+        `decay_rel` (what weight decay alone moves them by) as one that trained nothing (said, with its reason);
+        the run's count of such steps and skipped ones. The value is every rank's (all-reduced), so every rank
+        counts alike."""
+        if update_rel - decay_rel < MIN_RELATIVE_STEP:
+            decay = f", of which weight decay alone {decay_rel:.2g}" if decay_rel > 0 else ""
+            self._skip(UNMOVED_STEP, step, f"step {step + 1} moved no weight: train/update_rel={update_rel:.2g}"
+                                            f"{decay}; {UNMOVED_STEP.split(': ', 1)[1]}")
         return self.skipped
 
     def _skip(self, reason: str, step: int, line: str) -> None:
