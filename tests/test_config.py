@@ -557,6 +557,17 @@ def test_an_unknown_model_card_is_one_plain_line_listing_the_known_ones():
     assert "toy-digits, toy-numbers" in line and '"' not in line  # the KeyError's message, not its repr
 
 
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory: give a YAML file"):
+        parse_config(TrainConfig, ["--config", str(tmp_path)])
+
+
+def test_the_hint_for_a_bare_word_names_a_real_key():
+    with pytest.raises(ConfigError, match=r"e\.g\. train\.learning_rate=3e-4") as err:
+        parse_config(TrainConfig, ["steps"])
+    assert "optim." not in str(err.value)
+
+
 def test_a_config_file_that_is_not_utf8_is_one_plain_error(tmp_path):
     path = tmp_path / "utf16.yaml"
     path.write_bytes("steps: 3\n".encode("utf-16"))  # a Windows editor's "Unicode": starts with ff fe

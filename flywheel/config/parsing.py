@@ -425,6 +425,8 @@ class _DuplicateKey(yaml.YAMLError):
 
 def _apply_yaml(root: DictConfig, cls: type, path: str | os.PathLike) -> None:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give a YAML file (e.g. configs/toy_numbers_grpo.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -452,7 +454,7 @@ def _split_override(item: str) -> tuple[str, str]:
     key = key.strip().removeprefix("--")  # tolerate --optim.lr=1e-3
     if not sep or not key or any(c.isspace() for c in key) or "" in key.split("."):
         raise ConfigError(f"cannot read command-line argument {item!r}: expected key=value or section.key=value "
-                          "(e.g. optim.lr=3e-4), --config FILE.yaml, or --help")
+                          "(e.g. train.learning_rate=3e-4), --config FILE.yaml, or --help")
     return key, value
 
 

@@ -30,7 +30,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -561,8 +560,9 @@ class RunDir:
             _delete(self.path / name)
         kept = _used_entries(self.path)
         if kept:
-            warnings.warn(f"overwrite=true: kept {', '.join(kept)} in {self.path} (not files a run writes)",
-                          stacklevel=3)
+            # A plain line, as the recipes' other warnings (warnings.warn printed its source line under it).
+            print(f"warning: overwrite=true: kept {', '.join(kept)} in {self.path} (not files a run writes)",
+                  file=sys.stderr, flush=True)
 
     def write_config(self, cfg: Any) -> Path:
         """Write config.yaml atomically from a dict or a config dataclass."""
