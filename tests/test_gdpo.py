@@ -102,3 +102,16 @@ def test_gdpo_grpo_run_trains(tmp_path):
                    "data.prompts_per_step=2", "data.group_size=4", "save_every=1000", "sample_every=1000",
                    "reward.scorers=digit_alignment:1.0,jpeg_compressibility:0.1", "reward.aggregation=gdpo"])
     assert math.isfinite(result["final"]["eval/reward/mean"])
+
+
+@pytest.mark.parametrize("mode", ["gdpo", "sum_of_advantages"])
+def test_an_aggregation_over_one_scorer_is_warned_as_doing_nothing(mode, capfd):
+    """One scorer: gdpo's and sum_of_advantages' advantages are weighted_sum's up to a constant, which AdamW's step
+    does not see (a run with it matched the default to 6 digits, without a word)."""
+    validate_config(parse_config(Config, [f"reward.aggregation={mode}"]))
+    assert (f"warning: reward.aggregation={mode} with one scorer (digit_alignment:1.0): it combines several "
+            "scorers' advantages") in capfd.readouterr().err
+    validate_config(parse_config(Config, [f"reward.aggregation={mode}",
+                                          "reward.scorers=digit_alignment:1.0,jpeg_compressibility:0.1"]))
+    validate_config(parse_config(Config, []))
+    assert "reward.aggregation" not in capfd.readouterr().err

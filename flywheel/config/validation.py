@@ -413,6 +413,17 @@ def check_advantage(cfg, checks: ConfigChecks) -> None:
     if cfg.reward.aggregation == "gdpo" and cfg.advantage.global_std:
         checks.fail("advantage.global_std=true does nothing with reward.aggregation=gdpo, which normalises over "
                     "the batch already: set one of them")
+    if cfg.reward.aggregation != "weighted_sum":
+        try:
+            scorers = parse_spec_targets(cfg.reward.scorers)
+        except (TypeError, ValueError):
+            return  # check_reward names it
+        if len(scorers) == 1:
+            # One scorer: its group advantages, scaled by its weight (sum_of_advantages) or by the batch's std
+            # (gdpo), point where weighted_sum's do; AdamW's step does not see a constant scale.
+            warn(f"reward.aggregation={cfg.reward.aggregation} with one scorer ({cfg.reward.scorers}): it combines "
+                 "several scorers' advantages, and with one gives weighted_sum's up to a scale, which AdamW's step "
+                 "does not see; name two or more scorers, or leave it out")
 
 
 def check_ema(cfg, checks: ConfigChecks) -> None:
