@@ -902,6 +902,15 @@ def test_async_rollouts_on_several_trainer_processes_are_refused_before_the_run_
      "rollout.replicas=3 must be divisible by the number of trainer processes (2)"),
     ({"ACCELERATE_USE_FSDP": "true"}, ["rollout.asynchronous=true"], "rollout.asynchronous",
      "rollout.asynchronous=true with an FSDP launch"),
+    # A local Ray instance cannot place these: the pool waited start_timeout_s (600 s) after the run dir was
+    # written; nccl on CPU torch was an AttributeError traceback at the pool's build.
+    ({}, ["rollout.backend=ray", "rollout.replicas=4096"], "rollout.replicas",
+     "rollout.replicas=4096 x cpus_per_replica=1, gpus_per_replica=0 (and 0 reward actor(s)) ask a local Ray "
+     "instance for 4096 CPU(s) and 0 GPU(s); this machine has"),
+    ({}, ["rollout.backend=ray", "rollout.gpus_per_replica=1"], "rollout.replicas",
+     "ask a local Ray instance for 1 CPU(s) and 1 GPU(s)"),
+    ({}, ["rollout.backend=ray", "rollout.sync_backend=nccl"], "rollout.sync_backend",
+     "rollout.sync_backend=nccl needs CUDA GPUs (NCCL)"),
 ])
 def test_layouts_that_need_the_launch_to_fit_are_refused_before_the_run_dir(env, overrides, key, reason, tmp_path,
                                                                              capsys, monkeypatch):

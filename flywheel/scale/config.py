@@ -9,6 +9,8 @@ every replica the trainer's weights.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -61,7 +63,29 @@ def ray_launch_problems(cfg: RolloutConfig, world: int) -> list[str]:
     if isinstance(cfg.replicas, int) and cfg.replicas >= 1 and cfg.replicas % world:
         problems.append(f"rollout.replicas={cfg.replicas} must be divisible by the number of trainer processes "
                         f"({world}): each rank drives replicas/world of them")
+    if cfg.sync_backend == "nccl" and not torch.cuda.is_available():
+        problems.append("rollout.sync_backend=nccl needs CUDA GPUs (NCCL) in the trainer and every replica; this "
+                        "machine has none: use object_store (the default) or gloo")
+    problems += _local_ray_resource_problems(cfg)
     return problems
+
+
+def _local_ray_resource_problems(cfg: RolloutConfig) -> list[str]:
+    """A local Ray instance (no rollout.address, none started in this process) has this machine's CPUs and
+    GPUs: actors that ask for more are never placed, and the pool waited rollout.start_timeout_s (600 s by
+    default) for them after the run dir was written."""
+    ray = sys.modules.get("ray")
+    if cfg.address is not None or (ray is not None and ray.is_initialized()):
+        return []  # a cluster's resources are its own: the pool's start timeout names what it lacks
+    cpus, gpus = os.cpu_count() or 1, torch.cuda.device_count()
+    want_cpus = cfg.replicas * cfg.cpus_per_replica + cfg.reward_actors * cfg.cpus_per_reward_actor
+    want_gpus = cfg.replicas * cfg.gpus_per_replica + cfg.reward_actors * cfg.gpus_per_reward_actor
+    if want_cpus <= cpus and want_gpus <= gpus:
+        return []
+    return [f"rollout.replicas={cfg.replicas} x cpus_per_replica={cfg.cpus_per_replica:g}, "
+            f"gpus_per_replica={cfg.gpus_per_replica:g} (and {cfg.reward_actors} reward actor(s)) ask a local Ray "
+            f"instance for {want_cpus:g} CPU(s) and {want_gpus:g} GPU(s); this machine has {cpus} and {gpus}: lower "
+            "them, or join a cluster with rollout.address"]
 
 
 def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:
