@@ -82,7 +82,8 @@ class FakeAlgorithm:
 class FakeRun:
     def __init__(self, steps):
         self.cfg = SimpleNamespace(steps=steps, eval=SimpleNamespace(every=100), save_every=2,
-                                   reward=SimpleNamespace(max_masked_steps=5, max_flat_steps=10))
+                                   reward=SimpleNamespace(max_masked_steps=5, max_flat_steps=10),
+                                   train=SimpleNamespace(learning_rate=1e-3, weight_decay=0.0))
         self.policy = SimpleNamespace(named_params=[("w", WEIGHT)])
         self.trainer_state, self.start_step, self.wall_offset, self.is_main = {}, 0, 0.0, False
         self.dir = SimpleNamespace(metrics_path="metrics.jsonl", release=lambda: setattr(self, "released", True))

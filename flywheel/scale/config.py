@@ -60,9 +60,8 @@ def ray_launch_problems(cfg: RolloutConfig, world: int) -> list[str]:
     if world > 1 and cfg.address is None:
         problems.append(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
                         "them: start it with `ray start --head` and set rollout.address=auto")
-    if isinstance(cfg.replicas, int) and cfg.replicas >= 1 and cfg.replicas % world:
-        problems.append(f"rollout.replicas={cfg.replicas} must be divisible by the number of trainer processes "
-                        f"({world}): each rank drives replicas/world of them")
+    if _share_problem(cfg, world):
+        problems.append(_share_problem(cfg, world))
     if cfg.sync_backend == "nccl" and not torch.cuda.is_available():
         problems.append("rollout.sync_backend=nccl needs CUDA GPUs (NCCL) in the trainer and every replica; this "
                         "machine has none: use object_store (the default) or gloo")
@@ -88,11 +87,17 @@ def _local_ray_resource_problems(cfg: RolloutConfig) -> list[str]:
             "them, or join a cluster with rollout.address"]
 
 
+def _share_problem(cfg: RolloutConfig, world: int) -> str | None:
+    if isinstance(cfg.replicas, int) and cfg.replicas >= 1 and cfg.replicas % world:
+        return (f"rollout.replicas={cfg.replicas} must be divisible by the number of trainer processes ({world}): "
+                "each rank drives replicas/world of them")
+    return None
+
+
 def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:
     """How many replicas each trainer rank drives (rank r generates its own rows on its own replicas)."""
-    divisible = [p for p in ray_launch_problems(cfg, world) if p.startswith("rollout.replicas")]
-    if divisible:
-        raise ValueError(divisible[0])
+    if _share_problem(cfg, world):
+        raise ValueError(_share_problem(cfg, world))
     return cfg.replicas // world
 
 
