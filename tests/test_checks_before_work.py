@@ -911,6 +911,11 @@ def test_async_rollouts_on_several_trainer_processes_are_refused_before_the_run_
      "ask a local Ray instance for 1 CPU(s) and 1 GPU(s)"),
     ({}, ["rollout.backend=ray", "rollout.sync_backend=nccl"], "rollout.sync_backend",
      "rollout.sync_backend=nccl needs CUDA GPUs (NCCL)"),
+    # ray.init retried an address nobody serves without end; a malformed one was a ValueError traceback.
+    ({}, ["rollout.backend=ray", "rollout.address=127.0.0.1:1"], "rollout.address",
+     "rollout.address='127.0.0.1:1': nothing answers there"),
+    ({}, ["rollout.backend=ray", "rollout.address=bogus"], "rollout.address",
+     "rollout.address='bogus': must be auto, host:port"),
 ])
 def test_layouts_that_need_the_launch_to_fit_are_refused_before_the_run_dir(env, overrides, key, reason, tmp_path,
                                                                              capsys, monkeypatch):

@@ -18,7 +18,7 @@ from engine import get_card, list_cards
 from flywheel.config.parsing import ConfigError
 from flywheel.prompts import load_prompts
 from flywheel.recipe.preflight import (check_bounds, check_judge_servers, check_minibatches, check_model_path,
-                                      check_workflow_paths,
+                                      check_ray_address, check_workflow_paths,
                                        check_reward_keys, check_rewards, check_run_dir, fsdp_requested,
                                        launch_world_size, remote_prompt_coverage, warn, warn_prompts_per_step)
 from flywheel.runs.compare import format_config_value
@@ -592,6 +592,7 @@ def check_environment(cfg, checks: ConfigChecks) -> None:
     check_run_dir(cfg, checks)
     check_model_path(cfg, checks)
     check_workflow_paths(cfg, checks)
+    check_ray_address(cfg, checks)
     check_rewards(cfg, checks)
     check_judge_servers(cfg, checks)
 

@@ -359,6 +359,34 @@ def check_model_path(cfg, checks: ConfigChecks) -> None:
         checks.fail(f"model.path={cfg.model.path!r} {e}")
 
 
+# Wall-clock bound (s) of the TCP connect to rollout.address at config time.
+RAY_PROBE_S = 3.0
+
+
+def check_ray_address(cfg, checks: ConfigChecks) -> None:
+    """`rollout.address` (Ray: rollout.backend=ray or reward actors) has a form Ray takes, and for host:port
+    something listens there: ray.init retries an address nobody serves without end (seen: 212 s of GCS
+    retries, still going), after the run dir was written."""
+    address = cfg.rollout.address
+    if address is None or (cfg.rollout.backend != "ray" and cfg.rollout.reward_actors == 0):
+        return
+    if address in ("auto", "local"):
+        return
+    import socket
+
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        checks.fail(f"rollout.address={address!r}: must be auto, host:port (a cluster's GCS, e.g. "
+                    "127.0.0.1:6379) or ray://host:port (Ray Client)")
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_PROBE_S).close()
+    except OSError as e:
+        checks.fail(f"rollout.address={address!r}: nothing answers there ({e.strerror or e}); start the cluster "
+                    "with `ray start --head` (then rollout.address=auto), or fix the address")
+
+
 def check_workflow_paths(cfg, checks: ConfigChecks) -> None:
     """`workflow.paths`: each card a workflow runs besides the trained one has a folder that fits it, as
     model.path must for model.card (a card that needs one, none given: said here, not when the first rollout
