@@ -34,7 +34,8 @@ MASKED_STEP = "the rewards masked every sample"
 # A step whose optimizer step changed the weights by rounding at most: its gradient is under AdamW's eps, so a
 # factor in the loss is about zero (an advantage clip, a reward scale, a beta, a LoRA alpha of 1e-30).
 UNMOVED_STEP = (f"its optimizer step moved the weights by under {MIN_RELATIVE_STEP:g} of their size "
-                "(train/update_rel) beyond weight decay: the loss's gradient is under AdamW's eps, so a scale in it is about zero")
+                "(train/update_rel) beyond weight decay: the loss's gradient is under AdamW's eps, so a scale in it "
+                "is about zero")
 
 
 def train(run, rollouts, algorithm: Algorithm) -> dict:
