@@ -60,8 +60,9 @@ def ray_launch_problems(cfg: RolloutConfig, world: int) -> list[str]:
     if world > 1 and cfg.address is None:
         problems.append(f"rollout.backend=ray with {world} trainer processes needs one Ray cluster for all of "
                         "them: start it with `ray start --head` and set rollout.address=auto")
-    if _share_problem(cfg, world):
-        problems.append(_share_problem(cfg, world))
+    share = _share_problem(cfg, world)
+    if share:
+        problems.append(share)
     if cfg.sync_backend == "nccl" and not torch.cuda.is_available():
         problems.append("rollout.sync_backend=nccl needs CUDA GPUs (NCCL) in the trainer and every replica; this "
                         "machine has none: use object_store (the default) or gloo")
@@ -96,8 +97,9 @@ def _share_problem(cfg: RolloutConfig, world: int) -> str | None:
 
 def replicas_of_rank(cfg: RolloutConfig, world: int) -> int:
     """How many replicas each trainer rank drives (rank r generates its own rows on its own replicas)."""
-    if _share_problem(cfg, world):
-        raise ValueError(_share_problem(cfg, world))
+    share = _share_problem(cfg, world)
+    if share:
+        raise ValueError(share)
     return cfg.replicas // world
 
 
