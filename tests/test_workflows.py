@@ -13,7 +13,7 @@ from PIL import Image
 
 from engine import AsyncEngine, Engine, GenerationRequest, UnknownCardError
 from engine.serve import build_app
-from engine.workflows import (FromImage, FromText, MissingCardsError, Stage, Workflow, WorkflowCycleError,
+from engine.workflows import (FirstFrame, FromImage, FromText, MissingCardsError, Stage, Workflow, WorkflowCycleError,
                               WorkflowError, WorkflowRegistry, WorkflowRunner, default_registry)
 
 PROMPTS = ["a photo of the digit 3", "a photo of the digit 7"]
@@ -30,8 +30,10 @@ def requests(workflow="toy.digits_then_refine", sampler="ode", seeds=(1, 2), **k
 
 
 def builder(workflow_id, *targets):
-    """A builder of a workflow whose stages run `targets` in order (text first, then image-to-image)."""
-    stages = tuple(Stage(f"s{i}", t, FromImage(0.5) if i else FromText()) for i, t in enumerate(targets))
+    """A builder of a workflow whose stages run `targets` in order (text first, then image-to-image on a card;
+    a nested workflow, dotted, takes no input)."""
+    stages = tuple(Stage(f"s{i}", t, FromImage(0.5) if i and "." not in t else FromText())
+                   for i, t in enumerate(targets))
     return lambda: Workflow(workflow_id, "test", stages)
 
 
@@ -105,6 +107,33 @@ def test_cycles_are_refused_at_registration_directly_and_through_nesting():
     with pytest.raises(WorkflowCycleError, match="t.b -> t.c -> t.a -> t.b"):
         registry.register("t.b", builder("t.b", "toy-digits", "t.c"), replace=True)
     assert registry.get("t.b").requires == ("toy-digits",)
+
+
+@pytest.mark.parametrize("stages, message", [
+    ((Stage("s0", "toy-digits", FromImage(0.5)),), r"stage 's0' runs first.*must be FromText\(\)"),
+    ((Stage("s0", "toy-digits", "text"),), r"has input 'text'; valid: FromText\(\), FromImage"),
+    ((Stage("s0", "toy-digits", FromText(), {"stpes": 4}),), r"unknown request field 'stpes'; valid: .*steps"),
+    ((Stage("s0", "toy-digits", FromText(), {"card": "sd3"}),), r"overrides 'card', which the runner sets"),
+    ((Stage("s0", "toy-digits", FromText(), {"sampler": "sdx"}),), r"overrides that no request takes: .*sdx"),
+    ((Stage("s0", "toy-digits"), Stage("s1", "toy-digits", FirstFrame())), r"'toy-digits' takes no first frame"),
+    ((Stage("s0", "wan2.1-i2v"),), r"'wan2.1-i2v' needs a conditioning image.*FirstFrame\(\)"),
+    ((Stage("s0", "toy-digits"), Stage("a.b", "toy-digits", FromImage(0.5))), r"stage name 'a.b' must be"),
+    ((Stage("", "toy-digits"),), r"stage name '' must be"),
+    ((Stage("s0", "t.inner", FromText(), {"steps": 4}),), r"runs workflow 't.inner', which takes no input"),
+    ((Stage("s0", "toy-digits"), Stage("s1", "t.inner", FromImage(0.5))), r"runs workflow 't.inner'"),
+])
+def test_a_stage_that_cannot_run_as_defined_is_refused_at_registration_naming_it(stages, message):
+    """Each of these used to register and then fail at run time (a TypeError from replace(), a card's refusal)
+    or, for a dotted name, silently lose a stage's intermediate under a nested stage's path."""
+    registry = WorkflowRegistry(cards=lambda: ["toy-digits", "wan2.1-i2v"])
+    registry.register("t.inner", builder("t.inner", "toy-digits"))
+    with pytest.raises(WorkflowError, match=message):
+        registry.register("t.bad", lambda: Workflow("t.bad", "test", stages))
+    assert "t.bad" not in registry.ids()
+    # The same stages with the fault taken out register: the checks refuse the fault, not the shape.
+    registry.register("t.good", lambda: Workflow("t.good", "test", (
+        Stage("s0", "toy-digits", FromText(), {"steps": 4, "sampler": "ode", "noise_level": None}),
+        Stage("s1", "t.inner"), Stage("s2", "wan2.1-i2v", FirstFrame()))))
 
 
 def test_a_workflow_that_runs_itself_at_run_time_is_caught(engine):

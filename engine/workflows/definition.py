@@ -13,7 +13,13 @@ Workflow), so adding a pipeline is one line of `CATALOG`. Registration fails
 fast: the id must be dotted and not a card id, every stage target must be a
 registered card or an already registered workflow, and no workflow may reach
 itself through its stages (a direct cycle or one through nesting, which
-re-registering with `replace=True` could create). A builder is called again
+re-registering with `replace=True` could create). Each stage is checked as
+well: a plain name (a dot would collide with a nested stage's dotted path), an
+input of the three kinds, a first stage that generates from text, override
+fields a request has and the runner does not set itself, an image-to-video
+input only into a card that takes first frames (and such a card only from
+one), and no input or overrides on a stage that runs a workflow (the nested
+workflow's own stages say those). A builder is called again
 whenever the workflow is looked up, so one that changes its answer after
 registration is caught at run time by the runner's re-entry guard
 (engine.workflows.runner).
@@ -28,6 +34,10 @@ from typing import Callable
 from engine.cards import list_cards
 
 WORKFLOW_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)+$")
+STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+# Request fields the runner sets on a stage's requests itself: the card from the stage's target, the first frame
+# from the previous stage's images, the start step from the stage's FromImage strength.
+RUNNER_FIELDS = ("card", "image", "start_step")
 
 
 class WorkflowError(ValueError):
@@ -178,13 +188,14 @@ class WorkflowRegistry:
         if not names or len(set(names)) != len(names):
             raise WorkflowError(f"workflow {workflow_id!r} needs at least one stage and unique stage names, "
                                 f"got {names}")
-        for stage in workflow.stages:
+        for index, stage in enumerate(workflow.stages):
             if stage.target == workflow_id:
                 raise WorkflowCycleError(f"workflow {workflow_id!r}: stage {stage.name!r} runs the workflow itself")
             if stage.target not in cards and stage.target not in self._builders:
                 raise WorkflowError(f"workflow {workflow_id!r}: stage {stage.name!r} targets {stage.target!r}, "
                                     f"which is neither a card nor a registered workflow; cards: "
                                     f"{', '.join(sorted(cards))}; workflows: {', '.join(self.ids()) or '(none)'}")
+            check_stage(workflow_id, stage, first=index == 0, nested=stage.target in self._builders)
         for stage in workflow.stages:
             if stage.target in self._builders:
                 path = self._path_to(stage.target, workflow_id, [workflow_id, stage.target])
@@ -216,6 +227,66 @@ class WorkflowRegistry:
                 found = self._path_to(stage.target, goal, path + [stage.target])
                 if found:
                     return found
+        return None
+
+
+def check_stage(workflow_id: str, stage: Stage, first: bool, nested: bool) -> None:
+    """WorkflowError naming what is wrong with `stage` as defined (registration; no card is loaded)."""
+    where = f"workflow {workflow_id!r}: stage {stage.name!r}"
+    if not isinstance(stage.name, str) or not STAGE_NAME.match(stage.name):
+        raise WorkflowError(f"workflow {workflow_id!r}: stage name {stage.name!r} must be letters, digits, '_' or "
+                            f"'-' (no dot: a nested stage's results are keyed by the dotted path 'stage.inner')")
+    if not isinstance(stage.input, (FromText, FromImage, FirstFrame)):
+        raise WorkflowError(f"{where} has input {stage.input!r}; valid: FromText(), FromImage(strength), "
+                            f"FirstFrame()")
+    if not isinstance(stage.overrides, dict):
+        raise WorkflowError(f"{where} has overrides {stage.overrides!r}; valid: a dict of request fields")
+    if nested:
+        # The nested workflow's first stage generates from text and sets its own fields: these would be ignored.
+        if not isinstance(stage.input, FromText) or stage.overrides:
+            raise WorkflowError(f"{where} runs workflow {stage.target!r}, which takes no input or overrides "
+                                f"(got input {stage.input.kind!r}, overrides {sorted(stage.overrides)}); set them "
+                                f"on {stage.target!r}'s own stages")
+        return
+    if first and not isinstance(stage.input, FromText):
+        raise WorkflowError(f"{where} runs first, so it cannot start from a previous stage's images "
+                            f"(input {stage.input.kind!r}); the first stage must be FromText()")
+    _check_overrides(where, stage.overrides)
+    conditioned = _image_conditioned(stage.target)
+    if conditioned is False and isinstance(stage.input, FirstFrame):
+        raise WorkflowError(f"{where}: card {stage.target!r} takes no first frame, so FirstFrame() cannot feed it; "
+                            f"use FromImage(strength) to refine the images, or an image-conditioned card")
+    if conditioned and not isinstance(stage.input, FirstFrame):
+        raise WorkflowError(f"{where}: card {stage.target!r} needs a conditioning image on every request, so its "
+                            f"input must be FirstFrame() (got {stage.input.kind!r})")
+
+
+def _check_overrides(where: str, overrides: dict) -> None:
+    from dataclasses import fields, replace
+
+    from engine.types import GenerationRequest, overlay_request_fields
+
+    valid = sorted(f.name for f in fields(GenerationRequest) if f.name not in RUNNER_FIELDS)
+    for name in overrides:
+        if name in RUNNER_FIELDS:
+            raise WorkflowError(f"{where} overrides {name!r}, which the runner sets from the stage itself "
+                                f"({', '.join(RUNNER_FIELDS)}: its target, its input)")
+        if name not in valid:
+            raise WorkflowError(f"{where} overrides unknown request field {name!r}; valid: {', '.join(valid)}")
+    try:  # the request's own checks on the values (a sampler name, a noise level), before anything runs
+        replace(GenerationRequest(prompt="check", seed=0), **overlay_request_fields({}, overrides))
+    except (TypeError, ValueError) as err:
+        raise WorkflowError(f"{where} has overrides that no request takes: {err}") from None
+
+
+def _image_conditioned(target: str) -> bool | None:
+    """Whether a registered card needs a conditioning image per request (its defaults say); None for an id the
+    card registry does not hold (a registry checked against other ids, as in tests)."""
+    from engine.cards import get_card
+
+    try:
+        return bool(get_card(target).defaults.get("image_conditioned", False))
+    except KeyError:
         return None
 
 
