@@ -238,3 +238,28 @@ def test_a_prompts_file_whose_text_changed_at_the_same_count_is_refused_on_resum
     prompts.write_text(prompts.read_text().replace("a handwritten 8", "a handwritten 3"))  # put back: resumes
     grpo([f"resume={run}", *TINY, "steps=3"])
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("file, edit, message", [
+    ("trainer_state.json", lambda s: {**s, "weight_version": -5},
+     r"trainer_state\.json has weight_version=-5; valid: a whole number from 0 to the checkpoint's step 1"),
+    ("trainer_state.json", lambda s: {**s, "skipped_steps": "2"}, r"has skipped_steps='2'; valid"),
+    ("trainer_state.json", lambda s: {k: v for k, v in s.items() if k != "weight_version"},
+     r"has no 'weight_version'"),
+    ("rng.json", lambda s: {**s, "python": {**s["python"], "state": s["python"]["state"][:5]}},
+     r"rng\.safetensors / rng\.json hold no valid RNG state \(ValueError: state vector is the wrong size\)"),
+    ("rng.json", lambda s: {**s, "numpy": {**s["numpy"], "keys": [-1]}}, r"hold no valid RNG state \(OverflowError"),
+])
+def test_a_hand_edited_checkpoint_whose_checksums_were_fixed_is_refused_naming_the_value(run, file, edit, message):
+    """A tamperer who also re-hashes the manifest gets past verify_checkpoint: the values themselves are checked
+    (a weight version of -5 used to be taken and stamped on every output; a bad rng.json was a TypeError)."""
+    from test_checkpoint import rewrite_manifest
+
+    ckpt = run / "checkpoints" / "step_000001"
+    path = ckpt / file
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    rewrite_manifest(ckpt)
+    before = {k: v for k, v in tree_hashes(run).items() if k != ".flywheel.lock"}
+    with pytest.raises(ResumeError, match=message):
+        grpo([f"resume={run}", "steps=2"])
+    assert {k: v for k, v in tree_hashes(run).items() if k != ".flywheel.lock"} == before

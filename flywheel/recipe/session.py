@@ -51,8 +51,9 @@ from flywheel.recipe.policy import (AdapterOffVelocity, Policy, build_policy, fs
                                     fsdp_optimizer_state, load_fsdp_optimizer_state, make_optimizer, uses_fsdp)
 from flywheel.recipe.rollouts import Rollouts
 from flywheel.config.sections import eval_request_kwargs
-from flywheel.runs.checkpoint import (MODEL_FILE, CheckpointError, check_optimizer_names, load_checkpoint, load_trainable,
-                                      read_optimizer_state, save_checkpoint, set_aside_checkpoints_after)
+from flywheel.runs.checkpoint import (MODEL_FILE, TRAINER_STATE_FILE, CheckpointError, check_optimizer_names,
+                                      load_checkpoint, load_trainable, read_optimizer_state, save_checkpoint,
+                                      set_aside_checkpoints_after)
 from flywheel.config.parsing import config_to_dict, save_config
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import (ABANDONED_DIRNAME, RUN_INFO_FILENAME, RunDir, RunDirInUseError,
@@ -70,6 +71,26 @@ EMA_TENSOR_PREFIX = "ema/"
 
 # Row keys whose mean must be finite: a NaN there stops the run at its step.
 FINITE_KEYS = ("loss", "kl", "ref_mse")
+
+# The training loop's counters in trainer_state.json: each a whole number from 0 to the checkpoint's step
+# (the weight version moves at most once a step, and so does each count). A value outside that range was
+# written by hand, and a resume would carry it into every output's weight-version stamp.
+LOOP_COUNTERS = ("weight_version", "skipped_steps", "masked_run", "flat_run")
+
+
+def check_loop_state(trainer_state: dict) -> None:
+    """ValueError naming the first counter of `trainer_state` that no run of this library could have saved."""
+    step = trainer_state["step"]
+    if "weight_version" not in trainer_state:
+        raise ValueError(f"{TRAINER_STATE_FILE} has no 'weight_version'; a checkpoint this library wrote has one")
+    for name in LOOP_COUNTERS:
+        value = trainer_state.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= step:
+            raise ValueError(f"{TRAINER_STATE_FILE} has {name}={value!r}; valid: a whole number from 0 to the "
+                             f"checkpoint's step {step}")
+    position = trainer_state.get("data_position", 0)
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"{TRAINER_STATE_FILE} has data_position={position!r}; valid: a whole number >= 0")
 
 
 class RecipeRun:
@@ -165,6 +186,7 @@ class RecipeRun:
                                                    named_params=policy.named_params, checksums=False)
             trained = {k: v for k, v in state.items() if not k.startswith((RECIPE_TENSOR_PREFIX, EMA_TENSOR_PREFIX))}
             load_trainable(policy.named_params, trained, cfg.resume)  # strict: every trained tensor, nothing else
+            check_loop_state(trainer_state)
             if sharded:  # the whole state, by name, for `prepare` to load into this rank's shards
                 self._optimizer_state_to_shard = read_optimizer_state(cfg.resume)
                 check_optimizer_names(cfg.resume, self._optimizer_state_to_shard,

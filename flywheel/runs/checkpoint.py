@@ -382,17 +382,31 @@ def _rng_files() -> tuple[dict[str, torch.Tensor], dict]:
 def _restore_rng(ckpt_dir: Path) -> None:
     tensors = _load_tensors(ckpt_dir, RNG_TENSORS_FILE)
     meta = _read_json(ckpt_dir, RNG_FILE)
+    # Every state is parsed and tried on a throwaway generator first: a bad value (a hand-edited rng.json) is
+    # one CheckpointError naming the file, and no global generator is left half restored.
+    try:
+        torch.Generator().set_state(tensors["torch_cpu"])
+        py = meta["python"]
+        python_state = (py["version"], tuple(py["state"]), py["gauss_next"])
+        if not (python_state[2] is None or isinstance(python_state[2], float)):  # setstate takes any object
+            raise TypeError(f"python gauss_next {python_state[2]!r} is neither null nor a number")
+        random.Random().setstate(python_state)
+        npy = meta["numpy"]
+        numpy_state = (npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
+                       npy["has_gauss"], npy["cached_gaussian"])
+        np.random.RandomState().set_state(numpy_state)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise CheckpointError(f"{ckpt_dir}: {RNG_TENSORS_FILE} / {RNG_FILE} hold no valid RNG state "
+                              f"({type(err).__name__}: {err}); a checkpoint this library wrote always does: "
+                              f"resume from another checkpoint") from None
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["torch_cuda"], torch.cuda.current_device())
         else:
             warnings.warn(f"checkpoint {ckpt_dir} has a CUDA RNG state but CUDA is not available; not restored")
-    py = meta["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    npy = meta["numpy"]
-    np.random.set_state((npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached_gaussian"]))
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
 
 
 # ---------------------------------------------------------------------------
