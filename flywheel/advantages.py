@@ -30,24 +30,26 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torc
     of the loss's denominator (Flow-GRPO drops zero-advantage samples the same
     way). `usable` marks the samples that carry a training signal.
     """
-    rewards = rewards.float()
+    # Float64 statistics: the sums and squares of finite float32 rewards near its limit (3.4e38) overflow in
+    # float32, which turned every advantage NaN and stopped the run at "the gradient norm is nan".
+    rewards = rewards.double()
     if valid is None:
         valid = torch.isfinite(rewards)
     valid = valid & torch.isfinite(rewards)
     r = torch.where(valid, rewards, torch.zeros_like(rewards))
     _, group = torch.unique(group_ids, return_inverse=True)
     n_groups = int(group.max()) + 1 if group.numel() else 0
-    w = valid.float()
-    count = torch.zeros(n_groups, device=r.device).index_add_(0, group, w)
-    total = torch.zeros(n_groups, device=r.device).index_add_(0, group, r)
+    w = valid.double()
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, w)
+    total = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, r)
     mean = total / count.clamp(min=1)
     if global_std:
         n_valid = w.sum().clamp(min=1)
         std = torch.sqrt((w * (r - (w * r).sum() / n_valid) ** 2).sum() / n_valid).expand(n_groups)
     else:
-        sq = torch.zeros(n_groups, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
+        sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
         std = torch.sqrt(sq / count.clamp(min=1))
-    adv = (r - mean[group]) / (std[group] + eps)
+    adv = ((r - mean[group]) / (std[group] + eps)).float()
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     usable = valid & group_has_spread(r, group, valid, n_groups)
@@ -57,7 +59,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torc
 
 def group_has_spread(rewards: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Per sample [N]: whether the valid rewards of its group (dense ids in [0, n_groups)) are not all equal."""
-    inf = torch.full((n_groups,), float("inf"), device=rewards.device)
+    inf = torch.full((n_groups,), float("inf"), dtype=rewards.dtype, device=rewards.device)
     low = inf.scatter_reduce(0, group, torch.where(valid, rewards, inf[group]), "amin")
     high = (-inf).scatter_reduce(0, group, torch.where(valid, rewards, -inf[group]), "amax")
     return (high > low)[group]

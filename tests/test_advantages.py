@@ -29,6 +29,22 @@ def test_group_advantages_match_a_direct_computation():
     assert usable.all()
 
 
+def test_finite_rewards_near_float32s_limit_give_the_advantages_of_any_scale():
+    """Group statistics in float64: rewards up to 1.2e38 are finite float32, but their squared deviations are
+    not, and in float32 every advantage came out NaN (the run then stopped on "the gradient norm is nan")."""
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0, 2.0, 2.0, 5.0, 7.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    huge = base * 3e37
+    assert torch.isfinite(huge).all()
+    adv, usable = group_advantages(huge, groups)
+    # (r - mean) / std in each group: group 0 is [-3, -1, 1, 3] / sqrt(5), group 1 [-2, -2, 1, 3] / sqrt(4.5).
+    expected = torch.tensor([-3, -1, 1, 3, -2, -2, 1, 3]) / torch.tensor([5.0] * 4 + [4.5] * 4).sqrt()
+    torch.testing.assert_close(adv, expected)
+    assert adv.dtype == torch.float32 and usable.all()
+    adv_global, _ = group_advantages(huge, groups, global_std=True)
+    assert torch.isfinite(adv_global).all()
+
+
 def test_masked_samples_are_left_out_and_empty_groups_dropped():
     rewards = torch.tensor([1.0, float("nan"), 3.0, 5.0, 7.0, float("nan"), float("nan")])
     groups = torch.tensor([0, 0, 0, 1, 1, 2, 2])

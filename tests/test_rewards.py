@@ -171,6 +171,19 @@ def test_finite_scores_whose_weighted_total_overflows_are_masked(fakes, caplog):
     assert "reward total of row(s) [0, 2] is not finite" in caplog.text
 
 
+def test_reward_metrics_of_finite_scores_near_float32s_limit_are_finite(fakes):
+    """The mean of [3e38, 3e38] is 3e38, but its float32 sum is inf: an inf eval/reward/mean stopped the run and
+    blamed masked samples, though none was masked."""
+    register("test_near_limit", lambda: FakeScorer("test_near_limit", lambda b: torch.full((b,), 3e38)))
+    try:
+        batch = RewardSet("test_near_limit:1").score(_images(), ["p"] * 4, None, weight_version=0)
+    finally:
+        unregister("test_near_limit")
+    m = batch.metrics()
+    assert batch.valid.all() and m["reward/invalid"] == 0
+    assert m["reward/mean"] == pytest.approx(3e38, rel=1e-6) and m["reward/std"] == 0.0
+
+
 def test_raising_scorer_masks_its_rows_and_keeps_the_error(fakes, caplog):
     rs = RewardSet({"test_ramp": 1.0, "test_raises": 0.1})
     with caplog.at_level(logging.WARNING, logger="rewards.combine"):
