@@ -924,7 +924,32 @@ def test_layouts_that_need_the_launch_to_fit_are_refused_before_the_run_dir(env,
     run_dir = tmp_path / "run"
     message, _ = refused([f"run_dir={run_dir}", *FAST, *overrides], capsys)
     assert_nothing_written(run_dir)
-    assert_last_line_names(message, key)
+    # The line that gives the reason names the key (rollout.address=auto adds its own line where no cluster runs).
+    said = [line for line in message.splitlines() if reason in line]
+    assert said, message
+    assert_last_line_names(said[0], key)
+
+
+@pytest.mark.parametrize("discovered, reason", [
+    (None, "rollout.address='auto': no running Ray cluster on this machine (no RAY_ADDRESS, no cluster from `ray "
+           "start`); start one with `ray start --head`"),
+    ("127.0.0.1:1", "rollout.address='auto' (Ray found 127.0.0.1:1): nothing answers there"),  # a stale record
+])
+def test_rollout_address_auto_with_no_cluster_to_join_is_refused_before_the_run_dir(discovered, reason, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """ray.init(address="auto") with no cluster was a ConnectionError traceback at the pool's build, after the
+    run dir was written. Ray's discovery is made to see only `discovered`: another test may run a cluster on
+    this machine at the same time."""
+    import ray._private.services as ray_services
+    import ray._private.utils as ray_utils
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr(ray_utils, "read_ray_address", lambda temp_dir=None: discovered)
+    run_dir = tmp_path / "run"
+    message, _ = refused([f"run_dir={run_dir}", *FAST, "rollout.backend=ray", "rollout.address=auto"], capsys)
+    assert_nothing_written(run_dir)
+    assert_last_line_names(message, "rollout.address")
     assert reason in message.splitlines()[-1], message
 
 

@@ -370,21 +370,46 @@ def check_ray_address(cfg, checks: ConfigChecks) -> None:
     address = cfg.rollout.address
     if address is None or (cfg.rollout.backend != "ray" and cfg.rollout.reward_actors == 0):
         return
-    if address in ("auto", "local"):
+    if address == "local":
         return
     import socket
 
-    hostport = address.removeprefix("ray://")
-    host, sep, port = hostport.rpartition(":")
+    if address == "auto":
+        found = _running_ray_cluster()
+        if found is None:
+            checks.fail("rollout.address='auto': no running Ray cluster on this machine (no RAY_ADDRESS, no cluster "
+                        "from `ray start`); start one with `ray start --head`, give its host:port, or leave "
+                        "rollout.address unset for a local Ray instance")
+            return
+        if found == "auto":  # Ray could not tell (its discovery moved): ray.init says
+            return
+        shown, address = f"'auto' (Ray found {found})", found
+    else:
+        shown = repr(address)
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        checks.fail(f"rollout.address={address!r}: must be auto, host:port (a cluster's GCS, e.g. "
+        checks.fail(f"rollout.address={shown}: must be auto, host:port (a cluster's GCS, e.g. "
                     "127.0.0.1:6379) or ray://host:port (Ray Client)")
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_PROBE_S).close()
     except OSError as e:
-        checks.fail(f"rollout.address={address!r}: nothing answers there ({e.strerror or e}); start the cluster "
+        checks.fail(f"rollout.address={shown}: nothing answers there ({e.strerror or e}); start the cluster "
                     "with `ray start --head` (then rollout.address=auto), or fix the address")
+
+
+def _running_ray_cluster() -> str | None:
+    """The address `ray.init(address="auto")` would join (RAY_ADDRESS, the latest `ray start`, a GCS process
+    of this machine), None if there is none (ray.init would raise ConnectionError at the pool's build), or
+    "auto" if this Ray has no such lookup."""
+    try:
+        from ray._private.services import get_ray_address_from_environment  # Ray's own lookup, ray 2.x
+    except ImportError:
+        return "auto"
+    try:
+        return get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        return None
 
 
 def check_workflow_paths(cfg, checks: ConfigChecks) -> None:
