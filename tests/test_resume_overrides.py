@@ -84,7 +84,11 @@ def test_resuming_a_finished_run_says_it_trained_nothing_and_reports_the_runs_fi
     first = grpo([f"run_dir={run_dir}", *TINY, "steps=2", "eval.every=2", "save_every=1"])
     capsys.readouterr()
     again = grpo([f"resume={run_dir}", "steps=2"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # The checkpoint it continues is named (resume= gave the run dir: its newest complete checkpoint).
+    assert (f"resume: continuing from {run_dir / 'checkpoints' / 'step_000002'} (step 2, weight version 2) to "
+            f"step 2") in captured.err
     assert "resume at step 2: the run already has its 2 steps, so this session trained nothing; give steps > 2" in out
     assert again["final"]["eval/reward/mean"] == first["final"]["eval/reward/mean"]  # not NaN
     assert f"final {first['final']['eval/reward/mean']:.3f}" in out

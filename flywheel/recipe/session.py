@@ -88,9 +88,7 @@ def check_loop_state(trainer_state: dict) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= step:
             raise ValueError(f"{TRAINER_STATE_FILE} has {name}={value!r}; valid: a whole number from 0 to the "
                              f"checkpoint's step {step}")
-    position = trainer_state.get("data_position", 0)
-    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-        raise ValueError(f"{TRAINER_STATE_FILE} has data_position={position!r}; valid: a whole number >= 0")
+    # data_position is checked against the prompt sampler's own position for the step, in begin().
 
 
 class RecipeRun:
@@ -210,6 +208,10 @@ class RecipeRun:
         a metrics file that cannot be read is refused before anything changes), the changed keys recorded, the
         wall clock continued."""
         cfg = self.cfg
+        # Which checkpoint this session continues, said once its checks passed (the run dir's newest complete
+        # one, or the one resume= named): a resume that picked an older one than expected is seen at once.
+        print(f"resume: continuing from {cfg.resume} (step {self.start_step}, weight version {self.version}) "
+              f"to step {cfg.steps}", file=sys.stderr, flush=True)
         try:
             self.dir.metrics.truncate_after(self.start_step)  # rows a killed run wrote after its last checkpoint
         except ValueError as e:
