@@ -40,7 +40,14 @@ def parse_args(card: str, argv: list[str] | None = None) -> tuple[str, PretrainA
             parser.add_argument(flag, type=type(default), default=default)
     values = vars(parser.parse_args(argv))
     values.pop("card")
-    return card, replace(CARD_DEFAULTS[card], **values)
+    args = replace(CARD_DEFAULTS[card], **values)
+    if args.problems():  # usage and one error line naming the flags, exit 2, before anything trains
+        flagged = []
+        for problem in args.problems():  # "label_noise=2.0: ..." -> "--label-noise 2.0: ..."
+            name, rest = problem.split("=", 1)
+            flagged.append(f"--{name.replace('_', '-')} {rest}")
+        parser.error("; ".join(flagged))
+    return card, args
 
 
 def evaluate_base(card: str, weights: Path) -> None:

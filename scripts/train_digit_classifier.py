@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,14 +43,22 @@ def accuracy(model: DigitCNN, x: torch.Tensor, y: torch.Tensor) -> float:
         return (model(x).argmax(-1) == y).float().mean().item()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="seeds the initialisation, shuffling and augmentation")
     parser.add_argument("--epochs", type=int, default=30, help="passes over the train split")
     parser.add_argument("--batch-size", type=int, default=64, help="images per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--out", type=Path, default=WEIGHTS_PATH, help="where to write the safetensors file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    problems = [f"--{name} {getattr(args, name.replace('-', '_'))}: must be a whole number >= 1"
+                for name in ("epochs", "batch-size") if getattr(args, name.replace("-", "_")) < 1]
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        problems.append(f"--lr {args.lr}: must be a finite number > 0")
+    if args.out.is_dir():
+        problems.append(f"--out {args.out} is a directory: give the path of the safetensors file to write")
+    if problems:  # usage and one error line, exit 2, before the epochs run
+        parser.error("; ".join(problems))
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)

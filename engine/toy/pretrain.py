@@ -14,6 +14,7 @@ fixed prompt table that captions it under the noisy labels.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -50,6 +51,27 @@ class PretrainArgs:
     prompt_dropout: float = 0.1  # fraction of prompts replaced by "" so classifier-free guidance works
     threads: int = 2  # torch threads; fixed because results depend on it
     evaluate: bool = True  # the scripts print the base eval reward of the written weights
+
+    def problems(self) -> list[str]:
+        """What no pretraining can run with, one line each (empty when every value is valid)."""
+        found = []
+        for name in ("steps", "batch_size", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                found.append(f"{name}={value!r}: must be a whole number >= 1")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            found.append(f"lr={self.lr!r}: must be a finite number > 0")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            found.append(f"weight_decay={self.weight_decay!r}: must be a finite number >= 0")
+        if not (isinstance(self.label_noise, (int, float)) and 0 <= self.label_noise <= 1):
+            found.append(f"label_noise={self.label_noise!r}: must be in [0, 1] (the fraction of relabelled images)")
+        # 1 would drop every prompt: nothing conditional is learned.
+        if not (isinstance(self.prompt_dropout, (int, float)) and 0 <= self.prompt_dropout < 1):
+            found.append(f"prompt_dropout={self.prompt_dropout!r}: must be in [0, 1)")
+        if Path(self.out).is_dir():
+            found.append(f"out={self.out!r} is a directory: give the path of the safetensors file to write")
+        return found
 
 
 CARD_DEFAULTS = {
@@ -198,6 +220,8 @@ def pretrain(card_id: str, args: PretrainArgs | None = None) -> Path:
         raise ValueError(f"no toy card {card_id!r}; valid: {', '.join(SPECS)}")
     spec = SPECS[card_id]
     args = replace(CARD_DEFAULTS[card_id]) if args is None else args
+    if args.problems():  # before any step: a bad value found after minutes of training loses them
+        raise ValueError(f"pretraining {card_id}: {'; '.join(args.problems())}")
     torch.set_num_threads(args.threads)
     # The backward of a row gather (index_put_ with accumulate) is otherwise
     # nondeterministic across runs on the CPU; the same seed must give the same file.
