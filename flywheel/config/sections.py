@@ -223,7 +223,7 @@ class SamplingConfig:
     sample's SDE step noise stays its own, so the group differs only by the stochastic steps"""
     cache_threshold: float = 0.0
     """training rollouts through the adaptive loop (engine/adaptive.py), as eval.cache_threshold: every step of an
-    ODE rollout (nft, awm, dpo: they train no per-step log-probs), only the ODE steps after the SDE window of a
+    ODE rollout (nft, awm, dpo, draft: they train no per-step log-probs), only the ODE steps after the SDE window of a
     GRPO rollout (its trained steps stay exact); 0 = the plain loop. Metrics rows then carry rollout/model_calls"""
     early_exit: float | None = None
     """training rollouts: stop calling the model for a sample once its predicted image would change by less than
