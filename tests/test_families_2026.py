@@ -387,6 +387,39 @@ def test_nft_lora_run_changes_the_adapter(folders, prompts_file, tmp_path, card)
             "transformer_2_lora_weights.safetensors"]
 
 
+@pytest.mark.parametrize("overrides, frozen, said", [
+    (["model.experts=low"], [0, 1], "model.experts=low: stochastic step(s) 0, 1 of sampling.sde_window=None run "
+                                    "the frozen high-noise expert, which adds their noise with no gradient; set "
+                                    "sampling.sde_window to [2, 4], its steps"),
+    (["model.experts=high", "sampling.sde_window=[1,4]"], [2, 3], "model.experts=high: stochastic step(s) 2, 3 of "
+                                                                  "sampling.sde_window=[1, 4] run the frozen "
+                                                                  "low-noise expert"),
+    (["model.experts=low", "sampling.sde_window=[2,4]"], [], None),  # the trained expert's steps only
+    (["model.experts=high", "sampling.sde_window=[0,2]"], [], None),
+    (["sampling.sde_window=[0,4]"], None, None),  # both experts train (the default)
+])
+def test_sde_steps_on_the_frozen_wan22_expert_are_warned_before_the_run(folders, prompts_file, tmp_path, capsys,
+                                                                        overrides, frozen, said):
+    """A 4-step SDE rollout on the tiny folder (the Euler flow times at shift 12, x 1000: 1000, 961, 861, 126): steps 0-1
+    run the high-noise expert, 2-3 the low-noise one (boundary 875). With one expert trained,
+    an SDE step on the other adds noise and no gradient, which the docs said to avoid but nothing warned of."""
+    from flywheel.recipe.policy import build_policy
+    from flywheel.recipe.preflight import expert_steps
+    from flywheel.runs.config import parse_config
+    from trainers.grpo import Config
+
+    cfg = parse_config(Config, grpo_args("wan2.2-t2v", folders["wan2.2-t2v"], tmp_path / "run", prompts_file,
+                                         *overrides))
+    build_policy(cfg, torch.device("cpu"), reference=False)
+    err = capsys.readouterr().err
+    if said is None:
+        assert "frozen" not in err, err
+    else:
+        assert f"warning: {said}" in err, err
+    steps = expert_steps(load_model("wan2.2-t2v", path=str(folders["wan2.2-t2v"])), cfg.model.experts, cfg.sampling)
+    assert (steps[0] if steps is not None else None) == frozen
+
+
 def test_weight_sync_carries_both_experts(folders):
     """The trained tensors of both experts (`high.*`, `low.*`) load into another engine's copy by name, and it
     then generates what the trainer's model does."""

@@ -27,7 +27,8 @@ import torch
 from engine import get_card, load_model
 from engine.denoise import guided_velocity
 from flywheel.lora import adapters_disabled, add_lora
-from flywheel.recipe.preflight import check_built_model, check_lora_targets, fsdp_requested
+from flywheel.recipe.preflight import (check_built_model, check_lora_targets, fsdp_requested,
+                                      warn_frozen_expert_sde_steps)
 from flywheel.recipe.weight_motion import check_step_size
 from flywheel.config.parsing import ConfigError
 
@@ -160,6 +161,7 @@ def build_policy(cfg, device: torch.device, reference: bool) -> Policy:
                           "schedule (and its shift) from the folder's scheduler config, so this key would be "
                           "ignored; leave it at 1.0 and edit scheduler/scheduler_config.json to change the shift")
     check_built_model(cfg, model)  # the card's size and frame rules, before the run dir is written
+    warn_frozen_expert_sde_steps(cfg, model)
     if cfg.train.gradient_checkpointing:
         if not hasattr(transformer, "enable_gradient_checkpointing"):
             raise ConfigError(f"train.gradient_checkpointing=true: the {mc.card} card's transformer does not "

@@ -473,6 +473,40 @@ def _block_relative(name: str) -> str:
     return ".".join(parts[index + 1:]) if index is not None else name
 
 
+def expert_steps(model, experts: str | None, sampling) -> tuple[list[int], list[int]] | None:
+    """(the stochastic rollout steps that run the expert `experts` leaves frozen, every step of the trained
+    expert) on a two-expert card (wan2.2-t2v: `model.transformer.expert_of`); None for both experts, an ODE
+    rollout or a one-transformer card."""
+    router = getattr(model.transformer, "expert_of", None)
+    if experts not in ("high", "low") or router is None or sampling.sampler == "ode":
+        return None
+    times = model.schedule(sampling.steps, model.latent_shape(sampling.height, sampling.width, sampling.frames))
+    # The forward sees the pipeline's timestep, t x 1000 (engine/families/wan.py).
+    trained = [high == (experts == "high") for high in router(times[:sampling.steps].float() * 1000.0).tolist()]
+    start, end = sampling.sde_window if sampling.sde_window is not None else (0, sampling.steps)
+    return ([i for i in range(start, min(end, sampling.steps)) if not trained[i]],
+            [i for i in range(sampling.steps) if trained[i]])
+
+
+def warn_frozen_expert_sde_steps(cfg, model) -> None:
+    """A warning when SDE steps of the rollout run the expert that does not train: noise with no gradient (the
+    log-prob ratio of those steps is exactly 1), which a config that trains one expert rarely means."""
+    from engine import get_card
+
+    experts = cfg.model.experts or get_card(cfg.model.card).defaults.get("experts")
+    steps = expert_steps(model, experts, cfg.sampling)
+    if steps is None or not steps[0]:
+        return
+    frozen, own = steps
+    other = "high" if experts == "low" else "low"
+    window = None if cfg.sampling.sde_window is None else list(cfg.sampling.sde_window)
+    hint = (f"[{own[0]}, {own[-1] + 1}], its steps" if own else
+            f"a window of its steps; none of the {cfg.sampling.steps} steps runs it, so raise sampling.steps")
+    warn(f"model.experts={experts}: stochastic step(s) {', '.join(map(str, frozen))} of sampling.sde_window={window} "
+         f"run the frozen {other}-noise expert, which adds their noise with no gradient; set sampling.sde_window "
+         f"to {hint}")
+
+
 def check_built_model(cfg, model) -> None:
     """The card's size and frame rules for the rollout and evaluation requests, asked of the loaded model
     (`latent_shape`, which the first rollout would call); a video card whose VAE decodes another number of
