@@ -47,7 +47,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torc
         n_valid = w.sum().clamp(min=1)
         std = torch.sqrt((w * (r - (w * r).sum() / n_valid) ** 2).sum() / n_valid).expand(n_groups)
     else:
-        sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
+        sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group,
+                                                                     w * (r - mean[group]) ** 2)
         std = torch.sqrt(sq / count.clamp(min=1))
     adv = ((r - mean[group]) / (std[group] + eps)).float()
     if clip is not None:

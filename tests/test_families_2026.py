@@ -400,8 +400,8 @@ def test_nft_lora_run_changes_the_adapter(folders, prompts_file, tmp_path, card)
 ])
 def test_sde_steps_on_the_frozen_wan22_expert_are_warned_before_the_run(folders, prompts_file, tmp_path, capsys,
                                                                         overrides, frozen, said):
-    """A 4-step SDE rollout on the tiny folder (the Euler flow times at shift 12, x 1000: 1000, 961, 861, 126): steps 0-1
-    run the high-noise expert, 2-3 the low-noise one (boundary 875). With one expert trained,
+    """A 4-step SDE rollout on the tiny folder (the Euler flow times at shift 12, x 1000: 1000, 961, 861, 126):
+    steps 0-1 run the high-noise expert, 2-3 the low-noise one (boundary 875). With one expert trained,
     an SDE step on the other adds noise and no gradient, which the docs said to avoid but nothing warned of."""
     from flywheel.recipe.policy import build_policy
     from flywheel.recipe.preflight import expert_steps
