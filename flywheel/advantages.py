@@ -30,27 +30,35 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torc
     of the loss's denominator (Flow-GRPO drops zero-advantage samples the same
     way). `usable` marks the samples that carry a training signal.
     """
-    # Float64 statistics: the sums and squares of finite float32 rewards near its limit (3.4e38) overflow in
-    # float32, which turned every advantage NaN and stopped the run at "the gradient norm is nan".
-    rewards = rewards.double()
+    adv, usable = _group_advantages(rewards.float(), group_ids, valid, eps, clip, global_std)
+    if not torch.isfinite(adv).all():
+        # Finite float32 rewards near its limit (3.4e38), whose sums or squares overflow in float32: every
+        # advantage came out NaN and the run stopped at "the gradient norm is nan". Again in float64, only then,
+        # so that every other batch keeps float32's numbers bit for bit.
+        adv, usable = _group_advantages(rewards.double(), group_ids, valid, eps, clip, global_std)
+    return adv.float(), usable
+
+
+def _group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None, eps: float,
+                      clip: float | None, global_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_advantages` in the dtype of `rewards`."""
     if valid is None:
         valid = torch.isfinite(rewards)
     valid = valid & torch.isfinite(rewards)
     r = torch.where(valid, rewards, torch.zeros_like(rewards))
     _, group = torch.unique(group_ids, return_inverse=True)
     n_groups = int(group.max()) + 1 if group.numel() else 0
-    w = valid.double()
-    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, w)
-    total = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group, r)
+    w = valid.to(r.dtype)
+    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, group, w)
+    total = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, group, r)
     mean = total / count.clamp(min=1)
     if global_std:
         n_valid = w.sum().clamp(min=1)
         std = torch.sqrt((w * (r - (w * r).sum() / n_valid) ** 2).sum() / n_valid).expand(n_groups)
     else:
-        sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, group,
-                                                                     w * (r - mean[group]) ** 2)
+        sq = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, group, w * (r - mean[group]) ** 2)
         std = torch.sqrt(sq / count.clamp(min=1))
-    adv = ((r - mean[group]) / (std[group] + eps)).float()
+    adv = (r - mean[group]) / (std[group] + eps)
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     usable = valid & group_has_spread(r, group, valid, n_groups)
