@@ -55,6 +55,7 @@ from flywheel.runs.checkpoint import (MODEL_FILE, TRAINER_STATE_FILE, Checkpoint
                                       load_checkpoint, load_trainable, read_optimizer_state, save_checkpoint,
                                       set_aside_checkpoints_after)
 from flywheel.config.parsing import config_to_dict, save_config
+from flywheel.runs.deferred_signals import signals_deferred
 from flywheel.runs.resume import ResumeError, record_resume, resume_changes
 from flywheel.runs.rundir import (ABANDONED_DIRNAME, RUN_INFO_FILENAME, RunDir, RunDirInUseError,
                                   atomic_write_bytes, atomic_write_text)
@@ -504,11 +505,13 @@ class RecipeRun:
                 tensors.update({RECIPE_TENSOR_PREFIX + k: v.detach() for k, v in recipe_tensors.items()})
                 if self.ema is not None:
                     tensors.update({EMA_TENSOR_PREFIX + k: v for k, v in self.ema.state_dict().items()})
-                save_checkpoint(self.dir.checkpoints_dir, step, tensors,
-                                None if gathered is not None else raw_optimizer,
-                                self.policy.named_params, {"step": step, **trainer_state},
-                                keep_last=self.hacking_stop.keep_last(self.cfg.keep_checkpoints),
-                                optimizer_state=gathered)
+                # A Ctrl-C or SIGTERM here waits for the write: it used to discard the checkpoint half-written.
+                with signals_deferred(f"the checkpoint of step {step}"):
+                    save_checkpoint(self.dir.checkpoints_dir, step, tensors,
+                                    None if gathered is not None else raw_optimizer,
+                                    self.policy.named_params, {"step": step, **trainer_state},
+                                    keep_last=self.hacking_stop.keep_last(self.cfg.keep_checkpoints),
+                                    optimizer_state=gathered)
                 self.hacking_stop.saved(step)
         self.accelerator.wait_for_everyone()
 
