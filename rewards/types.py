@@ -133,10 +133,14 @@ def _mean_std(values: torch.Tensor) -> tuple[float, float]:
     """Mean and population std of a 1-D tensor; NaN for an empty one (no valid rows)."""
     if values.numel() == 0:
         return math.nan, math.nan
-    # correction=0: one valid row has std 0 rather than NaN, which keeps dashboards readable. Float64: the sum
-    # of finite float32 scores near its limit (3.4e38) is inf in float32, and an inf mean stops a run.
-    values = values.double()
-    return values.mean().item(), values.std(correction=0).item()
+    # correction=0: one valid row has std 0 rather than NaN, which keeps dashboards readable.
+    mean, std = values.mean().item(), values.std(correction=0).item()
+    if not (math.isfinite(mean) and math.isfinite(std)) and torch.isfinite(values).all():
+        # Finite float32 scores near its limit (3.4e38) sum to inf in float32, and an inf mean stops a run: again
+        # in float64, only then (every other batch keeps the numbers other float32 sums of it give).
+        values = values.double()
+        mean, std = values.mean().item(), values.std(correction=0).item()
+    return mean, std
 
 
 @dataclass

@@ -246,8 +246,12 @@ def test_a_prompts_file_whose_text_changed_at_the_same_count_is_refused_on_resum
 
 @pytest.mark.parametrize("file, edit, message", [
     ("trainer_state.json", lambda s: {**s, "weight_version": -5},
-     r"trainer_state\.json has weight_version=-5; valid: a whole number from 0 to the checkpoint's step 1"),
+     r"trainer_state\.json has weight_version=-5; valid: a whole number from 0 to 2 \(the checkpoint.s step 1 \+ 1\)"),
+    ("trainer_state.json", lambda s: {**s, "weight_version": 3}, r"has weight_version=3; valid: a whole number "
+                                                                  r"from 0 to 2"),
     ("trainer_state.json", lambda s: {**s, "skipped_steps": "2"}, r"has skipped_steps='2'; valid"),
+    ("trainer_state.json", lambda s: {**s, "masked_run": 2}, r"has masked_run=2; valid: a whole number from 0 to 1 "
+                                                             r"\(the checkpoint's step 1\)"),
     ("trainer_state.json", lambda s: {k: v for k, v in s.items() if k != "weight_version"},
      r"has no 'weight_version'"),
     ("rng.json", lambda s: {**s, "python": {**s["python"], "state": s["python"]["state"][:5]}},

@@ -73,10 +73,11 @@ EMA_TENSOR_PREFIX = "ema/"
 # Row keys whose mean must be finite: a NaN there stops the run at its step.
 FINITE_KEYS = ("loss", "kl", "ref_mse")
 
-# The training loop's counters in trainer_state.json: each a whole number from 0 to the checkpoint's step
-# (the weight version moves at most once a step, and so does each count). A value outside that range was
-# written by hand, and a resume would carry it into every output's weight-version stamp.
-LOOP_COUNTERS = ("weight_version", "skipped_steps", "masked_run", "flat_run")
+# The training loop's counters in trainer_state.json, each a whole number from 0 to at most the checkpoint's
+# step: each count moves at most once a step, and so does the weight version, which may be one ahead (an
+# engine process or a Ray pool starts at version 1, the first sync). A value outside that range was written by
+# hand, and a resume would carry it into every output's weight-version stamp.
+LOOP_COUNTERS = {"weight_version": 1, "skipped_steps": 0, "masked_run": 0, "flat_run": 0}  # name -> past step
 
 
 def check_loop_state(trainer_state: dict) -> None:
@@ -84,11 +85,11 @@ def check_loop_state(trainer_state: dict) -> None:
     step = trainer_state["step"]
     if "weight_version" not in trainer_state:
         raise ValueError(f"{TRAINER_STATE_FILE} has no 'weight_version'; a checkpoint this library wrote has one")
-    for name in LOOP_COUNTERS:
+    for name, ahead in LOOP_COUNTERS.items():
         value = trainer_state.get(name, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= step:
-            raise ValueError(f"{TRAINER_STATE_FILE} has {name}={value!r}; valid: a whole number from 0 to the "
-                             f"checkpoint's step {step}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= step + ahead:
+            raise ValueError(f"{TRAINER_STATE_FILE} has {name}={value!r}; valid: a whole number from 0 to "
+                             f"{step + ahead} (the checkpoint's step {step}{' + 1' if ahead else ''})")
     # data_position is checked against the prompt sampler's own position for the step, in begin().
 
 
