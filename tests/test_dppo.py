@@ -248,7 +248,8 @@ def test_the_shipped_config_gives_the_mask_something_to_act_on():
 
 @pytest.mark.slow
 def test_reward_rises_and_negated_advantages_make_it_fall(tmp_path, monkeypatch):
-    args = ["steps=16", "eval.every=16", "train.kl_beta=0", "train.policy_loss=dppo", "train.minibatch_size=64",
+    # Measured (eval every 4 steps, 2026-12-07): 0.526 -> 0.756 at step 12 (0.818 at 16), negated 0.155.
+    args = ["steps=12", "eval.every=12", "train.kl_beta=0", "train.policy_loss=dppo", "train.minibatch_size=64",
             "train.dppo_kl_threshold=1e-5"]
     real = main([f"run_dir={tmp_path / 'real'}", *QUICK, *args])
     rows = read_metrics(tmp_path / "real" / "metrics.jsonl")
