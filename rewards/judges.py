@@ -29,8 +29,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from sklearn.calibration import CalibratedClassifierCV
-from sklearn.svm import SVC
 
 from rewards.digits import (digit_split, prob_of_prompted, prob_of_prompted_pair, prompted_digits,
                             prompted_number_digits, to_digit_grid, to_digit_halves)
@@ -61,6 +59,11 @@ class DigitJudge:
     name = "digit_judge"
 
     def __init__(self):
+        # Imported here: scikit-learn takes ~1.7 s to import, which every recipe's start (and every config error
+        # it prints) used to pay, judged or not.
+        from sklearn.calibration import CalibratedClassifierCV
+        from sklearn.svm import SVC
+
         x_train, _, y_train, _ = digit_split()
         # SVC(probability=True) is deprecated from scikit-learn 1.9 (removed in 1.11); this is its
         # documented replacement: 5-fold Platt scaling over one SVC refit on all the data.

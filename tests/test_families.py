@@ -98,6 +98,15 @@ def test_family_cards_are_registered_without_importing_diffusers():
     assert out.stdout.strip() == "False"
 
 
+def test_a_recipe_imports_neither_diffusers_nor_scikit_learn_until_it_needs_them():
+    """Both take seconds to import (scikit-learn ~1.7 s, for the toy judges only): a recipe's start, and every
+    config error it prints, used to wait for scikit-learn."""
+    code = ("import sys, trainers.grpo, trainers.nft, trainers.draft; "
+            "print(sorted(m for m in ('diffusers', 'sklearn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_incomplete_folder_is_an_error_listing_what_is_missing(tiny_folders, tmp_path):
     broken = tmp_path / "broken-sd3"
     shutil.copytree(tiny_folders["sd3"], broken)
