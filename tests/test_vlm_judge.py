@@ -191,7 +191,8 @@ GRPO = ["tracker=none", "eval.seeds=1", "train.timestep_fraction=0.5", "save_eve
 @pytest.mark.slow
 def test_vlm_grpo_raises_the_judges_reward_and_the_negated_control_lowers_it(server, tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_VLM_URL", server.base_url)
-    steps = ["steps=20", "eval.every=20"]
+    # Measured (eval every 4 steps of 20, 2026-12-07): 0.367 -> 0.516 at step 12 (0.765 at 20), negated 0.252.
+    steps = ["steps=12", "eval.every=12"]
     real = main([f"run_dir={tmp_path / 'real'}", *GRPO, *steps])
     negate_advantages(monkeypatch)
     control = main([f"run_dir={tmp_path / 'negated'}", *GRPO, *steps])
