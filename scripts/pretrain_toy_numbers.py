@@ -1,6 +1,6 @@
 """Pretrain the `toy-numbers` base model: `scripts/pretrain_toy_digits.py --card toy-numbers`.
 
-    python scripts/pretrain_toy_numbers.py    # engine/toy/weights/toy-numbers.safetensors, ~1 min on one thread
+    python scripts/pretrain_toy_numbers.py    # engine/toy/weights/toy-numbers.safetensors, ~2.5 min on one thread
 """
 
 from __future__ import annotations
