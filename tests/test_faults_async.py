@@ -384,3 +384,27 @@ def test_a_stopped_engine_process_times_out_and_close_still_stops_it():
         if engine.proc.poll() is None:
             engine.proc.kill()
             engine.proc.wait()
+
+
+@pytest.mark.parametrize("argv, key, said", [
+    (["--card", "nope"], "00ff", "--card 'nope' is not a card; valid: flux,"),
+    (["--threads", "0", "--lora-rank", "-1"], "00ff", "--threads 0: must be >= 1; --lora-rank -1: must be >= 0"),
+    (["--port", "70000"], "00ff", "--port 70000: must be <= 65535"),
+    ([], None, "FLYWHEEL_ENGINE_AUTHKEY is not set to a hex key: the trainer that starts this process sets it"),
+    ([], "not-hex", "FLYWHEEL_ENGINE_AUTHKEY is not set to a hex key"),
+])
+def test_the_engine_process_started_by_hand_with_bad_arguments_says_what_is_wrong(argv, key, said, capsys,
+                                                                                monkeypatch):
+    """Run by hand, a bad flag or a missing key used to be a KeyError traceback after the imports (the card) or
+    once serving began (the key)."""
+    from flywheel.sync.engine_process import main
+
+    if key is None:
+        monkeypatch.delenv("FLYWHEEL_ENGINE_AUTHKEY", raising=False)
+    else:
+        monkeypatch.setenv("FLYWHEEL_ENGINE_AUTHKEY", key)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": error: " in last and said in last, last

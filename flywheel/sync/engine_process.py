@@ -509,8 +509,10 @@ def _stop_process(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
         proc.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Serve an engine to a trainer in another process.")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve an engine to a trainer in another process (a recipe with "
+                                                 "rollout.asynchronous=true starts it, with its key in "
+                                                 "FLYWHEEL_ENGINE_AUTHKEY).")
     parser.add_argument("--card", default="toy-digits")
     parser.add_argument("--path", default=None, help="local weights folder of the card")
     parser.add_argument("--device", default="cpu")
@@ -524,7 +526,35 @@ def main() -> None:
     parser.add_argument("--lora-targets", default="", help="comma-separated module names to adapt")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit (unlinking its shared memory) once this process is no longer the parent")
-    serve(parser.parse_args())
+    args = parser.parse_args(argv)
+    problems = _argument_problems(args)
+    if problems:  # usage and one error line, exit 2, before the model loads
+        parser.error("; ".join(problems))
+    serve(args)
+
+
+def _argument_problems(args) -> list[str]:
+    from engine.cards import list_cards
+
+    problems = []
+    key = os.environ.get("FLYWHEEL_ENGINE_AUTHKEY", "")
+    try:
+        bytes.fromhex(key)
+    except ValueError:
+        key = ""
+    if not key:
+        problems.append("FLYWHEEL_ENGINE_AUTHKEY is not set to a hex key: the trainer that starts this process sets "
+                        "it (rollout.asynchronous=true); run a recipe with that, or python -m engine.serve to serve "
+                        "over HTTP")
+    if args.card not in list_cards():
+        problems.append(f"--card {args.card!r} is not a card; valid: {', '.join(list_cards())}")
+    for flag, value, low in (("--threads", args.threads, 1), ("--weight-version", args.weight_version, 0),
+                             ("--lora-rank", args.lora_rank, 0), ("--port", args.port, 0)):
+        if value is not None and value < low:
+            problems.append(f"{flag} {value}: must be >= {low}")
+    if args.port > 65535:
+        problems.append(f"--port {args.port}: must be <= 65535 (0 picks a free one)")
+    return problems
 
 
 if __name__ == "__main__":
